@@ -1,0 +1,36 @@
+"""Shared test fixtures: the app's real defaults and small overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from feddifrc_app.config import Config, load_config, read_app_defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_run_config(**overrides: Any) -> dict[str, Any]:
+    """The flat [tool.flwr.app.config] table of pyproject.toml, with dotted-key overrides.
+
+    Keyword names use '__' for '.' and '_' for '-': dataset__train_limit=64.
+    """
+    cfg = read_app_defaults(ROOT / "pyproject.toml")
+    for k, v in overrides.items():
+        key = k.replace("__", ".").replace("_", "-")
+        assert key in cfg, key
+        cfg[key] = v
+    return cfg
+
+
+def make_config(**overrides: Any) -> Config:
+    return load_config(default_run_config(**overrides))
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path) -> Path:
+    d = tmp_path / "cache"
+    d.mkdir()
+    return d
