@@ -138,6 +138,7 @@ class Config:
     num_server_rounds: int
     fraction_train: float
     fraction_evaluate: float
+    min_nodes: int
     outputs_dir: str  # absolute
     run_name: str
     resume_from: str  # absolute or ""
@@ -276,6 +277,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "num-server-rounds": ("int", (1, None)),
     "fraction-train": ("float", (0.0, 1.0, True, False)),
     "fraction-evaluate": ("float", (0.0, 1.0)),
+    "min-nodes": ("int", (1, None)),
     "outputs-dir": ("path", None),
     "run-name": ("str", None),
     "resume-from": ("path", None),
@@ -403,6 +405,13 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
                     "must contain '{}' where the class name goes")
     if v["dataset.name"] == "image-folder" and not v["dataset.data-dir"]:
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
+    if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
+        raise ConfigError(
+            "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
+            "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
+        )
+    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
+        raise _fail("diffusion.condition", "global-model", "needs a shared basis (not diffusion.projection = 'per-batch')")
     model = v["diffusion.model"].strip()
     if model.startswith(("~", "/", ".")):
         model = _path(model)
@@ -413,6 +422,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
         num_server_rounds=v["num-server-rounds"],
         fraction_train=v["fraction-train"],
         fraction_evaluate=v["fraction-evaluate"],
+        min_nodes=v["min-nodes"],
         outputs_dir=v["outputs-dir"] or _path("~/feddifrc-runs"),
         run_name=v["run-name"].strip(),
         resume_from=v["resume-from"],
@@ -539,7 +549,7 @@ def read_override_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _to_flat(cfg: Config):
     inv = {
         "method": cfg.method, "seed": cfg.seed, "num-server-rounds": cfg.num_server_rounds,
-        "fraction-train": cfg.fraction_train, "fraction-evaluate": cfg.fraction_evaluate,
+        "fraction-train": cfg.fraction_train, "fraction-evaluate": cfg.fraction_evaluate, "min-nodes": cfg.min_nodes,
         "outputs-dir": cfg.outputs_dir, "run-name": cfg.run_name, "resume-from": cfg.resume_from,
         "keep-checkpoints": cfg.keep_checkpoints, "model.name": cfg.model_name,
     }

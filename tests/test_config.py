@@ -1,0 +1,135 @@
+"""load_config: casting, validation messages, every conf/*.toml loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from feddifrc_app.config import (
+    STRATEGIES,
+    ConfigError,
+    load_config,
+    load_node_config,
+    read_override_file,
+)
+
+from conftest import ROOT, default_run_config, make_config
+
+
+def test_defaults_load_and_round_trip():
+    cfg = make_config()
+    assert cfg.method == "feddifrc"
+    assert cfg.strategy.name == "fedavg"
+    assert cfg.diffusion.blocks == (1, 2, 3)
+    assert cfg.diffusion.channels == (256, 128, 128)
+    assert sum(cfg.diffusion.channels) == 512
+    assert Path(cfg.outputs_dir).is_absolute()
+    assert load_config(cfg.to_flat()) == cfg
+
+
+def test_casts_flower_scalars():
+    # Flower does not type-check overrides: 2.0 in an int key, "0.3" in a float key, "true" in a bool.
+    cfg = make_config(num_server_rounds=2.0, partition__alpha="0.3", train__keep_momentum="true",
+                      diffusion__blocks="2, 3", diffusion__channels="256,256")
+    assert cfg.num_server_rounds == 2 and isinstance(cfg.num_server_rounds, int)
+    assert cfg.partition.alpha == pytest.approx(0.3)
+    assert cfg.train.keep_momentum is True
+    assert cfg.diffusion.blocks == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ({"num-server-rounds": 2.5}, "'num-server-rounds' = 2.5 is invalid: expected an integer"),
+        ({"num-server-rounds": 0}, "expected a value in [1, inf]"),
+        ({"train.lr": "fast"}, "'train.lr' = 'fast' is invalid: expected a number"),
+        ({"train.lr": 0.0}, "expected a value in (0, inf]"),
+        ({"fraction-train": 1.5}, "'fraction-train' = 1.5"),
+        ({"train.momentum": 1.0}, "[0, 1)"),
+        ({"train.augment": "maybe"}, "expected true or false"),
+        ({"partition.alpha": float("nan")}, "finite"),
+        ({"diffusion.timestep": 1000}, "[0, 999]"),
+        ({"diffusion.channels": "256,128"}, "same length"),
+        ({"diffusion.channels": "256,128,64"}, "sum to 512"),
+        ({"diffusion.blocks": "1,1,3"}, "distinct"),
+        ({"diffusion.prompt-template": "a photo"}, "'{}'"),
+        ({"dataset.name": "image-folder"}, "dataset.data-dir"),
+        ({"loss.variant": "code", "loss.num-negatives": 3}, "loss.num-negatives"),
+    ],
+)
+def test_bad_values_name_key_value_and_range(override, fragment):
+    raw = default_run_config()
+    raw.update(override)
+    with pytest.raises(ConfigError) as e:
+        load_config(raw)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "valid"),
+    [
+        ("strategy.name", "fedsgd", STRATEGIES),
+        ("dataset.name", "mnist", ("digits", "cifar10", "cifar100", "tiny-imagenet", "image-folder")),
+        ("partition.name", "quantity", ("iid", "dirichlet", "pathological")),
+        ("method", "moon", ("fedavg", "feddifrc", "feddifrc-ssl")),
+    ],
+)
+def test_unknown_names_list_valid_choices(key, value, valid):
+    raw = default_run_config()
+    raw[key] = value
+    with pytest.raises(ConfigError) as e:
+        load_config(raw)
+    msg = str(e.value)
+    assert key in msg and value in msg
+    for name in valid:
+        assert name in msg
+
+
+def test_unknown_and_missing_keys():
+    raw = default_run_config()
+    raw["train.lr-schedule"] = "cosine"
+    with pytest.raises(ConfigError, match="unknown config key.*train.lr-schedule"):
+        load_config(raw)
+    raw = default_run_config()
+    del raw["seed"]
+    with pytest.raises(ConfigError, match="missing config key.*'seed'"):
+        load_config(raw)
+
+
+def test_strings_are_case_insensitive_for_names():
+    assert make_config(strategy__name="FedProx").strategy.name == "fedprox"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.toml")), ids=lambda p: p.name)
+def test_every_conf_file_loads(path):
+    overrides = read_override_file(path)
+    raw = default_run_config()
+    unknown = set(overrides) - set(raw)
+    assert not unknown, f"{path.name} overrides unknown keys {unknown}"
+    raw.update(overrides)
+    load_config(raw)
+
+
+def test_conf_dir_is_not_empty():
+    assert len(list((ROOT / "conf").glob("*.toml"))) >= 10
+
+
+def test_node_config():
+    n = load_node_config({"partition-id": 3, "num-partitions": 10})
+    assert (n.partition_id, n.num_partitions, n.data_dir) == (3, 10, "")
+    assert load_node_config({"data-dir": "/data/site-a", "cache-dir": "/cache"}).data_dir == "/data/site-a"
+    with pytest.raises(ConfigError, match="partition-id"):
+        load_node_config({"partition-id": 10, "num-partitions": 10})
+    with pytest.raises(ConfigError, match="both"):
+        load_node_config({"partition-id": 1})
+    with pytest.raises(ConfigError, match="data-dir"):
+        load_node_config({})
+
+
+def test_cache_dir_precedence(tmp_path):
+    cfg = make_config(diffusion__cache_dir=str(tmp_path / "run"))
+    node = load_node_config({"partition-id": 0, "num-partitions": 1, "cache-dir": str(tmp_path / "node")})
+    assert node.resolve_cache_dir(cfg) == tmp_path / "node"
+    node = load_node_config({"partition-id": 0, "num-partitions": 1})
+    assert node.resolve_cache_dir(cfg) == tmp_path / "run"
