@@ -36,6 +36,7 @@ PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
 LOSS_VARIANTS = ("paper", "code")
 NORMALISERS = ("none", "mean-distance")
+NDCR_SPACES = ("unit", "raw")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -120,6 +121,7 @@ class LossConfig:
     temperature: float
     num_negatives: int
     tdcl_normaliser: str
+    ndcr_space: str
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "loss.temperature": ("float", (0.0, None, True, False)),
     "loss.num-negatives": ("int", (0, None)),
     "loss.tdcl-normaliser": ("choice", NORMALISERS),
+    "loss.ndcr-space": ("choice", NDCR_SPACES),
     "ssl.positive-prompt": ("str", None),
     "ssl.ndcr-prompt": ("str", None),
     "ssl.negatives": ("strlist", None),
@@ -488,6 +491,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
             temperature=v["loss.temperature"],
             num_negatives=v["loss.num-negatives"],
             tdcl_normaliser=v["loss.tdcl-normaliser"],
+            ndcr_space=v["loss.ndcr-space"],
         ),
         ssl=SSLConfig(
             positive_prompt=v["ssl.positive-prompt"],

@@ -167,15 +167,26 @@ def tdcl_paper(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float, n
     return per_sample.mean()
 
 
-def ndcr_paper(z: Tensor, target: Tensor) -> Tensor:
+NDCR_SPACES = ("unit", "raw")
+
+
+def ndcr_paper(z: Tensor, target: Tensor, *, space: str = "raw") -> Tensor:
     """Paper NDCR (METHOD §4): ``mean_i sum_q (z_iq - H_iq)^2``. z, target (B, D) -> scalar.
 
-    ``target`` (the noise-driven representation H) is detached inside.
+    ``space="raw"``: the literal form on the vectors as they are. ``space="unit"`` [A]: both
+    vectors L2-normalised first (= 2 - 2 cos, in [0, 4]). The paper does not say at what scale
+    H lives; raw PCA coordinates of a teacher make the effective NDCR weight depend on that
+    teacher (the embedded tiny one starts at ~56 against CE ~2.3 and stalls CE), while the unit
+    form is scale-free like TDCL's cosine. ``target`` (H) is detached inside.
     """
+    if space not in NDCR_SPACES:
+        raise ValueError(f"unknown NDCR space {space!r}; choices: {', '.join(NDCR_SPACES)}")
     z = z.float()
     target = target.detach().float()
     if z.shape != target.shape or z.dim() != 2:
         raise ValueError(f"z and target must both be (B, D), got {tuple(z.shape)} and {tuple(target.shape)}")
+    if space == "unit":
+        z, target = F.normalize(z, dim=1), F.normalize(target, dim=1)
     return (z - target).pow(2).sum(dim=1).mean()
 
 
@@ -283,7 +294,7 @@ def ndcr_code(z: Tensor, target: Tensor) -> Tensor:
 def feddifrc_loss(logits: Tensor | None, labels: Tensor | None, z: Tensor, reps: Tensor | None,
                   ndcr_target: Tensor | None, *, variant: str, tdcl_weight: float, ndcr_weight: float,
                   temperature: float, num_negatives: int = 0, normaliser: str = "none",
-                  generator: torch.Generator | None = None) -> dict[str, Tensor]:
+                  ndcr_space: str = "raw", generator: torch.Generator | None = None) -> dict[str, Tensor]:
     """The local FedDifRC loss; returns ``{"ce", "tdcl", "ndcr", "total"}`` (0-dim float32).
 
     ``total = ce + tdcl_weight * tdcl + ndcr_weight * ndcr``.
@@ -296,6 +307,7 @@ def feddifrc_loss(logits: Tensor | None, labels: Tensor | None, z: Tensor, reps:
     ndcr_target (B, D): the noise-driven representation H.
     A term whose weight is 0 is NOT computed and is returned as a zero tensor;
     its input may then be None.
+    ndcr_space: "raw" or "unit" (see ``ndcr_paper``; paper variant only).
     variant: "paper" (tdcl_paper / ndcr_paper) or "code" (tdcl_code / ndcr_code;
     the code has no negative sampling or normaliser, so ``num_negatives`` must
     be 0 and ``normaliser`` "none").
@@ -337,7 +349,7 @@ def feddifrc_loss(logits: Tensor | None, labels: Tensor | None, z: Tensor, reps:
     if ndcr_weight > 0:
         if ndcr_target is None:
             raise ValueError("ndcr_weight > 0 needs ndcr_target (B, D)")
-        ndcr = ndcr_paper(zf, ndcr_target) if variant == "paper" else ndcr_code(zf, ndcr_target)
+        ndcr = ndcr_paper(zf, ndcr_target, space=ndcr_space) if variant == "paper" else ndcr_code(zf, ndcr_target)
 
     total = ce
     if tdcl_weight > 0:

@@ -34,3 +34,15 @@ def tmp_cache(tmp_path: Path) -> Path:
     d = tmp_path / "cache"
     d.mkdir()
     return d
+
+
+@pytest.fixture(autouse=True)
+def flower_task_identity():
+    """Flower 1.42 stamps every Message with the process's task identity (set by the
+    SuperExec in real runs); handler tests build real Messages in-process, so set one."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved

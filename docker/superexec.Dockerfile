@@ -1,0 +1,54 @@
+# App image: Flower's official flwr/superexec plus FedDifRC's dependencies. flower-superexec
+# runs the ServerApp (next to the SuperLink) or a node's ClientApps (next to its SuperNode);
+# the app code itself arrives with each run (the FAB), this image only provides the
+# environment. Build from the repository root:
+#
+#   GPU nodes (ClientApp, CUDA torch):
+#     docker build -f docker/superexec.Dockerfile -t feddifrc-superexec:cuda .
+#   ServerApp (CPU torch):
+#     docker build -f docker/superexec.Dockerfile -t feddifrc-superexec:cpu \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#       --build-arg REQUIRE_CUDA_TORCH=0 .
+#
+# TORCH_INDEX_URL picks the torch build: .../whl/cu126 (default), .../whl/cu128, ... must
+# match the GPU hosts' NVIDIA driver (see https://pytorch.org/get-started/locally/).
+ARG FLWR_VERSION=1.42.0
+FROM flwr/superexec:${FLWR_VERSION}
+ARG FLWR_VERSION
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+ARG REQUIRE_CUDA_TORCH=1
+
+# HOME=/app makes the app's "~" defaults (~/.cache/feddifrc, ~/feddifrc-runs) land on the
+# volumes mounted at /app/.cache and /app/feddifrc-runs; HF_HOME keeps SD weights there too.
+ENV HOME=/app \
+    HF_HOME=/app/.cache/huggingface \
+    TORCH_HOME=/app/.cache/torch \
+    FLWR_TELEMETRY_ENABLED=0 \
+    FLWR_DISABLE_UPDATE_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+USER root
+RUN mkdir -p /app/.cache /app/feddifrc-runs /app/data \
+ && chown app:app /app/.cache /app/feddifrc-runs /app/data
+USER app
+WORKDIR /app
+
+# 1. torch + torchvision from PyTorch's index (CUDA or CPU build), checked.
+RUN python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
+      "torch>=2.4" "torchvision>=0.19" \
+ && python -c "import sys, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); \
+sys.exit('a CUDA build of torch was required (REQUIRE_CUDA_TORCH=1), got a CPU build' \
+if '${REQUIRE_CUDA_TORCH}' == '1' and not torch.version.cuda else 0)"
+
+# 2. The app's other dependencies (and its `feddifrc` CLI). flwr is already in the base
+#    image at FLWR_VERSION, so its requirement line is dropped (as in Flower's docs); no -U,
+#    so the torch build from step 1 is kept.
+COPY --chown=app:app pyproject.toml README.md /app/src/
+COPY --chown=app:app feddifrc_app /app/src/feddifrc_app
+RUN sed -i '/"flwr\[simulation\]/d' /app/src/pyproject.toml \
+ && python -m pip install --no-cache-dir /app/src \
+ && python -c "import flwr, torch; \
+assert flwr.__version__ == '${FLWR_VERSION}', ('flwr changed', flwr.__version__); \
+print('flwr', flwr.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+ENTRYPOINT ["flower-superexec"]

@@ -1,0 +1,287 @@
+"""The ``feddifrc`` command (console script): work done outside ``flwr run``.
+
+    feddifrc extract --app . [--run-config conf/X.toml | --run-config "k=v k2=v2"]
+                     [--num-partitions 10] [--partitions 0,3] [--split train,test] [--cache-dir DIR]
+        Fill the teacher-feature cache for a run config ahead of time (a progress bar
+        in images/s). Resumable: the cache is per image and written chunk by chunk,
+        so a killed run continues where it stopped and a finished one recomputes nothing.
+    feddifrc make-tiny [--cache-dir DIR] [--seed 0]
+        Build the embedded tiny RANDOM-weight teacher and print its folder.
+
+Subcommands live in :data:`COMMANDS` (name -> help, argument adder, runner); add a
+row to add one. Heavy modules (torch, diffusers, datasets) are imported inside
+the runners, so ``feddifrc --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from feddifrc_app.config import (
+    DEFAULT_CACHE_DIR,
+    Config,
+    ConfigError,
+    load_config,
+    read_app_defaults,
+    read_override_file,
+)
+
+log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
+
+EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- run config
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = ""):
+    for k, v in table.items():
+        if isinstance(v, Mapping):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def parse_run_config(values: Sequence[str] | None, app_dir: str | Path = ".") -> dict[str, Any]:
+    """Overrides as ``flwr run --run-config`` takes them, flattened to dotted keys.
+
+    ``values``: one ``.toml`` file (a path relative to the current folder or to
+    the app), or any number of strings of space-separated ``key=value`` pairs
+    whose values are TOML (``seed=3 method="fedavg" train.lr=0.1``). Unlike
+    flwr, a bare word that is not valid TOML (``method=fedavg``) is taken as a
+    string. Later pairs win.
+    """
+    out: dict[str, Any] = {}
+    values = [v for v in (values or []) if v and v.strip()]
+    if not values:
+        return out
+    if any(v.strip().endswith(".toml") for v in values):
+        if len(values) != 1:
+            raise CLIError("--run-config: a .toml file cannot be combined with other --run-config values")
+        raw = Path(values[0].strip()).expanduser()
+        candidates = [raw] if raw.is_absolute() else [raw, Path(app_dir) / raw]
+        for path in candidates:
+            if path.is_file():
+                try:
+                    return read_override_file(path)
+                except tomllib.TOMLDecodeError as e:
+                    raise CLIError(f"--run-config: {path} is not valid TOML ({e})") from None
+        looked = ", ".join(map(str, candidates))
+        raise CLIError(f"--run-config: override file {values[0]!r} not found (looked in {looked})")
+    for line in values:
+        rest = _PAIR.sub("", line).strip()
+        if rest:
+            raise CLIError(f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs")
+        for key, val in _PAIR.findall(line):
+            try:
+                parsed = tomllib.loads(f"{key} = {val}")
+            except tomllib.TOMLDecodeError:
+                try:  # a bare string: quote it
+                    parsed = tomllib.loads(f"{key} = {_toml_str(val)}")
+                except tomllib.TOMLDecodeError:
+                    raise CLIError(f"--run-config: bad key {key!r} in {line!r}") from None
+            out.update(_flatten(parsed))
+    return out
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def app_run_config(app: str | Path, overrides: Sequence[str] | None) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of ``app``/pyproject.toml updated with the overrides (flat)."""
+    pyproject = Path(app).expanduser() / "pyproject.toml"
+    if not pyproject.is_file():
+        raise CLIError(f"--app {app}: no pyproject.toml there (pass the Flower app folder)")
+    run_config = read_app_defaults(pyproject)
+    run_config.update(parse_run_config(overrides, app))
+    return run_config
+
+
+def load_app_config(app: str | Path, overrides: Sequence[str] | None) -> Config:
+    try:
+        return load_config(app_run_config(app, overrides))
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+
+
+def resolve_cache_dir(cfg: Config, cli_value: str | None) -> Path:
+    """--cache-dir, else diffusion.cache-dir, else ~/.cache/feddifrc (as a node's cache-dir would)."""
+    raw = cli_value or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR
+    return Path(raw).expanduser().resolve()
+
+
+def _int_list(flag: str, s: str | None) -> list[int] | None:
+    if s is None or not s.strip():
+        return None
+    try:
+        return [int(p) for p in s.split(",") if p.strip()]
+    except ValueError:
+        raise CLIError(f"{flag} {s!r}: expected comma-separated integers, e.g. 0,3") from None
+
+
+def _splits(s: str) -> list[str]:
+    out = [p.strip() for p in s.split(",") if p.strip()]
+    bad = [p for p in out if p not in ("train", "test")]
+    if not out or bad:
+        raise CLIError(f"--split {s!r}: expected train, test or train,test")
+    return list(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------- extract
+
+
+def _add_extract(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
+    p.add_argument("--run-config", action="append", metavar="FILE_OR_PAIRS",
+                   help='overrides, like flwr run: conf/X.toml or "key=value key2=value2" (repeatable)')
+    p.add_argument("--num-partitions", type=int, default=10, help="clients the training set is split into")
+    p.add_argument("--partitions", default=None, help="only these partition ids, e.g. 0,3 (default: all)")
+    p.add_argument("--split", default="train", help="train, test or train,test (test = the whole test set)")
+    p.add_argument("--cache-dir", default=None,
+                   help="node cache folder (default: diffusion.cache-dir or ~/.cache/feddifrc)")
+    p.add_argument("--chunk", type=int, default=EXTRACT_CHUNK, help="images computed between cache writes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _split_ids(cfg: Config, data: Any, split: str, num_partitions: int, wanted: list[int] | None):
+    """Dataset ids to extract: the union of the chosen partitions (train) or everything (test)."""
+    import numpy as np
+
+    n = len(data.labels)
+    if split == "test":
+        return np.arange(n, dtype=np.int64), "all"
+    from feddifrc_app.partition import partition_indices
+
+    parts = partition_indices(
+        np.asarray(data.labels), num_partitions, name=cfg.partition.name, alpha=cfg.partition.alpha,
+        classes_per_client=cfg.partition.classes_per_client, imb_factor=cfg.partition.imb_factor, seed=cfg.seed,
+    )
+    chosen = list(range(num_partitions)) if wanted is None else wanted
+    ids = np.unique(np.concatenate([np.asarray(parts[i], dtype=np.int64) for i in chosen]))
+    return ids, ",".join(map(str, chosen)) if wanted is not None else f"all {num_partitions}"
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    cfg = load_app_config(args.app, args.run_config)
+    if not cfg.uses_diffusion:
+        print(f"method '{cfg.method}' uses no diffusion teacher: nothing to extract")
+        return 0
+    if args.num_partitions < 1:
+        raise CLIError(f"--num-partitions {args.num_partitions}: expected >= 1")
+    wanted = _int_list("--partitions", args.partitions)
+    if wanted is not None and any(not 0 <= i < args.num_partitions for i in wanted):
+        raise CLIError(f"--partitions {args.partitions}: ids must be in 0..{args.num_partitions - 1}")
+    if args.chunk < 1:
+        raise CLIError("--chunk: expected >= 1")
+    splits = _splits(args.split)
+    cache_dir = resolve_cache_dir(cfg, args.cache_dir)
+    d = cfg.diffusion
+    if d.condition != "none":
+        print(f"note: diffusion.condition = '{d.condition}' conditions features on the global model each round; "
+              "extracting the static (unconditioned) features only")
+
+    from feddifrc_app.dataset import load_dataset
+    from feddifrc_app.diffusion.cache import teacher_prompts
+    from feddifrc_app.diffusion.pipeline import TeacherLoadError, resolve_device, resolve_dtype, teacher_identity
+    from feddifrc_app.targets import pooled_features, teacher_key
+
+    try:
+        device = resolve_device(d.device)
+        dtype = resolve_dtype(d.dtype, device)
+        ident = teacher_identity(d.model, cache_dir)  # no network is built for this
+    except TeacherLoadError as e:
+        raise CLIError(str(e)) from None
+    print(f"teacher {ident.model_id} (weights {ident.weights_hash[:12]})"
+          f"{' RANDOM weights: plumbing only' if ident.random_weights else ''}"
+          f" on {device} / {str(dtype).removeprefix('torch.')}; cache {cache_dir / 'features'}")
+    for split in splits:
+        data = load_dataset(cfg.dataset, split, seed=cfg.seed)
+        prompts = teacher_prompts(cfg, data.class_names)
+        ids, which = _split_ids(cfg, data, split, args.num_partitions, wanted)
+        try:
+            # The same keyed, lazily-loading path the ClientApp uses: identical cache keys.
+            _, st = pooled_features(cfg, cache_dir, data, ids, prompts, keep=False,
+                                    progress=not args.no_progress, chunk=args.chunk)
+        except TeacherLoadError as e:
+            raise CLIError(str(e)) from None
+        key, _ = teacher_key(cfg, cache_dir, data, prompts)
+        rate = st.misses / st.extract_seconds if st.extract_seconds > 0 else float("nan")
+        print(f"{data.name}/{split} partitions {which}: {len(ids)} images x {len(prompts)} prompts; "
+              f"already cached {st.hits}, computed {st.misses}"
+              + (f" ({rate:.1f} images/s)" if st.misses else "")
+              + (f", {st.corrupt} invalid shard(s) rebuilt" if st.corrupt else "")
+              + f"; key {key[:16]}")
+    return 0
+
+
+# --------------------------------------------------------------------------- make-tiny
+
+
+def _add_make_tiny(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=None, help=f"cache folder (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (diffusion.model = tiny-seedN)")
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from feddifrc_app.diffusion.pipeline import build_tiny_pipeline, weights_hash
+
+    cache_dir = Path(args.cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+    name = "tiny" if args.seed == 0 else f"tiny-seed{args.seed}"
+    path = build_tiny_pipeline(cache_dir / "models" / f"tiny-seed{args.seed}", seed=args.seed)
+    print(path)
+    print(f"embedded tiny teacher (RANDOM weights, plumbing only), weights {weights_hash(path)[:12]}; "
+          f"used by diffusion.model = \"{name}\" with cache-dir {cache_dir}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+# name -> (help, add arguments, run). The lead adds `report` and `status` here.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "extract": ("fill the teacher-feature cache for a run config (resumable)", _add_extract, cmd_extract),
+    "make-tiny": ("build the embedded tiny random-weight teacher and print its folder", _add_make_tiny, cmd_make_tiny),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="feddifrc", description="FedDifRC tools outside `flwr run`.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, add, run) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        add(sp)
+        sp.set_defaults(func=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"feddifrc {args.command}: interrupted (cached work is kept; rerun to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

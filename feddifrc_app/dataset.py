@@ -1,0 +1,773 @@
+"""Datasets: registry, class names, transforms, loaders, and a flwr-datasets partitioner.
+
+Every dataset is held in memory as ONE uint8 tensor ``(N, 3, S, S)`` at the
+classifier size ``S = cfg.image_size`` plus int64 labels: the same bytes feed the
+classifier (through ``train_transform``/``eval_transform``) and the diffusion
+teacher (which needs the un-augmented image, METHOD §7), and their hash keys the
+feature cache (``ImageData.fingerprint``).
+
+Sources (``load_dataset(cfg, split)``):
+
+- ``digits``: scikit-learn's bundled 1797 8x8 digits (no download). Values 0..16
+  are scaled to 0..255 and upsampled BILINEARLY to S (smooth strokes, closer to
+  natural-image statistics than nearest's 4x4 pixel blocks), grey copied to 3
+  channels. Fixed stratified 80/20 train/test split (seed ``DIGITS_SPLIT_SEED``,
+  independent of the run seed, so the test set never changes).
+- ``cifar10`` / ``cifar100`` (fine labels): torchvision's python batches under
+  ``cfg.data_dir`` (``cifar-10-batches-py`` / ``cifar-100-python``) if present,
+  else the Hugging Face datasets ``uoft-cs/cifar10`` / ``uoft-cs/cifar100``
+  (``cache_dir=cfg.data_dir``).
+- ``tiny-imagenet``: Hugging Face ``zh-plus/tiny-imagenet`` (splits train/valid;
+  "test" = valid). Its labels are sorted wnids; names come from
+  ``tiny_imagenet_names`` looked up BY WNID, so prompts follow label order
+  (METHOD §9.7).
+- ``image-folder``: ``cfg.data_dir`` with ``train/`` and ``test/`` (or ``val/``)
+  class-per-folder subfolders, or class folders directly (then a fixed
+  stratified 80/20 split).
+
+Hub datasets are first looked up in the local cache with Hugging Face offline
+mode FORCED (no network, instant). If absent, and the Hub is unreachable or
+offline mode is set in the environment, ``DatasetUnavailableError`` says which
+dataset, where we looked and how to provide it; otherwise it is downloaded.
+Decoded hub/torchvision splits are cached as ``.npz`` under
+``<data_dir>/feddifrc-decoded/`` (atomic write, digest-verified read), so a
+process per Flower message does not re-decode 50k PNGs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import socket
+import threading
+import urllib.parse
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr_datasets.partitioner import Partitioner
+from torch.utils.data import DataLoader, Dataset
+
+from feddifrc_app.config import Config, DatasetConfig, NodeConfig, PartitionConfig
+from feddifrc_app.partition import partition_indices
+from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
+
+log = logging.getLogger(__name__)
+
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
+SPLITS: tuple[str, ...] = ("train", "test")
+
+DIGITS_SPLIT_SEED = 0  # fixed: the digits (and split-less image-folder) test set never moves
+HOLDOUT_FRACTION = 0.2
+CROP_PADDING = 4  # paper: RandomCrop(S, padding=4)
+# Horizontal flip changes what a digit means (mirrored 2, 3, 7 are not digits).
+NO_FLIP: frozenset[str] = frozenset({"digits"})
+
+DIGIT_NAMES: tuple[str, ...] = tuple(
+    f"digit {w}" for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+)
+
+Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
+# Per-channel (mean, std) of the training pixels in [0, 1], as commonly published.
+CIFAR10_STATS: Stats = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+CIFAR100_STATS: Stats = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+TINY_IMAGENET_STATS: Stats = ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821))
+# Image folders use ImageNet's statistics: fixed, so every node of a federation
+# normalises its own folder identically.
+IMAGENET_STATS: Stats = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (
+    ".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+)
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A dataset is not on this machine and cannot be fetched; the message says how to provide it."""
+
+
+# =========================================================================== ImageData
+
+
+@dataclass(frozen=True, eq=False)
+class ImageData:
+    """One split held in memory. Treat as read-only (loaders share its tensors)."""
+
+    name: str
+    split: str
+    images: torch.Tensor  # uint8 (N, 3, S, S)
+    labels: np.ndarray  # int64 (N,), values in 0..num_classes-1
+    class_names: list[str]  # index = label; the words used in prompts
+    fingerprint: str  # hex digest of (name, split, S, class names, labels, image bytes)
+    mean: tuple[float, float, float]  # classifier input normalisation, pixels in [0, 1]
+    std: tuple[float, float, float]
+
+    def __post_init__(self) -> None:
+        im, y = self.images, self.labels
+        if im.dtype != torch.uint8 or im.ndim != 4 or im.shape[1] != 3 or im.shape[2] != im.shape[3]:
+            raise ValueError(f"{self.name}/{self.split}: images must be uint8 (N, 3, S, S), got "
+                             f"{im.dtype} {tuple(im.shape)}")
+        if y.dtype != np.int64 or y.ndim != 1 or len(y) != im.shape[0]:
+            raise ValueError(f"{self.name}/{self.split}: labels must be int64 (N,) with N={im.shape[0]}, "
+                             f"got {y.dtype} {y.shape}")
+        if len(y) and (y.min() < 0 or y.max() >= len(self.class_names)):
+            raise ValueError(f"{self.name}/{self.split}: labels outside 0..{len(self.class_names) - 1}")
+        if len(set(self.class_names)) != len(self.class_names):
+            raise ValueError(f"{self.name}/{self.split}: duplicate class names {self.class_names}")
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.images.shape[-1])
+
+
+def fingerprint_of(name: str, split: str, class_names: Sequence[str], labels: np.ndarray,
+                   images: torch.Tensor) -> str:
+    """Stable 32-hex digest of everything that defines a split's content."""
+    h = hashlib.blake2b(digest_size=16)
+    meta = {"v": 1, "name": name, "split": split, "shape": list(images.shape), "classes": list(class_names)}
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    h.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+    h.update(images.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# =========================================================================== public loading
+
+
+def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0,
+                 classes: Sequence[str] | None = None) -> ImageData:
+    """One split of ``cfg.name`` at ``cfg.image_size``.
+
+    ``cfg.train_limit > 0`` keeps a stratified subset of that many TRAINING images
+    (deterministic in ``seed``, original order kept); the test split is never cut.
+    ``classes`` (image-folder only): the class-folder names that define the labels,
+    in label order. Nodes with their own folders must pass the federation's list,
+    or a node missing a class would number the others differently; folders not in
+    it are an error, listed classes absent locally are fine. Default: this folder's.
+    Raises ``DatasetUnavailableError`` when the data is not on disk and cannot be fetched.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+    if cfg.name not in DATASETS:
+        raise ValueError(f"dataset name={cfg.name!r}: expected one of {', '.join(DATASETS)}")
+    if cfg.name == "image-folder":
+        images, labels, names, (mean, std) = _load_image_folder(cfg, split, classes)
+    elif classes is not None:
+        raise ValueError(f"classes= is only for dataset 'image-folder', not {cfg.name!r}")
+    elif cfg.name == "digits":
+        images, labels, names, (mean, std) = _load_digits(cfg, split)
+    else:
+        images, labels, names, (mean, std) = _load_hub_dataset(cfg, split)
+    if split == "train" and 0 < cfg.train_limit < len(labels):
+        keep = stratified_subset(labels, cfg.train_limit, seed)
+        images, labels = images[torch.from_numpy(keep)], labels[keep]
+    return ImageData(
+        name=cfg.name, split=split, images=images, labels=labels, class_names=list(names),
+        fingerprint=fingerprint_of(cfg.name, split, names, labels, images), mean=mean, std=std,
+    )
+
+
+def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """Sorted positions of ``n`` items whose class mix matches ``labels`` (largest remainder).
+
+    Every class gets ``floor(n * count_c / N)``; the leftover go to the largest
+    fractional parts (ties: lower class). Members are drawn per class with
+    ``RandomState(seed)``, so the subset is deterministic in ``seed``.
+    """
+    labels = np.asarray(labels)
+    total = len(labels)
+    if not 0 < n <= total:
+        raise ValueError(f"stratified subset of n={n} from {total} items: expected 0 < n <= {total}")
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = n * counts / total
+    take = np.floor(quota).astype(np.int64)
+    order = np.lexsort((classes, -(quota - take)))
+    take[order[: n - int(take.sum())]] += 1
+    rng = np.random.RandomState(seed)
+    picks = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take)]
+    return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
+def _holdout_split(labels: np.ndarray, split: str) -> np.ndarray:
+    """Fixed stratified 80/20 split (seed ``DIGITS_SPLIT_SEED``): sorted positions of ``split``."""
+    test = stratified_subset(labels, int(round(HOLDOUT_FRACTION * len(labels))), DIGITS_SPLIT_SEED)
+    if split == "test":
+        return test
+    return np.setdiff1d(np.arange(len(labels)), test).astype(np.int64)
+
+
+# =========================================================================== sources
+
+Loaded = tuple[torch.Tensor, np.ndarray, list[str], Stats]
+
+
+def _resize_square(images: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (N, 3, s, s) -> uint8 (N, 3, size, size), bilinear with antialias."""
+    if images.shape[-1] == size:
+        return images
+    out = torch.nn.functional.interpolate(images.float(), size=(size, size), mode="bilinear",
+                                          align_corners=False, antialias=True)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _load_digits(cfg: DatasetConfig, split: str) -> Loaded:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    labels_all = bunch.target.astype(np.int64)
+    grey = torch.from_numpy(bunch.images * (255.0 / 16.0)).float()[:, None]  # (1797, 1, 8, 8) in 0..255
+    grey = torch.nn.functional.interpolate(grey, size=(cfg.image_size,) * 2, mode="bilinear",
+                                           align_corners=False)
+    images_all = grey.round_().clamp_(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    # Statistics of the fixed training split at this size (grey: equal per channel).
+    train = torch.from_numpy(_holdout_split(labels_all, "train"))
+    px = images_all[train, 0].double() / 255.0
+    m, s = float(px.mean()), float(px.std())
+    keep = _holdout_split(labels_all, split)
+    return images_all[torch.from_numpy(keep)], labels_all[keep], list(DIGIT_NAMES), ((m, m, m), (s, s, s))
+
+
+# --------------------------------------------------------------------------- image folder
+
+
+def _is_image(p: Path) -> bool:
+    return p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _class_folders(root: Path) -> list[str]:
+    """Sorted class-folder names directly under ``root`` (hidden folders skipped)."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DatasetUnavailableError(
+            f"image folder {root} has no class subfolders (expected {root}/<class>/<image>)"
+        )
+    return classes
+
+
+def image_folder_classes(root: str | os.PathLike[str]) -> list[str]:
+    """The class-folder names (sorted) that define labels for the image folder at ``root``.
+
+    With split folders these are the folders of ``root/train``; otherwise those of ``root``.
+    """
+    train_root, _ = _image_folder_layout(Path(root))
+    return _class_folders(train_root)
+
+
+def _image_folder_layout(root: Path) -> tuple[Path, Path | None]:
+    """(train root, test root) or (class root, None) when there are no split folders."""
+    if not root.is_dir():
+        raise DatasetUnavailableError(
+            f"dataset 'image-folder': data dir {root} does not exist; set dataset.data-dir to a folder of "
+            f"class subfolders, or with train/ and test/ (or val/) subfolders of class folders"
+        )
+    if (root / "train").is_dir():
+        for name in ("test", "val"):
+            if (root / name).is_dir():
+                return root / "train", root / name
+        raise DatasetUnavailableError(f"image folder {root} has train/ but neither test/ nor val/")
+    return root, None
+
+
+def _read_image(path: Path, size: int) -> np.ndarray:
+    """Any PIL-readable file -> uint8 (size, size, 3): RGB, shorter side to size, centre crop."""
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(path) as im:
+            rgb = im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot decode image {path}: {e}") from e
+    if rgb.size != (size, size):
+        rgb = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def _scan(root: Path, classes: list[str], size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Decode ``root/<class>/*`` for the classes present; label = position in ``classes``."""
+    arrays: list[np.ndarray] = []
+    labels: list[int] = []
+    for folder in _class_folders(root):
+        if folder not in classes:
+            raise ValueError(f"image folder {root}: class folder '{folder}' is not one of the classes "
+                             f"({', '.join(classes)})")
+        files = sorted(p for p in (root / folder).iterdir() if _is_image(p))
+        if not files:
+            raise ValueError(f"image folder class '{folder}' ({root / folder}) has no images "
+                             f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+        arrays.extend(_read_image(p, size) for p in files)
+        labels.extend([classes.index(folder)] * len(files))
+    images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+    return images, np.asarray(labels, dtype=np.int64)
+
+
+def _load_image_folder(cfg: DatasetConfig, split: str, classes: Sequence[str] | None = None) -> Loaded:
+    root = Path(cfg.data_dir)
+    train_root, test_root = _image_folder_layout(root)
+    classes = list(classes) if classes is not None else _class_folders(train_root)
+    names = [c.replace("_", " ") for c in classes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"image folder {train_root}: class folders collide once '_' -> ' ': {classes}")
+    if test_root is not None:
+        images, labels = _scan(train_root if split == "train" else test_root, classes, cfg.image_size)
+        return images, labels, names, IMAGENET_STATS
+    images, labels = _scan(train_root, classes, cfg.image_size)
+    keep = _holdout_split(labels, split)
+    return images[torch.from_numpy(keep)], labels[keep], names, IMAGENET_STATS
+
+
+# --------------------------------------------------------------------------- torchvision CIFAR batches
+
+
+@dataclass(frozen=True)
+class _TorchvisionCifar:
+    folder: str  # under data_dir
+    files: dict[str, tuple[str, ...]]  # split -> batch files
+    label_key: bytes
+    meta_file: str
+    names_key: bytes
+
+
+_TV_CIFAR: dict[str, _TorchvisionCifar] = {
+    "cifar10": _TorchvisionCifar(
+        "cifar-10-batches-py",
+        {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
+        b"labels", "batches.meta", b"label_names",
+    ),
+    "cifar100": _TorchvisionCifar(
+        "cifar-100-python", {"train": ("train",), "test": ("test",)},
+        b"fine_labels", "meta", b"fine_label_names",
+    ),
+}
+
+
+def _unpickle(path: Path) -> dict[bytes, object]:
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="bytes")
+
+
+def _load_torchvision_cifar(
+    spec: _TorchvisionCifar, root: Path, split: str
+) -> tuple[torch.Tensor, np.ndarray, list[str]]:
+    """CIFAR python batches: b'data' uint8 (n, 3072) channel-major rows, fine labels."""
+    missing = [f for f in (*spec.files[split], spec.meta_file) if not (root / f).is_file()]
+    if missing:
+        raise DatasetUnavailableError(f"{root} is incomplete: missing {', '.join(missing)}; "
+                                      f"re-extract the torchvision CIFAR archive there")
+    data, labels = [], []
+    for f in spec.files[split]:
+        batch = _unpickle(root / f)
+        data.append(np.asarray(batch[b"data"], dtype=np.uint8))
+        labels.append(np.asarray(batch[spec.label_key], dtype=np.int64))
+    raw = _unpickle(root / spec.meta_file)[spec.names_key]
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
+    images = torch.from_numpy(np.concatenate(data).reshape(-1, 3, 32, 32))
+    return images, np.concatenate(labels), names
+
+
+# --------------------------------------------------------------------------- Hugging Face Hub
+
+
+@dataclass(frozen=True)
+class _HubSpec:
+    repo: str
+    image_col: str
+    label_col: str
+    splits: dict[str, str]  # our split -> hub split
+
+
+_HUB: dict[str, _HubSpec] = {
+    "cifar10": _HubSpec("uoft-cs/cifar10", "img", "label", {"train": "train", "test": "test"}),
+    "cifar100": _HubSpec("uoft-cs/cifar100", "img", "fine_label", {"train": "train", "test": "test"}),
+    "tiny-imagenet": _HubSpec("zh-plus/tiny-imagenet", "image", "label", {"train": "train", "test": "valid"}),
+}
+
+# Known typos in Hub ClassLabel names (uoft-cs/cifar100 spells class 26 "cra").
+_NAME_FIXES: dict[str, dict[str, str]] = {"cifar100": {"cra": "crab"}}
+
+
+@contextlib.contextmanager
+def _hf_offline() -> Iterator[None]:
+    """Force Hugging Face offline mode for the block (the env vars are read at import time).
+
+    Not thread-safe: it flips module globals of ``datasets`` and ``huggingface_hub``.
+    """
+    import datasets.config as dcfg
+    import huggingface_hub.constants as hcon
+
+    saved = (dcfg.HF_HUB_OFFLINE, dcfg.HF_DATASETS_OFFLINE, hcon.HF_HUB_OFFLINE)
+    dcfg.HF_HUB_OFFLINE = dcfg.HF_DATASETS_OFFLINE = hcon.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        dcfg.HF_HUB_OFFLINE, dcfg.HF_DATASETS_OFFLINE, hcon.HF_HUB_OFFLINE = saved
+
+
+def _offline_by_env() -> bool:
+    truthy = {"1", "ON", "YES", "TRUE"}
+    return any(os.environ.get(k, "").upper() in truthy
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """Can we open a TCP connection to the Hub endpoint within ``timeout`` s (DNS included)?
+
+    Run in a daemon thread because name resolution ignores socket timeouts.
+    """
+    import huggingface_hub.constants as hcon
+
+    url = urllib.parse.urlparse(hcon.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(ok)
+
+
+def _open_hub_split(spec: _HubSpec, hub_split: str, name: str, data_dir: Path):
+    """A ``datasets.Dataset``: the local cache first (offline, instant), else a download."""
+    import datasets
+
+    try:
+        with _hf_offline():
+            return datasets.load_dataset(spec.repo, split=hub_split, cache_dir=str(data_dir))
+    except ConnectionError:  # offline mode and no cached copy
+        pass
+    why = ("offline mode is set (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_by_env()
+           else None if _hub_reachable() else "the Hugging Face Hub is unreachable")
+    if why is not None:
+        tv = f" or torchvision's {_TV_CIFAR[name].folder}/ folder" if name in _TV_CIFAR else ""
+        raise DatasetUnavailableError(
+            f"dataset '{name}' ({spec.repo}, split '{hub_split}') is not available: it is not cached under "
+            f"{data_dir} and {why}; provide it by running once with internet access (dataset.data-dir="
+            f"{data_dir} is the cache), or copy a Hugging Face datasets cache of {spec.repo}{tv} "
+            f"into {data_dir}"
+        )
+    log.info("downloading %s (%s) into %s", spec.repo, hub_split, data_dir)
+    return datasets.load_dataset(spec.repo, split=hub_split, cache_dir=str(data_dir))
+
+
+def _hub_class_names(name: str, raw: Sequence[str]) -> list[str]:
+    if name == "tiny-imagenet":
+        unknown = [w for w in raw if w not in TINY_IMAGENET_WORDS]
+        if unknown:
+            raise ValueError(f"tiny-imagenet labels {unknown[:5]} are not Tiny-ImageNet wnids: "
+                             f"cannot name them for prompts")
+        return [TINY_IMAGENET_WORDS[w] for w in raw]  # label order, looked up by wnid
+    fixes = _NAME_FIXES.get(name, {})
+    return [fixes.get(n, n).replace("_", " ") for n in raw]
+
+
+def _decode_hub(ds, spec: _HubSpec, size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """PIL column -> uint8 (N, 3, size, size); RGB (Tiny-ImageNet has greyscale images)."""
+    from PIL import Image, ImageOps
+
+    labels = np.asarray(ds[spec.label_col], dtype=np.int64)
+    out = np.empty((len(labels), size, size, 3), dtype=np.uint8)
+    step = 1000
+    for start in range(0, len(labels), step):
+        for k, im in enumerate(ds[start:start + step][spec.image_col]):
+            rgb = im.convert("RGB")
+            if rgb.size != (size, size):
+                rgb = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BILINEAR)
+            out[start + k] = np.asarray(rgb, dtype=np.uint8)
+    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous(), labels
+
+
+# --------------------------------------------------------------------------- decoded-array cache
+
+
+def _decoded_path(data_dir: Path, name: str, split: str, size: int, source: str) -> Path:
+    tag = hashlib.blake2b(source.encode(), digest_size=4).hexdigest()
+    return data_dir / "feddifrc-decoded" / f"{name}-{split}-{size}px-{tag}.npz"
+
+
+def _read_decoded(path: Path, key: dict[str, object]) -> tuple[torch.Tensor, np.ndarray, list[str]] | None:
+    """The cached split, or None if absent or not exactly what ``key`` asks for (then rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            stored_key, digest = json.loads(str(z["key"])), str(z["fingerprint"])
+            images, labels = torch.from_numpy(z["images"]), z["labels"]
+            names = [str(n) for n in z["class_names"]]
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("decoded cache %s unreadable (%s): rebuilding", path, e)
+        return None
+    size = int(key["size"])  # type: ignore[arg-type]
+    ok = (stored_key == key and images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, size, size)
+          and labels.dtype == np.int64 and labels.shape == (images.shape[0],)
+          and fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images) == digest)
+    if not ok:
+        log.warning("decoded cache %s does not match its key/digest: rebuilding", path)
+        return None
+    return images, labels, names
+
+
+def _write_decoded(path: Path, key: dict[str, object], images: torch.Tensor, labels: np.ndarray,
+                   names: list[str]) -> None:
+    """Atomic (temp file + rename); a read-only data dir only costs a warning."""
+    digest = fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, images=images.numpy(), labels=labels, class_names=np.asarray(names),
+                     key=np.asarray(json.dumps(key, sort_keys=True)), fingerprint=np.asarray(digest))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write decoded cache %s (%s); the split will be decoded again next time",
+                    path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _load_hub_dataset(cfg: DatasetConfig, split: str) -> Loaded:
+    name, data_dir = cfg.name, Path(cfg.data_dir)
+    stats = {"cifar10": CIFAR10_STATS, "cifar100": CIFAR100_STATS, "tiny-imagenet": TINY_IMAGENET_STATS}[name]
+    spec = _HUB[name]
+    tv = _TV_CIFAR.get(name)
+    use_tv = tv is not None and (data_dir / tv.folder).is_dir()
+    source = f"torchvision:{tv.folder}" if use_tv and tv else f"hub:{spec.repo}:{spec.splits[split]}"
+    key: dict[str, object] = {"v": 1, "name": name, "split": split, "size": cfg.image_size, "source": source}
+    path = _decoded_path(data_dir, name, split, cfg.image_size, source)
+    cached = _read_decoded(path, key)
+    if cached is not None:
+        images, labels, names = cached
+        return images, labels, names, stats
+    if use_tv and tv is not None:
+        images, labels, raw = _load_torchvision_cifar(tv, data_dir / tv.folder, split)
+        images = _resize_square(images, cfg.image_size)
+    else:
+        ds = _open_hub_split(spec, spec.splits[split], name, data_dir)
+        raw = list(ds.features[spec.label_col].names)
+        images, labels = _decode_hub(ds, spec, cfg.image_size)
+    names = _hub_class_names(name, raw)
+    _write_decoded(path, key, images, labels, names)
+    return images, labels, names, stats
+
+
+
+# =========================================================================== a node's share
+
+
+def client_split(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
+    """(training data, this node's indices into it): what a ClientApp trains on.
+
+    - ``node.data_dir`` set: the node's OWN class-per-folder images (dataset
+      ``image-folder`` at that root), all of its train split (``train/``, or the
+      fixed 80% when there are no split folders). Labels follow that
+      folder's sorted class folders: every node must hold the same class folders
+      (an empty one is an error) or labels disagree across the federation.
+    - otherwise: partition ``node.partition_id`` of ``node.num_partitions`` of the
+      benchmark training split, by ``partition.partition_indices`` (cfg.partition, cfg.seed).
+
+    Memoised per process (the ImageData is shared: read-only), so a long-lived
+    simulation actor loads and partitions once.
+    """
+    if node.data_dir:
+        own = dataclasses.replace(cfg.dataset, name="image-folder", data_dir=node.data_dir)
+        data = _load_train_cached(own, cfg.seed)
+        return data, np.arange(len(data), dtype=np.int64)
+    if node.partition_id is None or node.num_partitions is None:
+        raise ValueError("node config has neither data-dir nor partition-id/num-partitions")
+    data = _load_train_cached(cfg.dataset, cfg.seed)
+    parts = _partitions_cached(cfg.dataset, cfg.partition, cfg.seed, node.num_partitions)
+    return data, parts[node.partition_id].copy()
+
+
+@functools.lru_cache(maxsize=2)
+def _load_train_cached(cfg: DatasetConfig, seed: int) -> ImageData:
+    return load_dataset(cfg, "train", seed=seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _partitions_cached(dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int,
+                       num_partitions: int) -> tuple[np.ndarray, ...]:
+    labels = _load_train_cached(dcfg, seed).labels
+    parts = partition_indices(labels, num_partitions, name=pcfg.name, alpha=pcfg.alpha,
+                              classes_per_client=pcfg.classes_per_client, imb_factor=pcfg.imb_factor, seed=seed)
+    return tuple(parts)
+
+
+# =========================================================================== transforms
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """uint8 (3, S, S) -> float32 (3, S, S), normalised; optional pad-and-crop and flip.
+
+    Randomness comes from the ``generator`` passed per call (the loader's), so an
+    augmented epoch is reproducible from the loader seed alone.
+    """
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    crop_padding: int = 0  # > 0: zero-pad by this much, then a random S x S crop
+    flip: bool = False  # random horizontal flip with p = 0.5
+    _mean: torch.Tensor = field(init=False, repr=False, compare=False)
+    _std: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_mean", torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1))
+        object.__setattr__(self, "_std", torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1))
+
+    @property
+    def random(self) -> bool:
+        return self.crop_padding > 0 or self.flip
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if x.dtype != torch.uint8 or x.ndim != 3 or x.shape[0] != 3:
+            raise ValueError(f"expected a uint8 (3, S, S) image, got {x.dtype} {tuple(x.shape)}")
+        if self.crop_padding:
+            p, s = self.crop_padding, x.shape[-1]
+            padded = torch.nn.functional.pad(x, (p, p, p, p))  # zeros = black, as torchvision
+            i, j = torch.randint(0, 2 * p + 1, (2,), generator=generator).tolist()
+            x = padded[:, i:i + s, j:j + s]
+        if self.flip and bool(torch.rand((), generator=generator) < 0.5):
+            x = x.flip(-1)
+        return (x.float().div_(255.0) - self._mean) / self._std
+
+
+def train_transform(data: ImageData) -> ImageTransform:
+    """Paper's CIFAR augmentation: RandomCrop(S, padding=4), horizontal flip (not for digits), normalise."""
+    return ImageTransform(data.mean, data.std, crop_padding=CROP_PADDING, flip=data.name not in NO_FLIP)
+
+
+def eval_transform(data: ImageData) -> ImageTransform:
+    """Deterministic: normalise only."""
+    return ImageTransform(data.mean, data.std)
+
+
+# =========================================================================== loaders
+
+
+class IndexedDataset(Dataset):
+    """``data`` restricted to ``indices``; item ``i`` -> (x float (3,S,S), y int64, idx int64).
+
+    ``idx`` is the position in ``data`` (not in ``indices``): it keys the per-sample
+    diffusion features. A random transform draws from this dataset's own generator
+    (seeded by ``reseed``; each DataLoader worker reseeds from its worker seed).
+    """
+
+    def __init__(self, data: ImageData, indices: np.ndarray, transform: ImageTransform,
+                 seed: int | None = None) -> None:
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (len(idx) and not np.issubdtype(idx.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(data)):
+            raise IndexError(f"indices outside 0..{len(data) - 1} of {data.name}/{data.split}")
+        self.data = data
+        self.indices = idx.astype(np.int64)
+        self.transform = transform
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        j = int(self.indices[i])
+        x = self.transform(self.data.images[j], self.generator)
+        return x, torch.tensor(self.data.labels[j], dtype=torch.int64), torch.tensor(j, dtype=torch.int64)
+
+
+def _worker_init(_: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    # info.seed = loader base seed (drawn from the loader's generator) + worker id.
+    info.dataset.reseed(info.seed % 2**63)
+
+
+def make_loader(data: ImageData, indices: np.ndarray, *, train: bool, batch_size: int, seed: int,
+                num_workers: int = 0, augment: bool = True) -> DataLoader:
+    """Batches of (x (B,3,S,S) float, y (B,) int64, idx (B,) int64).
+
+    ``train=True``: reshuffled every epoch by a generator seeded with ``seed`` and
+    augmented with ``train_transform`` (``augment=False``: eval transform, still
+    shuffled). ``train=False``: in ``indices`` order, eval transform. The same
+    ``seed`` (and ``num_workers``) gives the same batches, augmentation included,
+    whatever the global torch RNG state.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    transform = train_transform(data) if train and augment else eval_transform(data)
+    ds = IndexedDataset(data, indices, transform, seed=seed)
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=train,
+        generator=torch.Generator().manual_seed(int(seed)),
+        num_workers=num_workers,
+        worker_init_fn=_worker_init if num_workers > 0 else None,
+        drop_last=False,
+    )
+
+
+# =========================================================================== flwr-datasets adapter
+
+
+class IndexPartitioner(Partitioner):
+    """A flwr-datasets ``Partitioner`` over precomputed index lists (e.g. ``partition.partition_indices``).
+
+    Partition ``k`` of the assigned ``datasets.Dataset`` is ``dataset.select(partitions[k])``.
+    The lists must be 1-D, non-negative and pairwise disjoint.
+    """
+
+    def __init__(self, partitions: Sequence[np.ndarray]) -> None:
+        super().__init__()
+        parts = [np.asarray(p) for p in partitions]
+        if not parts:
+            raise ValueError("IndexPartitioner needs at least one partition")
+        for k, p in enumerate(parts):
+            if p.ndim != 1 or (len(p) and not np.issubdtype(p.dtype, np.integer)):
+                raise ValueError(f"partition {k}: expected a 1-D integer index array, "
+                                 f"got {p.dtype} {p.shape}")
+            if len(p) and p.min() < 0:
+                raise ValueError(f"partition {k}: negative index {int(p.min())}")
+        flat = np.concatenate(parts).astype(np.int64)
+        if len(np.unique(flat)) != len(flat):
+            raise ValueError("partitions overlap: an index appears in more than one partition")
+        self._parts = [p.astype(np.int64) for p in parts]
+
+    @property
+    def num_partitions(self) -> int:
+        return len(self._parts)
+
+    def partition_indices(self, partition_id: int) -> np.ndarray:
+        if not 0 <= partition_id < len(self._parts):
+            raise IndexError(f"partition_id={partition_id}: expected 0..{len(self._parts) - 1}")
+        return self._parts[partition_id].copy()
+
+    def load_partition(self, partition_id: int):  # -> datasets.Dataset
+        idx = self.partition_indices(partition_id)
+        if len(idx) and idx.max() >= len(self.dataset):
+            raise IndexError(f"partition {partition_id} has index {int(idx.max())} but the dataset has "
+                             f"{len(self.dataset)} rows")
+        return self.dataset.select(idx.tolist())

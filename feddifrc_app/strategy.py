@@ -1,0 +1,79 @@
+"""Strategy factory: one config value picks a built-in ``flwr.serverapp.strategy``.
+
+Only FedAvg-family strategies of Flower itself; their own hyper-parameters are
+``strategy.*`` config keys. Minimum node counts are derived from the number of
+connected partitions so that a run never waits forever for nodes that do not exist.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Strategy,
+)
+
+from feddifrc_app.config import Config
+
+
+def nodes_per_round(cfg: Config, num_nodes: int) -> int:
+    """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""
+    return max(1, int(math.floor(num_nodes * cfg.fraction_train + 1e-9)))
+
+
+def build_strategy(cfg: Config) -> Strategy:
+    """The strategy named by ``strategy.name``."""
+    s = cfg.strategy
+    # The ServerApp samples ``fraction-train`` of the nodes itself (seeded, by partition id) and
+    # shows the strategy only the chosen ones, so the strategy takes all it is shown and never
+    # waits for a minimum: a node that died mid-run cannot stall the next round.
+    common = dict(
+        fraction_train=1.0,
+        fraction_evaluate=cfg.fraction_evaluate,
+        min_train_nodes=1,
+        min_evaluate_nodes=1 if cfg.fraction_evaluate > 0 else 0,
+        min_available_nodes=1,
+    )
+    name = s.name
+    if name == "fedavg":
+        return FedAvg(**common)
+    if name == "fedprox":
+        return FedProx(**common, proximal_mu=s.proximal_mu)
+    if name == "fedavgm":
+        return FedAvgM(**common, server_learning_rate=s.server_learning_rate, server_momentum=s.server_momentum)
+    fedopt = dict(eta=s.eta, eta_l=s.eta_l, tau=s.tau)
+    if name == "fedadam":
+        return FedAdam(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
+    if name == "fedyogi":
+        return FedYogi(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
+    if name == "fedadagrad":
+        return FedAdagrad(**common, **fedopt)
+    if name == "fedmedian":
+        return FedMedian(**common)
+    if name == "fedtrimmedavg":
+        return FedTrimmedAvg(**common, beta=s.trim_beta)
+    raise ValueError(f"unknown strategy {name!r}")  # unreachable: load_config validated it
+
+
+# Server-side optimiser state that must survive a resume for the numbers to match.
+_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector")
+
+
+def strategy_state(strategy: Strategy) -> dict[str, object]:
+    """The strategy's mutable server state (FedOpt moments, FedAvgM momentum) for checkpoints."""
+    return {a: getattr(strategy, a) for a in _STATE_ATTRS if getattr(strategy, a, None) is not None}
+
+
+def load_strategy_state(strategy: Strategy, state: dict[str, object]) -> None:
+    for a, v in state.items():
+        if a not in _STATE_ATTRS:
+            raise KeyError(f"unexpected strategy state {a!r} in checkpoint")
+        setattr(strategy, a, v)

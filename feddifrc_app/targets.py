@@ -1,0 +1,172 @@
+"""The frozen diffusion targets one client trains against.
+
+Pipeline for a client's images ``ids`` (dataset indices)::
+
+    pooled per-block teacher features  {block: (n, P, C_b)}   <- feature cache (extract on a miss)
+    shared basis (federated PCA from the server / local PCA / random)
+    fused = fuse(pooled, basis)        (n, P, 512)
+    TDCL reps = fused[:, :K]           (n, K, 512)  the image under each class prompt
+    NDCR target = fused[:, -1]         (n, 512)     the image under the NDCR prompt
+
+Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
+(self-supervised: the positive prompt, the negatives, then the NDCR prompt).
+The teacher is loaded lazily, only when the cache misses, so a warm cache means
+no Stable Diffusion load at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from feddifrc_app.config import Config
+from feddifrc_app.dataset import ImageData, eval_transform
+from feddifrc_app.diffusion.cache import (
+    CacheStats,
+    FeatureStore,
+    LazyExtractor,
+    cached_pooled_features,
+    config_key_fields,
+    key_from_fields,
+)
+from feddifrc_app.diffusion.featurizer import Featurizer
+from feddifrc_app.diffusion.pipeline import load_teacher, resolve_device, resolve_dtype, teacher_identity
+from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, local_pca_basis, random_basis
+from feddifrc_app.train import TeacherTargets
+
+log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
+
+EMBED_DIM = 512  # ResNet-10 feature width: the fused teacher vector must match it
+
+
+@cache
+def _featurizer(model: str, cache_dir: str, device: str, dtype: str, resolution: int, timestep: int,
+                blocks: tuple[int, ...], ensemble: int, seed: int) -> Featurizer:
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    teacher = load_teacher(model, Path(cache_dir), dev, resolve_dtype(dtype, dev))
+    log.info("loaded diffusion teacher %s on %s in %.1fs%s", teacher.model_id, dev, time.perf_counter() - t0,
+             " (RANDOM weights: embedded tiny model)" if teacher.random_weights else "")
+    return Featurizer(teacher, resolution=resolution, timestep=timestep, blocks=blocks, ensemble=ensemble, seed=seed)
+
+
+def featurizer_for(cfg: Config, cache_dir: Path) -> Featurizer:
+    """The frozen teacher + featurizer of this config, loaded once per process."""
+    d = cfg.diffusion
+    return _featurizer(d.model, str(cache_dir), d.device, d.dtype, d.resolution, d.timestep, d.blocks,
+                       d.ensemble, cfg.seed)
+
+
+def teacher_key(cfg: Config, cache_dir: Path, data: ImageData, prompts: tuple[str, ...]) -> tuple[str, dict]:
+    """(cache key, key fields) for ``data`` under ``prompts``, WITHOUT loading the teacher."""
+    d = cfg.diffusion
+    ident = teacher_identity(d.model, cache_dir)
+    dtype = resolve_dtype(d.dtype, resolve_device(d.device))
+    fields = config_key_fields(cfg, model_id=ident.model_id, weights_hash=ident.weights_hash, dtype=str(dtype),
+                               prompts=prompts, dataset_fingerprint=data.fingerprint)
+    return key_from_fields(fields), fields
+
+
+def pooled_features(cfg: Config, cache_dir: Path, data: ImageData, ids: np.ndarray, prompts: tuple[str, ...],
+                    *, keep: bool = True, progress: bool = False,
+                    chunk: int = 256) -> tuple[dict[int, np.ndarray], CacheStats]:
+    """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
+
+    The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
+    ``keep=False`` only fills the cache (``feddifrc extract``).
+    """
+    key, fields = teacher_key(cfg, cache_dir, data, prompts)
+    store = FeatureStore(cache_dir / "features")
+    store.describe(key, fields)
+
+    def make():
+        f = featurizer_for(cfg, cache_dir)
+        return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
+
+    extractor = LazyExtractor(make, lambda sub: data.images[torch.as_tensor(sub)], prompts, cfg.diffusion.batch_size)
+    return cached_pooled_features(store, key, np.asarray(ids), extractor, keep=keep, progress=progress, chunk=chunk,
+                                  desc=f"{data.name}/{data.split} teacher features")
+
+
+def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
+    """The basis this client projects with; None for the public code's per-batch refit."""
+    d = cfg.diffusion
+    chans = [pooled[b].shape[-1] for b in d.blocks]
+    widths = clip_widths(d.channels, chans)
+    if sum(widths) != EMBED_DIM:
+        raise ValueError(
+            f"diffusion.channels = {','.join(map(str, d.channels))} clipped to the teacher's block widths "
+            f"{chans} gives {sum(widths)} dims, but the ResNet-10 embedding is {EMBED_DIM}-d; choose "
+            f"diffusion.blocks/channels that fit this teacher"
+        )
+    if d.projection == "federated-pca":
+        if server_basis is None:
+            raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
+        return server_basis
+    if d.projection == "local-pca":
+        return local_pca_basis(pooled, widths, d.blocks)
+    if d.projection == "random":
+        return random_basis(chans, widths, d.blocks, seed=cfg.seed)
+    return None  # per-batch
+
+
+def build_targets(cfg: Config, pooled: dict[int, np.ndarray], ids: np.ndarray, basis: Basis | None,
+                  num_prompts_tdcl: int) -> TeacherTargets:
+    """Fuse once with the shared basis (or keep pooled rows for the per-batch comparison mode)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    rows = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+    rows[torch.as_tensor(ids)] = torch.arange(len(ids))
+    if basis is None:
+        widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
+        return TeacherTargets(rows=rows, prompt_reps=None, ndcr=None,
+                              per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, num_prompts_tdcl))
+    fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, 512)
+    reps = fused[:, :num_prompts_tdcl].contiguous() if cfg.loss.tdcl_weight > 0 else None
+    ndcr = fused[:, -1].contiguous() if cfg.loss.ndcr_weight > 0 else None
+    return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
+
+
+def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, data: ImageData, ids: np.ndarray,
+                        prompts: tuple[str, ...], basis: Basis | None, targets: TeacherTargets,
+                        device: torch.device) -> tuple[TeacherTargets, float]:
+    """``diffusion.condition = "global-model"``: OUR READING of the paper's c_i = h(x_i) [A].
+
+    Once per round, embed the client's (un-augmented) images with the received global model,
+    map each 512-d embedding to the text width with a FIXED seeded Gaussian projection,
+    rescale it to the mean norm of the prompt token embeddings, add it to every prompt token
+    of that image's rows and recompute the TDCL representations (class prompts only; the NDCR
+    target stays the static one). Not cacheable: it changes every round. Returns the new
+    targets and the seconds it cost.
+    """
+    if basis is None:
+        raise ValueError("diffusion.condition = 'global-model' needs a shared basis (not 'per-batch')")
+    t0 = time.perf_counter()
+    feat = featurizer_for(cfg, cache_dir)
+    k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0
+    if k == 0:
+        return targets, 0.0
+    class_prompts = prompts[:k]
+    width = feat.teacher.text_width
+    gen = torch.Generator().manual_seed(cfg.seed + 0xC0D1)
+    proj = torch.randn(EMBED_DIM, width, generator=gen) / EMBED_DIM**0.5  # (512, D_text)
+    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
+    model.to(device).eval()
+    reps = []
+    tf = eval_transform(data)
+    bs = cfg.diffusion.batch_size
+    for s in range(0, len(ids), bs):
+        chunk = np.asarray(ids[s:s + bs])
+        imgs = data.images[torch.as_tensor(chunk)]
+        with torch.no_grad():
+            z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))
+        off = z.float().cpu() @ proj  # (B, D_text)
+        off = off / off.norm(dim=-1, keepdim=True).clamp_min(1e-8) * token_norm
+        out = feat(imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off)
+        reps.append(fuse({b: v.numpy() for b, v in out.items()}, basis))
+    new = TeacherTargets(rows=targets.rows, prompt_reps=torch.from_numpy(np.concatenate(reps)), ndcr=targets.ndcr)
+    return new, time.perf_counter() - t0

@@ -1,0 +1,218 @@
+"""Local training and evaluation of the classifier; returns plain ``dict[str, float]``.
+
+Flower-free: the ClientApp/ServerApp convert between Flower records and the
+torch objects used here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from feddifrc_app import losses
+from feddifrc_app.config import Config, LossConfig
+from feddifrc_app.diffusion.projection import fuse_per_batch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when present; ``cuda`` without a GPU is an error, never a silent CPU run."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "train.device = 'cuda' but no CUDA device is visible (in simulation give ClientApps "
+            "GPUs with --federation-config 'client-resources-num-gpus=0.25'); use 'auto' or 'cpu'"
+        )
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class TeacherTargets:
+    """Frozen diffusion targets for one client's training images.
+
+    ``rows[i]`` is the row of dataset index ``i`` (-1 = not in this client's set).
+    Supervised: ``prompt_reps`` (n, K, D) = the image under each class prompt, ``ndcr`` (n, D).
+    Self-supervised: ``prompt_reps`` (n, 1 + K_neg, D) = positive prompt first, then negatives.
+    ``per_batch`` is the public code's behaviour: pooled per-block features are kept and the
+    PCA is refit on every batch by ``fuse_batch`` (comparison only).
+    """
+
+    rows: torch.Tensor  # int64 (max_index + 1,)
+    prompt_reps: torch.Tensor | None  # float32 (n, K, D)
+    ndcr: torch.Tensor | None  # float32 (n, D)
+    # per-batch mode: ({block: pooled (n, P, C_b)}, widths, K) -> PCA refit on each batch
+    per_batch: tuple[dict[int, np.ndarray], tuple[int, ...], int] | None = None
+
+    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        idx = idx.cpu()
+        if bool((idx >= len(self.rows)).any()) or bool((self.rows[idx.clamp(max=len(self.rows) - 1)] < 0).any()):
+            raise KeyError("a training image has no teacher target (targets built for other indices)")
+        r = self.rows[idx]
+        if self.per_batch is not None:
+            pooled, widths, k = self.per_batch
+            fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
+            return fused[:, :k], fused[:, -1]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r]
+        ndcr = None if self.ndcr is None else self.ndcr[r]
+        return reps, ndcr
+
+
+def _proximal_term(model: nn.Module, global_params: list[torch.Tensor]) -> torch.Tensor:
+    # FedProx: (mu/2) * ||w - w_global||^2 over trainable parameters; the caller scales by mu/2.
+    return sum((p - g).pow(2).sum() for p, g in zip(model.parameters(), global_params, strict=True))
+
+
+def train_local(
+    model: nn.Module,
+    loader: DataLoader,
+    cfg: Config,
+    device: torch.device,
+    *,
+    targets: TeacherTargets | None = None,
+    proximal_mu: float = 0.0,
+    momentum_state: dict[str, torch.Tensor] | None = None,
+    seed: int = 0,
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Run ``cfg.train.local_epochs`` epochs of SGD on ``loader`` (items: x, y, dataset index).
+
+    Loss = CE (unless self-supervised) + tdcl_weight * TDCL + ndcr_weight * NDCR (+ FedProx).
+    Returns (metrics averaged over samples, SGD momentum buffers by parameter name).
+    """
+    tc, lc = cfg.train, cfg.loss
+    ssl = cfg.method == "feddifrc-ssl"
+    use_teacher = cfg.uses_diffusion
+    if use_teacher and targets is None:
+        raise ValueError(f"method {cfg.method!r} needs teacher targets")
+    model.to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    names = [n for n, _ in model.named_parameters()]
+    if momentum_state and tc.momentum > 0:
+        # Momentum kept across rounds (train.keep-momentum): restore the buffers by name.
+        for n, p in zip(names, model.parameters(), strict=True):
+            if n in momentum_state:
+                opt.state[p]["momentum_buffer"] = momentum_state[n].to(device).clone()
+    global_params = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+    gen = torch.Generator().manual_seed(seed)  # negative sampling in TDCL
+
+    sums: dict[str, float] = {}
+    seen = 0
+    correct = 0
+    t0 = time.perf_counter()
+    for _ in range(tc.local_epochs):
+        for x, y, idx in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            z, logits = model(x)
+            reps = ndcr = None
+            if use_teacher:
+                reps, ndcr = targets.take(idx)
+                reps = None if reps is None else reps.to(device)
+                ndcr = None if ndcr is None else ndcr.to(device)
+            parts = _loss_parts(logits, y, z, reps, ndcr, lc, ssl=ssl, use_teacher=use_teacher, gen=gen)
+            loss = parts["total"]
+            if proximal_mu > 0:
+                prox = 0.5 * proximal_mu * _proximal_term(model, global_params)
+                loss = loss + prox
+                parts["prox"] = prox.detach()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            b = y.shape[0]
+            seen += b
+            correct += int((logits.argmax(1) == y).sum()) if not ssl else 0
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach()) * b
+            if use_teacher and ndcr is not None:
+                cos = float(losses.cosine_alignment(z.detach(), ndcr))
+                sums["ndcr-cosine"] = sums.get("ndcr-cosine", 0.0) + cos * b
+    metrics = {f"train-{k}": v / max(seen, 1) for k, v in sums.items()}
+    if not ssl:
+        metrics["train-accuracy"] = correct / max(seen, 1)
+    metrics["train-seconds"] = time.perf_counter() - t0
+    state = {}
+    if tc.momentum > 0:
+        for n, p in zip(names, model.parameters(), strict=True):
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                state[n] = buf.detach().cpu()
+    return metrics, state
+
+
+def _loss_parts(
+    logits: torch.Tensor,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    reps: torch.Tensor | None,
+    ndcr: torch.Tensor | None,
+    lc: LossConfig,
+    *,
+    ssl: bool,
+    use_teacher: bool,
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    if not use_teacher:
+        ce = F.cross_entropy(logits, y)
+        return {"ce": ce, "total": ce}
+    # Self-supervised: no CE; reps (B, 1 + K, D) = positive prompt first, then the negatives.
+    return losses.feddifrc_loss(
+        None if ssl else logits,
+        None if ssl else y,
+        z,
+        reps,
+        ndcr,
+        variant=lc.variant,
+        tdcl_weight=lc.tdcl_weight,
+        ndcr_weight=lc.ndcr_weight,
+        temperature=lc.temperature,
+        num_negatives=lc.num_negatives,
+        normaliser=lc.tdcl_normaliser,
+        ndcr_space=lc.ndcr_space,
+        generator=gen,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict[str, float]:
+    """Cross-entropy loss and accuracy of ``model`` on ``loader`` (items: x, y, idx)."""
+    model.to(device).eval()
+    total_loss, correct, n = 0.0, 0, 0
+    for x, y, _ in loader:
+        x, y = x.to(device), y.to(device)
+        _, logits = model(x)
+        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+        n += y.shape[0]
+    return {"loss": total_loss / max(n, 1), "accuracy": correct / max(n, 1)}
+
+
+@torch.no_grad()
+def embed(model: nn.Module, loader: Iterable, device: torch.device) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features (N, 512), labels (N,), dataset indices (N,)) of ``model`` over ``loader``."""
+    model.to(device).eval()
+    feats, labels, ids = [], [], []
+    for x, y, idx in loader:
+        z, _ = model(x.to(device))
+        feats.append(z.float().cpu().numpy())
+        labels.append(y.numpy())
+        ids.append(idx.numpy())
+    return np.concatenate(feats), np.concatenate(labels), np.concatenate(ids)
+
+
+def linear_probe(
+    train_feats: np.ndarray, train_labels: np.ndarray, test_feats: np.ndarray, test_labels: np.ndarray,
+    *, epochs: int, seed: int,
+) -> float:
+    """Accuracy of a logistic-regression probe fit on frozen features (self-supervised evaluation)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(train_feats)
+    clf = LogisticRegression(max_iter=max(100, 10 * epochs), random_state=seed)
+    clf.fit(scaler.transform(train_feats), train_labels)
+    return float((clf.predict(scaler.transform(test_feats)) == test_labels).mean())

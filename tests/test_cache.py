@@ -1,0 +1,311 @@
+"""Feature cache: keys, hits, misses, atomic writes, corruption, resumption.
+
+The extractor is a plain deterministic function of the image id (the real
+``extract`` contract: a feature depends only on its id), so no teacher is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from feddifrc_app.diffusion.cache import (
+    FeatureStore,
+    LazyExtractor,
+    cached_pooled_features,
+    feature_key,
+    key_fields,
+    teacher_prompts,
+)
+from conftest import make_config
+
+P = 3
+CH = {1: 5, 2: 4}
+
+BASE = dict(
+    model_id="tiny", weights_hash="ab" * 32, resolution=16, timestep=300, blocks=(1, 2),
+    prompts=("a photo of a zero", "a photo of a one", ""), seed=7, ensemble=1,
+    dataset_fingerprint="f00d", conditioning="none", dtype="float32",
+)
+
+
+def feats_of(ids: np.ndarray) -> dict[int, np.ndarray]:
+    ids = np.asarray(ids, dtype=np.float64)
+    out = {}
+    for b, c in CH.items():
+        grid = np.arange(P * c, dtype=np.float64).reshape(1, P, c)
+        out[b] = (np.sin(ids[:, None, None] * 0.37 + grid * 0.11 + b) * 10).astype(np.float32)
+    return out
+
+
+class Counter:
+    """extract(ids) that records which ids it computed, optionally failing after k calls."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls: list[np.ndarray] = []
+        self.fail_after = fail_after
+
+    def __call__(self, ids):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.calls.append(np.array(ids))
+        return feats_of(ids)
+
+    @property
+    def computed(self) -> np.ndarray:
+        return np.concatenate(self.calls) if self.calls else np.zeros(0, np.int64)
+
+
+@pytest.fixture
+def store(tmp_cache: Path) -> FeatureStore:
+    return FeatureStore(tmp_cache / "features", shard_size=8)
+
+
+KEY = feature_key(**BASE)
+
+
+def test_key_changes_with_every_field():
+    assert KEY == feature_key(**dict(BASE))  # deterministic
+    assert len(KEY) == 64 and int(KEY, 16) >= 0
+    changed = dict(
+        model_id="sd-2-1", weights_hash="cd" * 32, resolution=32, timestep=299, blocks=(1, 3),
+        prompts=("a photo of a zero", "a photo of a one", "x"), seed=8, ensemble=2,
+        dataset_fingerprint="beef", conditioning="global-model:abc", dtype="float16",
+    )
+    assert set(changed) == set(BASE)
+    keys = {feature_key(**{**BASE, k: v}) for k, v in changed.items()}
+    assert len(keys) == len(changed) and KEY not in keys
+    # Prompt ORDER is part of the key (prompt index = label).
+    assert feature_key(**{**BASE, "prompts": tuple(reversed(BASE["prompts"]))}) != KEY
+    assert feature_key(**{**BASE, "dtype": "torch.float32"}) == KEY  # torch dtype str normalised
+
+
+def test_changed_key_misses(store):
+    ids = np.arange(10)
+    cached_pooled_features(store, KEY, ids, Counter())
+    other = feature_key(**{**BASE, "timestep": 299})
+    ex = Counter()
+    _, st = cached_pooled_features(store, other, ids, ex)
+    assert st.hits == 0 and st.misses == 10 and ex.computed.tolist() == list(range(10))
+
+
+def test_hit_returns_identical_arrays_and_never_calls_extract(store):
+    ids = np.array([13, 2, 5, 40, 2, 7])  # unsorted, duplicate, several shards
+    first, st1 = cached_pooled_features(store, KEY, ids, Counter(), chunk=3)
+    assert (st1.hits, st1.misses) == (0, 5)
+    for b, c in CH.items():
+        assert first[b].shape == (6, P, c) and first[b].dtype == np.float32
+        np.testing.assert_array_equal(first[b], feats_of(ids)[b].astype(np.float16).astype(np.float32))
+
+    def boom(_):
+        raise AssertionError("a warm cache must not extract")
+
+    second, st2 = cached_pooled_features(store, KEY, ids, boom)
+    assert (st2.hits, st2.misses, st2.corrupt) == (5, 0, 0)
+    for b in CH:
+        np.testing.assert_array_equal(first[b], second[b])
+
+
+def test_extract_called_only_for_missing_ids(store):
+    cached_pooled_features(store, KEY, np.arange(0, 20, 2), Counter())  # a partition: even ids
+    ex = Counter()
+    out, st = cached_pooled_features(store, KEY, np.arange(0, 20), ex, chunk=4)  # another setting
+    assert ex.computed.tolist() == list(range(1, 20, 2))
+    assert all(len(c) <= 4 for c in ex.calls)
+    assert (st.hits, st.misses) == (10, 10)
+    for b in CH:
+        np.testing.assert_array_equal(out[b], feats_of(np.arange(20))[b].astype(np.float16).astype(np.float32))
+
+
+def test_load_reports_found_and_missing(store):
+    store.save(KEY, np.array([3, 9, 1]), feats_of(np.array([3, 9, 1])))
+    feats, missing = store.load(KEY, np.array([9, 4, 1, 9]))
+    assert missing.tolist() == [4]
+    assert feats[1].dtype == np.float16 and feats[1].shape == (3, P, CH[1])
+    np.testing.assert_array_equal(feats[2], feats_of(np.array([9, 1, 9]))[2].astype(np.float16))
+    none, missing = store.load(KEY, np.array([100, 101]))
+    assert none is None and missing.tolist() == [100, 101]
+
+
+def test_killed_writer_leaves_no_half_file(store, monkeypatch):
+    ids = np.arange(8)
+    cached_pooled_features(store, KEY, ids, Counter())
+    path = store.shard_path(KEY, 0)
+    good = path.read_bytes()
+
+    # A writer killed while writing its temp file: the shard itself is untouched.
+    def dying_savez(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(np, "savez", dying_savez)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(KEY, np.array([1]), feats_of(np.array([1])))
+    monkeypatch.undo()
+    assert path.read_bytes() == good
+    assert not list(path.parent.glob(".*tmp*"))  # cleaned up on the way out
+
+    # A temp file left by a process killed -9 is ignored by readers and swept by the next writer.
+    stale = path.with_name(f".{path.name}.tmp-99999-dead")
+    stale.write_bytes(b"PK\x03\x04 garbage")
+    _, st = cached_pooled_features(store, KEY, ids, Counter())
+    assert (st.hits, st.corrupt) == (8, 0)
+    store.save(KEY, np.array([2]), feats_of(np.array([2])))
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty", "wrong-key", "tamper"])
+def test_damaged_shard_detected_logged_and_rebuilt(store, damage, caplog):
+    ids = np.arange(16)  # shards 0 and 1
+    ref, _ = cached_pooled_features(store, KEY, ids, Counter())
+    path = store.shard_path(KEY, 1)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(bytes(raw[: len(raw) // 2]))
+    elif damage == "flip":  # inside the last block's data, past its npy header
+        for i in range(len(raw) - 200, len(raw) - 190):
+            raw[i] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(raw)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "tamper":  # a well-formed archive whose data no longer matches its checksum
+        with np.load(path) as z:
+            arrays = {k: z[k].copy() for k in z.files}
+        arrays["block_2"][3, 1, 2] += 1
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    elif damage == "wrong-key":  # a valid shard of another key copied into this folder
+        other = feature_key(**{**BASE, "seed": 8})
+        store.save(other, np.arange(8, 16), feats_of(np.arange(8, 16)))
+        path.write_bytes(store.shard_path(other, 1).read_bytes())
+
+    ex = Counter()
+    with caplog.at_level(logging.WARNING, logger="feddifrc_app.diffusion.cache"):
+        out, st = cached_pooled_features(store, KEY, ids, ex)
+    assert "is invalid" in caplog.text and str(path) in caplog.text
+    assert ex.computed.tolist() == list(range(8, 16))  # only the damaged shard's ids
+    assert (st.hits, st.misses) == (8, 8) and st.corrupt >= 1
+    for b in CH:
+        np.testing.assert_array_equal(out[b], ref[b])
+    # Rebuilt: the next read is clean and computes nothing.
+    _, st = cached_pooled_features(store, KEY, ids, Counter(fail_after=0))
+    assert (st.hits, st.misses, st.corrupt) == (16, 0, 0)
+
+
+def test_interrupted_extraction_resumes(store):
+    ids = np.arange(3, 43)  # 40 ids
+    ex = Counter(fail_after=3)  # dies during the 4th chunk
+    with pytest.raises(KeyboardInterrupt):
+        cached_pooled_features(store, KEY, ids, ex, chunk=5)
+    done = ex.computed
+    assert done.tolist() == list(range(3, 18))  # 3 chunks of 5 saved
+    ex2 = Counter()
+    out, st = cached_pooled_features(store, KEY, ids, ex2, chunk=5)
+    assert ex2.computed.tolist() == list(range(18, 43))  # only the rest
+    assert (st.hits, st.misses) == (15, 25)
+    for b in CH:
+        np.testing.assert_array_equal(out[b], feats_of(ids)[b].astype(np.float16).astype(np.float32))
+
+
+def test_save_validates(store):
+    with pytest.raises(ValueError, match="shape"):
+        store.save(KEY, np.arange(3), feats_of(np.arange(2)))
+    with pytest.raises(ValueError, match="unique"):
+        store.save(KEY, np.array([1, 1]), feats_of(np.array([1, 1])))
+    with pytest.raises(ValueError, match="float16"):
+        store.save(KEY, np.arange(2), {1: np.full((2, P, 5), 1e6, np.float32)})
+    with pytest.raises(ValueError, match="non-negative"):
+        store.save(KEY, np.array([-1]), feats_of(np.array([0])))
+
+
+def test_extractor_shape_mismatch_under_same_key_is_an_error(store):
+    cached_pooled_features(store, KEY, np.arange(4), Counter())
+    with pytest.raises(RuntimeError, match="misses a field"):
+        cached_pooled_features(store, KEY, np.arange(6),
+                               lambda i: {b: np.zeros((len(i), P + 1, c), np.float32) for b, c in CH.items()})
+
+
+def test_describe_and_cached_ids(store):
+    fields = key_fields(**BASE)
+    store.describe(KEY, fields)
+    assert (store.key_dir(KEY) / "key.json").exists()
+    with pytest.raises(ValueError):
+        store.describe(KEY, {**fields, "seed": 9})
+    cached_pooled_features(store, KEY, np.array([1, 20, 3]), Counter())
+    assert store.cached_ids(KEY).tolist() == [1, 3, 20]
+    assert store.shards(KEY) == [0, 2]
+
+
+def test_lazy_extractor_builds_teacher_only_on_a_miss(store):
+    built = []
+    seen_batches = []
+
+    def make_featurizer():
+        built.append(1)
+
+        def featurizer(images, ids, prompts):
+            assert images.shape == (len(ids), 3, 4, 4) and images.dtype == np.uint8
+            assert prompts == BASE["prompts"]
+            seen_batches.append(len(ids))
+            return feats_of(ids)
+
+        return featurizer
+
+    images = np.zeros((50, 3, 4, 4), np.uint8)
+    ex = LazyExtractor(make_featurizer, lambda i: images[i], BASE["prompts"], batch_size=4)
+    cached_pooled_features(store, KEY, np.arange(10), ex, chunk=6)
+    assert built == [1] and ex.loaded and seen_batches == [4, 2, 4]
+    cold = LazyExtractor(make_featurizer, lambda i: images[i], BASE["prompts"], batch_size=4)
+    cached_pooled_features(store, KEY, np.arange(10), cold)
+    assert not cold.loaded and built == [1]
+
+
+def test_teacher_prompts():
+    cfg = make_config()
+    names = ["zero", "one", "two"]
+    assert teacher_prompts(cfg, names) == ("a photo of a zero", "a photo of a one", "a photo of a two", "")
+    ssl = make_config(method="feddifrc-ssl", ssl__num_negatives=3)
+    p = teacher_prompts(ssl, names, negative_pool=["cat", "dog", "emu", "fox", "gnu"])
+    assert p[0] == "a photo of a similar object" and p[-1] == "a photo of a visual object"
+    assert len(p) == 5 and all(x.startswith("a photo of a ") for x in p[1:4])
+    assert p == teacher_prompts(ssl, [], negative_pool=["cat", "dog", "emu", "fox", "gnu"])  # seeded
+    default = teacher_prompts(ssl, [])
+    assert len(default) == 5
+    explicit = make_config(method="feddifrc-ssl", ssl__negatives="cat,dog")
+    assert teacher_prompts(explicit, []) == (
+        "a photo of a similar object", "a photo of a cat", "a photo of a dog", "a photo of a visual object")
+
+
+def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):
+    # Simulation clients share a cache dir and their partitions interleave inside a shard.
+    # Writers merge under the shard's flock (separate open() calls conflict even in threads).
+    import threading
+
+    root = tmp_cache / "features"
+    errors = []
+
+    def client(i):
+        try:
+            mine = np.arange(i, 64, 4)  # client i's ids, all in shard 0
+            for part in np.array_split(mine, 8):
+                FeatureStore(root, shard_size=64).save(KEY, part, feats_of(part))
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store = FeatureStore(root, shard_size=64)
+    assert store.cached_ids(KEY).tolist() == list(range(64))
+    feats, missing = store.load(KEY, np.arange(64))
+    assert missing.size == 0
+    np.testing.assert_array_equal(feats[1], feats_of(np.arange(64))[1].astype(np.float16))

@@ -1,0 +1,117 @@
+"""The `feddifrc` command: parser table, run-config overrides, and `extract` end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from feddifrc_app import cli
+from feddifrc_app.config import load_config
+from conftest import ROOT
+
+
+def test_parser_has_subcommand_table():
+    assert {"extract", "make-tiny"} <= set(cli.COMMANDS)
+    p = cli.build_parser()
+    a = p.parse_args(["extract", "--app", ".", "--run-config", "seed=3", "--partitions", "0,3",
+                      "--split", "train,test", "--cache-dir", "/tmp/x", "--num-partitions", "4"])
+    assert a.func is cli.cmd_extract and a.run_config == ["seed=3"] and a.num_partitions == 4
+    assert a.partitions == "0,3" and a.split == "train,test" and a.cache_dir == "/tmp/x"
+    d = p.parse_args(["extract"])
+    assert (d.app, d.num_partitions, d.partitions, d.split, d.run_config) == (".", 10, None, "train", None)
+    assert p.parse_args(["make-tiny"]).func is cli.cmd_make_tiny
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+
+
+def test_parse_run_config_pairs_like_flwr():
+    got = cli.parse_run_config(['seed=3 method="fedavg" train.lr=0.1 diffusion.blocks="1,2"',
+                                "train.augment=false dataset.name='cifar10'"])
+    assert got == {"seed": 3, "method": "fedavg", "train.lr": 0.1, "diffusion.blocks": "1,2",
+                   "train.augment": False, "dataset.name": "cifar10"}
+    # Lenient where flwr is strict: a bare word is a string.
+    assert cli.parse_run_config(["method=feddifrc-ssl diffusion.model=tiny"]) == {
+        "method": "feddifrc-ssl", "diffusion.model": "tiny"}
+    assert cli.parse_run_config(['diffusion.ndcr-prompt="a photo"']) == {"diffusion.ndcr-prompt": "a photo"}
+    assert cli.parse_run_config(["seed=1", "seed=2"]) == {"seed": 2}  # later wins
+    assert cli.parse_run_config(None) == {} and cli.parse_run_config([""]) == {}
+    with pytest.raises(cli.CLIError, match="cannot parse"):
+        cli.parse_run_config(["seed 3"])
+
+
+def test_parse_run_config_toml_file(tmp_path, monkeypatch):
+    f = tmp_path / "x.toml"
+    f.write_text('seed = 5\n[diffusion]\ntimestep = 200\n[partition]\nalpha = 0.05\n')
+    assert cli.parse_run_config([str(f)]) == {"seed": 5, "diffusion.timestep": 200, "partition.alpha": 0.05}
+    # Relative to the app folder when not found from the current folder.
+    monkeypatch.chdir(tmp_path.parent)
+    assert cli.parse_run_config(["x.toml"], app_dir=tmp_path)["seed"] == 5
+    with pytest.raises(cli.CLIError, match="not found"):
+        cli.parse_run_config(["nope.toml"], app_dir=tmp_path)
+    with pytest.raises(cli.CLIError, match="cannot be combined"):
+        cli.parse_run_config([str(f), "seed=1"])
+
+
+def test_app_config_defaults_plus_overrides():
+    cfg = cli.load_app_config(ROOT, ["diffusion.timestep=200 method=fedavg"])
+    assert cfg.diffusion.timestep == 200 and cfg.method == "fedavg" and cfg.seed == 7
+    conf = sorted((ROOT / "conf").glob("*.toml"))
+    if conf:  # every shipped override file loads through the same path
+        for f in conf:
+            load_config(cli.app_run_config(ROOT, [str(f)]))
+    with pytest.raises(cli.CLIError, match="unknown config key"):
+        cli.load_app_config(ROOT, ["diffusion.timesteps=200"])
+    with pytest.raises(cli.CLIError, match="no pyproject.toml"):
+        cli.load_app_config(ROOT / "tests", None)
+
+
+def test_cli_errors_are_one_line_exit_2(capsys):
+    assert cli.main(["extract", "--app", str(ROOT), "--run-config", "diffusion.timestep=5000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feddifrc extract: error: config key 'diffusion.timestep'") and err.count("\n") == 1
+    assert cli.main(["extract", "--app", str(ROOT), "--partitions", "0,12"]) == 2
+    assert "--partitions" in capsys.readouterr().err
+    assert cli.main(["extract", "--app", str(ROOT), "--split", "val"]) == 2
+
+
+def test_extract_fedavg_needs_no_teacher(capsys):
+    assert cli.main(["extract", "--app", str(ROOT), "--run-config", "method=fedavg"]) == 0
+    assert "nothing to extract" in capsys.readouterr().out
+
+
+def test_resolve_cache_dir(tmp_path):
+    cfg = cli.load_app_config(ROOT, None)
+    assert cli.resolve_cache_dir(cfg, str(tmp_path)) == tmp_path.resolve()
+    assert cli.resolve_cache_dir(cfg, None) == Path("~/.cache/feddifrc").expanduser().resolve()
+    cfg2 = cli.load_app_config(ROOT, [f'diffusion.cache-dir="{tmp_path}"'])
+    assert cli.resolve_cache_dir(cfg2, None) == tmp_path.resolve()
+
+
+def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys):
+    from feddifrc_app import targets
+    from feddifrc_app.diffusion.cache import FeatureStore
+
+    targets._featurizer.cache_clear()
+    argv = ["extract", "--app", str(ROOT), "--cache-dir", str(tmp_cache), "--num-partitions", "2",
+            "--no-progress", "--chunk", "4",
+            "--run-config", "dataset.name=digits dataset.train-limit=10 partition.name=iid diffusion.model=tiny"]
+    assert cli.main(argv) == 0
+    out1 = capsys.readouterr()
+    assert "computed 10" in out1.out, out1
+    assert targets._featurizer.cache_info().currsize == 1  # the teacher was built for the misses
+    targets._featurizer.cache_clear()
+    shards = sorted((tmp_cache / "features").glob("*/shard-*.npz"))
+    assert shards
+    before = {p: p.read_bytes() for p in shards}
+
+    assert cli.main(argv) == 0
+    out2 = capsys.readouterr()
+    assert "already cached 10, computed 0" in out2.out, out2
+    assert targets._featurizer.cache_info().currsize == 0  # warm cache: the teacher was never built
+    assert {p: p.read_bytes() for p in sorted((tmp_cache / "features").glob("*/shard-*.npz"))} == before
+
+    key_dir = shards[0].parent
+    store = FeatureStore(tmp_cache / "features")
+    assert store.cached_ids(key_dir.name).size == 10
+    assert (key_dir / "key.json").is_file()

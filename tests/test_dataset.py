@@ -1,0 +1,551 @@
+"""Datasets, transforms, loaders and the flwr-datasets adapter; offline, on tiny local data.
+
+Hub datasets are exercised through the REAL ``datasets.load_dataset`` path: the
+tests write a few images in the Hugging Face datasets on-disk cache layout
+(what a first online run leaves behind) and load them with offline mode forced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from feddifrc_app.config import DatasetConfig, load_node_config
+from feddifrc_app.dataset import (
+    DIGIT_NAMES,
+    DatasetUnavailableError,
+    ImageData,
+    ImageTransform,
+    IndexedDataset,
+    IndexPartitioner,
+    client_split,
+    eval_transform,
+    image_folder_classes,
+    load_dataset,
+    make_loader,
+    stratified_subset,
+    train_transform,
+)
+from feddifrc_app.tiny_imagenet_names import (
+    TINY_IMAGENET_CLASS_NAMES,
+    TINY_IMAGENET_WORDS,
+    TINY_TO_IMAGENET1K,
+)
+from conftest import make_config
+
+
+def dcfg(**kw: object) -> DatasetConfig:
+    """The app's default dataset config at 32 px (digits) with field overrides."""
+    return dataclasses.replace(make_config().dataset, **{"image_size": 32, **kw})
+
+
+@pytest.fixture(scope="module")
+def digits_train() -> ImageData:
+    return load_dataset(dcfg(), "train")
+
+
+@pytest.fixture(scope="module")
+def digits_test() -> ImageData:
+    return load_dataset(dcfg(), "test")
+
+
+# =========================================================================== digits
+
+
+def test_digits_shapes_dtypes_labels_names(digits_train: ImageData, digits_test: ImageData) -> None:
+    assert len(digits_train) + len(digits_test) == 1797
+    assert len(digits_test) == 359  # round(0.2 * 1797)
+    for d in (digits_train, digits_test):
+        assert d.images.dtype == torch.uint8 and d.images.shape[1:] == (3, 32, 32)
+        assert d.labels.dtype == np.int64 and d.labels.shape == (len(d),)
+        assert set(d.labels.tolist()) == set(range(10)) and d.num_classes == 10
+        assert d.class_names == list(DIGIT_NAMES) and d.class_names[3] == "digit three"
+        assert d.images.max() == 255 and d.images.min() == 0  # 16 -> 255, 0 -> 0
+        assert torch.equal(d.images[:, 0], d.images[:, 2])  # grey copied to 3 channels
+        assert d.image_size == 32 and d.name == "digits"
+
+
+def test_digits_upsampling_is_bilinear_from_the_sklearn_pixels() -> None:
+    from sklearn.datasets import load_digits
+
+    d = load_dataset(dcfg(image_size=8), "test")  # size 8: no resampling, values just rescaled
+    raw = load_digits()
+    want = np.round(raw.images * (255.0 / 16.0)).astype(np.uint8)
+    # every test image is one of the raw images, with its label
+    lookup = {want[i].tobytes(): raw.target[i] for i in range(len(want))}
+    for img, y in zip(d.images[:, 0].numpy(), d.labels):
+        assert lookup[img.tobytes()] == y
+    big = load_dataset(dcfg(image_size=32), "test")
+    # bilinear (not nearest): a 32-px digit has more distinct grey levels than its 8-px source
+    assert len(torch.unique(big.images[0])) > len(torch.unique(d.images[0]))
+
+
+def test_digits_split_is_fixed_disjoint_and_stratified(
+    digits_train: ImageData, digits_test: ImageData
+) -> None:
+    again = load_dataset(dcfg(), "test", seed=123)  # run seed does not move the test set
+    assert again.fingerprint == digits_test.fingerprint
+    tr = {img.tobytes() for img in digits_train.images.numpy()}
+    te = [img.tobytes() for img in digits_test.images.numpy()]
+    # sklearn digits has a few exact duplicate images; allow none beyond those
+    from sklearn.datasets import load_digits
+
+    raw = load_digits().images.reshape(1797, -1)
+    n_dup = 1797 - len(np.unique(raw, axis=0))
+    assert sum(t in tr for t in te) <= n_dup
+    counts_test = np.bincount(digits_test.labels, minlength=10)
+    counts_all = counts_test + np.bincount(digits_train.labels, minlength=10)
+    assert np.all(np.abs(counts_test - 0.2 * counts_all) <= 1)
+
+
+def test_fingerprint_stable_and_split_specific(digits_train: ImageData, digits_test: ImageData) -> None:
+    again = load_dataset(dcfg(), "train")
+    assert again.fingerprint == digits_train.fingerprint
+    assert len(digits_train.fingerprint) == 32 and int(digits_train.fingerprint, 16) >= 0
+    assert digits_train.fingerprint != digits_test.fingerprint
+    assert load_dataset(dcfg(image_size=16), "train").fingerprint != digits_train.fingerprint
+
+
+def test_train_limit_is_stratified_deterministic_and_train_only(digits_test: ImageData) -> None:
+    a = load_dataset(dcfg(train_limit=100), "train", seed=1)
+    b = load_dataset(dcfg(train_limit=100), "train", seed=1)
+    c = load_dataset(dcfg(train_limit=100), "train", seed=2)
+    assert len(a) == 100
+    assert a.fingerprint == b.fingerprint and a.fingerprint != c.fingerprint
+    full = load_dataset(dcfg(), "train")
+    share = np.bincount(full.labels, minlength=10) * 100 / len(full)
+    assert np.all(np.abs(np.bincount(a.labels, minlength=10) - share) < 1)
+    assert load_dataset(dcfg(train_limit=100), "test").fingerprint == digits_test.fingerprint
+    assert len(load_dataset(dcfg(train_limit=10**6), "train")) == len(full)
+
+
+def test_stratified_subset_largest_remainder_by_hand() -> None:
+    labels = np.array([0] * 6 + [1] * 3 + [2] * 1)
+    # quotas 3.0 / 1.5 / 0.5 -> floors 3/1/0, one left: tie 0.5 vs 0.5 goes to the lower class (1)
+    idx = stratified_subset(labels, 5, seed=0)
+    assert np.bincount(labels[idx], minlength=3).tolist() == [3, 2, 0]
+    assert np.all(np.diff(idx) > 0)
+    assert np.array_equal(idx, stratified_subset(labels, 5, seed=0))
+    with pytest.raises(ValueError, match="n=11"):
+        stratified_subset(labels, 11, seed=0)
+
+
+# =========================================================================== transforms
+
+
+def test_eval_transform_normalises_training_pixels(digits_train: ImageData) -> None:
+    t = eval_transform(digits_train)
+    x = torch.stack([t(img) for img in digits_train.images])
+    assert x.dtype == torch.float32 and x.shape == digits_train.images.shape
+    assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3
+    assert torch.equal(t(digits_train.images[5]), t(digits_train.images[5]))  # deterministic
+    assert not t.random
+
+
+def test_train_transform_crop_pad_keeps_size_and_is_a_shifted_window() -> None:
+    t = ImageTransform((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), crop_padding=4)
+    img = torch.randint(1, 256, (3, 12, 12), dtype=torch.uint8)  # no zeros: padding is visible
+    padded = torch.nn.functional.pad(img, (4, 4, 4, 4))
+    g = torch.Generator().manual_seed(0)
+    offsets = set()
+    for _ in range(40):
+        out = (t(img, g) * 255).round().to(torch.uint8)
+        assert out.shape == img.shape
+        hits = [(i, j) for i in range(9) for j in range(9) if torch.equal(padded[:, i:i + 12, j:j + 12], out)]
+        assert len(hits) == 1
+        offsets.add(hits[0])
+    assert len(offsets) > 10  # offsets actually vary
+
+
+def test_flip_policy_and_flip_draws() -> None:
+    t = ImageTransform((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), flip=True)
+    img = torch.arange(3 * 4 * 4, dtype=torch.uint8).view(3, 4, 4)
+    g = torch.Generator().manual_seed(0)
+    outs = [(t(img, g) * 255).round().to(torch.uint8) for _ in range(30)]
+    assert {torch.equal(o, img) for o in outs} == {True, False}
+    assert all(torch.equal(o, img) or torch.equal(o, img.flip(-1)) for o in outs)
+
+    digits = load_dataset(dcfg(train_limit=20), "train")
+    assert train_transform(digits).flip is False  # a mirrored digit is not that digit
+    assert train_transform(digits).crop_padding == 4
+    cifar_like = dataclasses.replace(digits, name="cifar10")
+    assert train_transform(cifar_like).flip is True
+
+
+# =========================================================================== dataset + loader
+
+
+def test_indexed_dataset_returns_position_in_data(digits_train: ImageData) -> None:
+    indices = np.array([7, 3, 100, 1437])
+    ds = IndexedDataset(digits_train, indices, eval_transform(digits_train))
+    assert len(ds) == 4
+    x, y, idx = ds[2]
+    assert int(idx) == 100 and idx.dtype == torch.int64
+    assert int(y) == digits_train.labels[100] and y.dtype == torch.int64
+    assert torch.equal(x, eval_transform(digits_train)(digits_train.images[100]))
+    with pytest.raises(IndexError):
+        IndexedDataset(digits_train, np.array([len(digits_train)]), eval_transform(digits_train))
+
+
+def _batches(loader) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return [tuple(t.clone() for t in b) for b in loader]
+
+
+def test_loader_is_deterministic_in_its_seed(digits_train: ImageData) -> None:
+    indices = np.arange(0, 200, 2)
+    torch.manual_seed(0)
+    a = _batches(make_loader(digits_train, indices, train=True, batch_size=32, seed=5))
+    torch.manual_seed(999)  # the global RNG must not matter
+    b = _batches(make_loader(digits_train, indices, train=True, batch_size=32, seed=5))
+    c = _batches(make_loader(digits_train, indices, train=True, batch_size=32, seed=6))
+    assert [x.shape[0] for x, _, _ in a] == [32, 32, 32, 4]
+    for (xa, ya, ia), (xb, yb, ib) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and torch.equal(ia, ib)
+    seen = torch.cat([i for _, _, i in a])
+    assert sorted(seen.tolist()) == indices.tolist()  # every index once per epoch
+    assert not torch.equal(seen, torch.cat([i for _, _, i in c]))
+    for x, y, i in a:
+        assert torch.equal(y, torch.from_numpy(digits_train.labels[i.numpy()]))
+
+
+def test_eval_loader_is_ordered_and_unaugmented(digits_test: ImageData) -> None:
+    loader = make_loader(digits_test, np.arange(len(digits_test)), train=False, batch_size=100, seed=0)
+    x, y, i = next(iter(loader))
+    assert i.tolist() == list(range(100))
+    t = eval_transform(digits_test)
+    assert torch.equal(x[7], t(digits_test.images[7]))
+
+
+def test_train_loader_without_augment_is_shuffled_but_clean(digits_test: ImageData) -> None:
+    loader = make_loader(digits_test, np.arange(50), train=True, batch_size=50, seed=0, augment=False)
+    x, _, i = next(iter(loader))
+    assert i.tolist() != list(range(50))
+    t = eval_transform(digits_test)
+    assert all(torch.equal(x[k], t(digits_test.images[int(i[k])])) for k in range(50))
+
+
+def test_loader_with_workers_is_deterministic(digits_test: ImageData) -> None:
+    run = [
+        _batches(make_loader(digits_test, np.arange(64), train=True, batch_size=16, seed=3, num_workers=2))
+        for _ in range(2)
+    ]
+    for (xa, _, ia), (xb, _, ib) in zip(*run):
+        assert torch.equal(xa, xb) and torch.equal(ia, ib)
+
+
+# =========================================================================== image folder
+
+
+def _png(path: Path, rgb: tuple[int, int, int], size: tuple[int, int] = (10, 6)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, rgb).save(path)
+
+
+COLOURS = {"cat": (200, 10, 10), "dog_house": (10, 200, 10), "zebra": (10, 10, 200)}
+
+
+def test_image_folder_without_split_folders(tmp_path: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(5):
+            _png(tmp_path / cls / f"{k}.png", rgb)
+    (tmp_path / "cat" / "notes.txt").write_text("not an image")
+    (tmp_path / ".hidden").mkdir()
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
+    assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
+    assert tr.class_names == ["cat", "dog house", "zebra"]
+    assert (len(tr), len(te)) == (12, 3)
+    assert np.bincount(te.labels).tolist() == [1, 1, 1]
+    for d in (tr, te):
+        assert d.images.shape[1:] == (3, 8, 8)  # non-square 10x6 -> 8x8 (shorter side, centre crop)
+        for img, y in zip(d.images, d.labels):
+            want = torch.tensor(COLOURS[["cat", "dog_house", "zebra"][y]], dtype=torch.uint8)
+            assert torch.equal(img[:, 4, 4], want)
+    assert load_dataset(cfg, "test").fingerprint == te.fingerprint
+
+
+def test_image_folder_with_split_folders(tmp_path: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(3):
+            _png(tmp_path / "train" / cls / f"{k}.png", rgb, (8, 8))
+    _png(tmp_path / "val" / "zebra" / "a.jpg", COLOURS["zebra"], (8, 8))
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
+    assert (len(tr), len(te)) == (9, 1)
+    assert te.class_names == tr.class_names and te.labels.tolist() == [2]  # label from train's class list
+    assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
+    # a node's own folder numbered by the federation's class list (here it lacks "cat" and adds "auk")
+    fed = load_dataset(cfg, "train", classes=["auk", "cat", "dog_house", "zebra"])
+    assert fed.class_names == ["auk", "cat", "dog house", "zebra"]
+    assert sorted(set(fed.labels.tolist())) == [1, 2, 3]
+    with pytest.raises(ValueError, match="'zebra' is not one of the classes"):
+        load_dataset(cfg, "train", classes=["cat", "dog_house"])
+    with pytest.raises(ValueError, match="only for dataset 'image-folder'"):
+        load_dataset(dcfg(), "train", classes=["a"])
+    _png(tmp_path / "val" / "unicorn" / "a.png", (1, 2, 3))
+    with pytest.raises(ValueError, match="unicorn"):
+        load_dataset(cfg, "test")
+
+
+def test_image_folder_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(DatasetUnavailableError, match=str(missing)):
+        load_dataset(dcfg(name="image-folder", data_dir=str(missing)), "train")
+    with pytest.raises(DatasetUnavailableError, match="no class subfolders"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+    _png(tmp_path / "a" / "0.png", (1, 1, 1))
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="'b'.*no images"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DatasetUnavailableError, match="neither test/ nor val/"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+
+
+# =========================================================================== hub datasets
+
+
+def test_cifar10_offline_without_cache_fails_fast_with_one_actionable_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    # A Hub endpoint that refuses at once: the test never downloads, even on a machine with internet.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    data_dir = tmp_path / "empty"
+    data_dir.mkdir()
+    with pytest.raises(DatasetUnavailableError) as err:
+        load_dataset(dcfg(name="cifar10", data_dir=str(data_dir)), "train")
+    msg = str(err.value)
+    assert "'cifar10'" in msg and "uoft-cs/cifar10" in msg and str(data_dir) in msg
+    assert "internet" in msg and "cifar-10-batches-py" in msg and "unreachable" in msg and "\n" not in msg
+    assert list(data_dir.iterdir()) == []  # nothing half-written
+
+
+def test_offline_env_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetUnavailableError) as err:
+        load_dataset(dcfg(name="tiny-imagenet", data_dir=str(tmp_path)), "test")
+    assert "offline mode is set" in str(err.value) and "zh-plus/tiny-imagenet" in str(err.value)
+
+
+def _write_hf_cache(root: Path, repo: str, features, splits: dict[str, dict[str, list]]) -> None:
+    """Write splits where ``datasets.load_dataset(repo, cache_dir=root)`` finds them offline."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.naming import camelcase_to_snakecase, filenames_for_dataset_split
+
+    namespace, name = repo.split("/")
+    d = root / f"{namespace}___{camelcase_to_snakecase(name)}" / "default" / "0.0.0" / "0123456789abcdef"
+    d.mkdir(parents=True)
+    infos = {}
+    for split, columns in splits.items():
+        table = datasets.Dataset.from_dict(columns, features=features).data.table
+        (path,) = filenames_for_dataset_split(str(d), name, split, "arrow")
+        with ArrowWriter(features=features, path=path) as w:
+            w.write_table(table)
+            w.finalize()
+        infos[split] = datasets.SplitInfo(split, num_examples=table.num_rows, dataset_name=name)
+    datasets.DatasetInfo(features=features, config_name="default", dataset_name=name,
+                         splits=datasets.SplitDict(infos)).write_to_directory(str(d))
+
+
+def _solid(value: int, size: int = 32, mode: str = "RGB") -> Image.Image:
+    return Image.new(mode, (size, size), value if mode == "L" else (value, 255 - value, 7))
+
+
+CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def test_cifar10_from_hf_cache_and_decoded_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from datasets import ClassLabel, Features
+    from datasets import Image as HFImage
+
+    feats = Features({"img": HFImage(), "label": ClassLabel(names=CIFAR10_NAMES)})
+    _write_hf_cache(tmp_path, "uoft-cs/cifar10", feats, {
+        "train": {"img": [_solid(10 * k) for k in range(6)], "label": [0, 1, 2, 9, 1, 0]},
+        "test": {"img": [_solid(3)], "label": [9]},
+    })
+    cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
+    tr = load_dataset(cfg, "train")
+    assert tr.class_names == CIFAR10_NAMES and tr.labels.tolist() == [0, 1, 2, 9, 1, 0]
+    assert tr.images.shape == (6, 3, 32, 32)
+    assert tr.images[4, :, 0, 0].tolist() == [40, 215, 7]  # order and RGB channels kept
+    assert tr.mean == (0.4914, 0.4822, 0.4465)
+    cached = list((tmp_path / "feddifrc-decoded").glob("cifar10-train-32px-*.npz"))
+    assert len(cached) == 1
+
+    # second load comes from the decoded cache: same content
+    assert load_dataset(cfg, "train").fingerprint == tr.fingerprint
+    # a corrupted cache is detected and rebuilt, not trusted
+    cached[0].write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING, logger="feddifrc_app.dataset"):
+        assert load_dataset(cfg, "train").fingerprint == tr.fingerprint
+    assert "rebuilding" in caplog.text
+
+    small = load_dataset(dataclasses.replace(cfg, image_size=16), "test")
+    assert small.images.shape == (1, 3, 16, 16) and small.images[0, :, 5, 5].tolist() == [3, 252, 7]
+
+
+def test_cifar100_names_fixed_and_spaced(tmp_path: Path) -> None:
+    from datasets import ClassLabel, Features
+    from datasets import Image as HFImage
+
+    names = ["apple", "aquarium_fish", "cra", "maple_tree"]
+    feats = Features({"img": HFImage(), "fine_label": ClassLabel(names=names),
+                      "coarse_label": ClassLabel(num_classes=2)})
+    _write_hf_cache(tmp_path, "uoft-cs/cifar100", feats, {
+        "test": {"img": [_solid(1), _solid(2)], "fine_label": [2, 3], "coarse_label": [1, 0]},
+    })
+    te = load_dataset(dcfg(name="cifar100", data_dir=str(tmp_path)), "test")
+    assert te.class_names == ["apple", "aquarium fish", "crab", "maple tree"]
+    assert te.labels.tolist() == [2, 3]  # the fine label
+
+
+def test_tiny_imagenet_names_follow_label_order_by_wnid(tmp_path: Path) -> None:
+    from datasets import ClassLabel, Features
+    from datasets import Image as HFImage
+
+    # deliberately NOT sorted: names must be looked up by wnid, not by position
+    wnids = ["n02124075", "n01443537", "n07646821"]
+    feats = Features({"image": HFImage(), "label": ClassLabel(names=wnids)})
+    _write_hf_cache(tmp_path, "zh-plus/tiny-imagenet", feats, {
+        "valid": {"image": [_solid(50, 64), _solid(9, 64, mode="L")], "label": [0, 2]},
+    })
+    te = load_dataset(dcfg(name="tiny-imagenet", data_dir=str(tmp_path)), "test")  # "test" = hub "valid"
+    assert te.class_names == ["Egyptian cat", "goldfish", "goose"]
+    assert te.images.shape == (2, 3, 32, 32)  # 64 -> 32
+    assert te.images[1, :, 3, 3].tolist() == [9, 9, 9]  # greyscale -> RGB
+
+
+def _write_torchvision_cifar10(root: Path, per_batch: int = 2) -> np.ndarray:
+    d = root / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    rng = np.random.RandomState(0)
+    everything = []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.randint(0, 256, (per_batch, 3072)).astype(np.uint8)
+        everything.append(data)
+        with open(d / name, "wb") as f:
+            pickle.dump({b"data": data, b"labels": list(rng.randint(0, 10, per_batch))}, f)
+    with open(d / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [n.encode() for n in CIFAR10_NAMES]}, f)
+    return np.concatenate(everything)
+
+
+def test_cifar10_from_torchvision_batches(tmp_path: Path) -> None:
+    raw = _write_torchvision_cifar10(tmp_path)
+    cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
+    tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
+    assert (len(tr), len(te)) == (10, 2) and tr.class_names == CIFAR10_NAMES
+    # rows are channel-major 3x32x32, batches in order
+    assert np.array_equal(tr.images.numpy().reshape(10, -1), raw[:10])
+    assert np.array_equal(te.images.numpy().reshape(2, -1), raw[10:])
+    os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
+    for f in (tmp_path / "feddifrc-decoded").iterdir():
+        f.unlink()
+    with pytest.raises(DatasetUnavailableError, match="data_batch_3"):
+        load_dataset(cfg, "train")
+
+
+def test_tiny_imagenet_words_table_matches_imagenet_order() -> None:
+    """200 sorted wnids; names appear in torchvision's ImageNet-1k categories in wnid order."""
+    from torchvision.models import ResNet18_Weights
+
+    wnids = list(TINY_IMAGENET_WORDS)
+    assert len(wnids) == 200 == len(set(wnids)) and wnids == sorted(wnids)
+    assert TINY_IMAGENET_CLASS_NAMES[0] == "goldfish" and len(set(TINY_IMAGENET_CLASS_NAMES)) == 200
+    categories = [c.lower() for c in ResNet18_Weights.IMAGENET1K_V1.meta["categories"]]
+    # ImageNet-1k class index order is sorted-wnid order; map the 18 homonym wnids first
+    in_1k_order = sorted((TINY_TO_IMAGENET1K.get(w, w), TINY_IMAGENET_WORDS[w]) for w in wnids)
+    pos = -1
+    for _, name in in_1k_order:
+        pos = categories.index(name.lower(), pos + 1)  # ValueError = wrong name or order
+
+
+# =========================================================================== flwr-datasets adapter
+
+
+def _hf_table(n: int):
+    import datasets
+
+    return datasets.Dataset.from_dict({"row": list(range(n)), "label": [k % 3 for k in range(n)]})
+
+
+def test_index_partitioner_loads_the_given_rows() -> None:
+    parts = [np.array([4, 0, 7]), np.array([], dtype=np.int64), np.array([1, 2, 3, 5, 6])]
+    p = IndexPartitioner(parts)
+    assert p.num_partitions == 3
+    with pytest.raises(AttributeError):
+        p.load_partition(0)  # no dataset assigned yet
+    p.dataset = _hf_table(8)
+    assert p.load_partition(0)["row"] == [4, 0, 7]
+    assert len(p.load_partition(1)) == 0
+    assert p.load_partition(2)["label"] == [1, 2, 0, 2, 0]
+    assert p.partition_indices(0).tolist() == [4, 0, 7]
+    with pytest.raises(IndexError):
+        p.load_partition(3)
+
+
+def test_index_partitioner_validates() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        IndexPartitioner([np.array([0, 1]), np.array([1, 2])])
+    with pytest.raises(ValueError, match="negative"):
+        IndexPartitioner([np.array([-1])])
+    with pytest.raises(ValueError, match="integer"):
+        IndexPartitioner([np.array([0.5])])
+    p = IndexPartitioner([np.array([0, 9])])
+    p.dataset = _hf_table(5)
+    with pytest.raises(IndexError, match="index 9"):
+        p.load_partition(0)
+
+
+def test_index_partitioner_with_partition_indices(digits_train: ImageData) -> None:
+    from feddifrc_app.partition import partition_indices
+
+    parts = partition_indices(digits_train.labels, 4, name="iid", alpha=0.5, classes_per_client=2,
+                              imb_factor=1.0, seed=7)
+    p = IndexPartitioner(parts)
+    p.dataset = _hf_table(len(digits_train))
+    rows = sorted(r for k in range(4) for r in p.load_partition(k)["row"])
+    assert rows == list(range(len(digits_train)))
+
+
+# =========================================================================== a node's share
+
+
+def test_client_split_partitions_the_benchmark_train_set() -> None:
+    from feddifrc_app.partition import partition_indices
+
+    cfg = make_config(dataset__train_limit=300, partition__name="dirichlet", partition__alpha=0.5)
+    seen = []
+    for pid in range(3):
+        data, ids = client_split(cfg, load_node_config({"partition-id": pid, "num-partitions": 3}))
+        assert len(data) == 300 and data.split == "train"
+        seen.append(ids)
+    want = partition_indices(data.labels, 3, name="dirichlet", alpha=0.5, classes_per_client=2,
+                             imb_factor=1.0, seed=cfg.seed)
+    assert all(np.array_equal(a, b) for a, b in zip(seen, want))
+    assert sorted(np.concatenate(seen).tolist()) == list(range(300))
+    seen[0][:] = -1  # callers get copies: the memoised partition is untouched
+    assert client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": 3}))[1].min() >= 0
+
+
+def test_client_split_uses_a_nodes_own_folder(tmp_path: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(2):
+            _png(tmp_path / cls / f"{k}.png", rgb, (8, 8))
+    cfg = make_config(dataset__image_size=8)  # run config says digits; the node brings its own images
+    data, ids = client_split(cfg, load_node_config({"data-dir": str(tmp_path)}))
+    assert data.name == "image-folder" and data.class_names == ["cat", "dog house", "zebra"]
+    assert ids.tolist() == list(range(len(data))) and len(data) == 5  # 6 images, fixed 80/20 -> 5 train

@@ -1,0 +1,281 @@
+"""A real loopback deployment: TLS, SuperNode authentication, `flwr run`, a node lost mid-run.
+
+Processes (all killed by PID, with their children, even when a test fails):
+``flower-superlink`` with TLS (certificates from ``scripts/make_certs.sh``) and
+``--enable-supernode-auth``; two ``flower-supernode``s whose public keys are
+registered with ``flwr supernode register``, each with its own Runtime API port,
+its own TLS Runtime API certificate and ``--node-config "partition-id=i
+num-partitions=2 cache-dir=..."``; a third SuperNode with an unregistered key.
+Everything listens on 127.0.0.1 at ports chosen at run time, under an isolated
+FLWR_HOME. See tests/flower_procs.py for the process harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flower_procs import FlowerProc, FlowerProcs, cmdline, descendants, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MAKE_CERTS = ROOT / "scripts" / "make_certs.sh"
+CONN = "deploy-test"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("flower-superlink") is None or shutil.which("flower-supernode") is None,
+        reason="flower-superlink / flower-supernode are not installed",
+    ),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="make_certs.sh needs openssl"),
+]
+
+
+def make_certs(out: Path, nodes: int, *sans: str) -> Path:
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "-o", str(out), "-n", str(nodes), *sans],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out
+
+
+@dataclass
+class Deployment:
+    """A TLS + SuperNode-auth SuperLink on 127.0.0.1 and the SuperNodes started against it."""
+
+    procs: FlowerProcs
+    certs: Path
+    port: int
+    node_ids: dict[int, int] = field(default_factory=dict)  # supernode index -> registered id
+
+    def register(self, i: int) -> int:
+        """`flwr supernode register` supernode-i's public key; returns the node id."""
+        answer = self.procs.flwr_json(
+            ["supernode", "register", str(self.certs / f"supernode-{i}" / "auth.key.pub"), CONN]
+        )
+        assert answer.get("success"), answer
+        self.node_ids[i] = int(answer["node-id"])
+        return self.node_ids[i]
+
+    def start_supernode(self, i: int, num_partitions: int, cache_root: Path) -> FlowerProc:
+        """SuperNode i (partition i-1): TLS to the SuperLink, its auth key, a TLS Runtime API."""
+        node_dir = self.certs / f"supernode-{i}"
+        runtime_port = free_port()
+        cache = cache_root / f"cache-{i}"
+        argv = [
+            "flower-supernode",
+            "--superlink", f"127.0.0.1:{self.port}",
+            "--root-certificates", str(self.certs / "ca.crt"),
+            "--auth-supernode-private-key", str(node_dir / "auth.key"),
+            "--host", "127.0.0.1",
+            "--port", str(runtime_port),
+            "--ssl-certfile", str(node_dir / "runtime.pem"),
+            "--ssl-keyfile", str(node_dir / "runtime.key"),
+            "--ssl-ca-certfile", str(self.certs / "ca.crt"),
+            "--node-config",
+            f'partition-id={i - 1} num-partitions={num_partitions} cache-dir="{cache}"',
+        ]  # fmt: skip
+        return self.procs.start(f"supernode-{i}", argv, ready_port=runtime_port)
+
+
+@contextlib.contextmanager
+def deploy(workdir: Path, registered: int = 2, total_keys: int = 3) -> Iterator[Deployment]:
+    """SuperLink (TLS, --enable-supernode-auth) with `registered` keys registered, nodes online."""
+    certs = make_certs(workdir / "certs", total_keys)
+    with FlowerProcs(workdir / "flower") as procs:
+        try:
+            port = free_port()
+            procs.start(
+                "superlink",
+                [
+                    "flower-superlink",
+                    "--ssl-ca-certfile", str(certs / "ca.crt"),
+                    "--ssl-certfile", str(certs / "superlink" / "server.pem"),
+                    "--ssl-keyfile", str(certs / "superlink" / "server.key"),
+                    "--enable-supernode-auth",
+                    "--host", "127.0.0.1",
+                    "--port", str(port),
+                    "--database", str(workdir / "superlink-state.db"),
+                    "--disable-runtime-dependency-installation",
+                ],  # fmt: skip
+                ready_port=port,
+            )
+            procs.add_connection(CONN, f"127.0.0.1:{port}", root_certificates=certs / "ca.crt")
+            dep = Deployment(procs, certs, port)
+            for i in range(1, registered + 1):
+                dep.register(i)
+            for i in range(1, registered + 1):
+                dep.start_supernode(i, registered, workdir / "node-cache")
+            procs.wait_for_nodes_online(CONN, registered, timeout=90)
+            yield dep
+        except BaseException:
+            print(procs.report())
+            raise
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    with deploy(tmp_path_factory.mktemp("deployment")) as dep:
+        yield dep
+
+
+# ----------------------------------------------------------------------------- TLS and auth
+
+
+def _handshake(port: int, cafile: Path, server_hostname: str) -> dict[str, Any]:
+    ctx = ssl.create_default_context(cafile=str(cafile))
+    # Python >= 3.13 verifies strictly by default (the images may run it): check that here too.
+    ctx.verify_flags |= getattr(ssl, "VERIFY_X509_STRICT", 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        with ctx.wrap_socket(sock, server_hostname=server_hostname) as tls:
+            return tls.getpeercert()
+
+
+def test_superlink_serves_tls_with_the_dev_ca(deployment: Deployment, tmp_path: Path) -> None:
+    # Every name the SuperNodes, SuperExecs and the CLI may dial (make_certs.sh SANs).
+    for name in ("127.0.0.1", "localhost", "superlink"):
+        cert = _handshake(deployment.port, deployment.certs / "ca.crt", name)
+        assert ("DNS", "superlink") in cert["subjectAltName"]
+    # A name outside the SANs and a foreign CA are both rejected.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _handshake(deployment.port, deployment.certs / "ca.crt", "elsewhere.example.org")
+    other = make_certs(tmp_path / "other-ca", 0)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _handshake(deployment.port, other / "ca.crt", "localhost")
+
+
+def test_registered_supernodes_are_online(deployment: Deployment) -> None:
+    nodes = {int(n["node-id"]): n["status"] for n in deployment.procs.nodes(CONN)}
+    assert set(deployment.node_ids.values()) <= set(nodes)
+    assert all(nodes[nid] == "online" for nid in deployment.node_ids.values()), nodes
+
+
+def test_unregistered_supernode_is_refused(deployment: Deployment, tmp_path: Path) -> None:
+    before = {int(n["node-id"]) for n in deployment.procs.nodes(CONN)}
+    proc = deployment.start_supernode(3, 2, tmp_path)  # supernode-3's key was never registered
+    rc = proc.wait(timeout=90)
+    log = proc.text()
+    assert rc != 0, log
+    assert "Failed to activate SuperNode" in log, log
+    after = deployment.procs.nodes(CONN)
+    assert {int(n["node-id"]) for n in after} == before, after
+    assert sum(n["status"] == "online" for n in after) == 2, after
+
+
+def test_supernode_auth_requires_tls(tmp_path: Path) -> None:
+    with FlowerProcs(tmp_path / "flower") as procs:
+        port = free_port()
+        proc = procs.start(
+            "superlink-insecure",
+            ["flower-superlink", "--insecure", "--enable-supernode-auth", "--port", str(port)],
+        )
+        assert proc.wait(timeout=60) != 0
+        assert "requires encrypted TLS" in proc.text(), proc.text()
+
+
+# ----------------------------------------------------------------------------- a real run
+
+APP_FILES = [ROOT / "feddifrc_app" / "server_app.py", ROOT / "feddifrc_app" / "client_app.py"]
+ROUNDS = 3
+KILLED = 2  # supernode index killed mid-run (partition-id 1)
+
+
+def _results(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int) -> Any:
+    """Poll ``pred()`` until truthy; fail early (with logs) if the run finishes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        status = dep.procs.run_info(run_id, CONN)["status"]
+        if str(status).startswith("finished"):
+            value = pred()
+            if value:
+                return value
+            pytest.fail(f"run finished ({status}) before {what}\n{dep.procs.run_log(run_id, CONN)[-6000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}\n"
+                f"{dep.procs.run_log(run_id, CONN)[-6000:]}\n{dep.procs.report()}")
+
+
+@pytest.mark.skipif(
+    not all(p.exists() for p in APP_FILES),
+    reason="feddifrc_app.server_app / client_app are not written yet",
+)
+def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> None:
+    out = tmp_path / "outputs"
+    run_config = (
+        f'method="fedavg" num-server-rounds={ROUNDS} dataset.train-limit=200 '
+        f"train.local-epochs=1 strategy.round-timeout=60 fraction-train=1.0 "
+        f'outputs-dir="{out}" run-name="x"'
+    )
+    results_path = out / "x" / "results.json"
+    t0 = time.monotonic()
+    with deploy(tmp_path, registered=2, total_keys=2) as dep:
+        t_up = time.monotonic() - t0
+        run_id = dep.procs.submit_run(ROOT, CONN, run_config)
+
+        # Round 1 completes with both nodes.
+        def round_done(n: int) -> Any:
+            res = _results(results_path)
+            return res if res and any(r["round"] == n for r in res["rounds"]) else None
+
+        _wait_for(lambda: round_done(1), "round 1 in results.json", 420, dep, run_id)
+        t_r1 = time.monotonic() - t0
+
+        # Kill supernode-2 (and its ClientApp) hard while it works on the next round.
+        node = dep.procs.procs[f"supernode-{KILLED}"]
+
+        def clientapp_running() -> bool:
+            return any("flwr-clientapp" in cmdline(p) for p in descendants(node.pid))
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not clientapp_running():
+            time.sleep(0.1)
+        dep.procs.kill(f"supernode-{KILLED}", sig=signal.SIGKILL)
+        t_kill = time.monotonic() - t0
+
+        info = dep.procs.wait_for_run(run_id, CONN, timeout=600)
+        t_done = time.monotonic() - t0
+        log = dep.procs.run_log(run_id, CONN)
+        assert info["status"] == "finished:completed", f"{info}\n{log[-6000:]}\n{dep.procs.report()}"
+
+    res = _results(results_path)
+    assert res is not None, f"no results.json at {results_path}\n{log}"
+    rounds = {r["round"]: r for r in res["rounds"]}
+    assert sorted(rounds) == list(range(ROUNDS + 1)), res["rounds"]
+    assert rounds[1]["failures"] == [], rounds[1]
+    assert sorted(rounds[1]["nodes"]) == [0, 1], rounds[1]
+    later = [rounds[n] for n in range(2, ROUNDS + 1)]
+    lost = [f for r in later for f in r["failures"]]
+    assert lost, f"the killed node's failure is not recorded: {later}\n{log}"
+    assert all(f["partition-id"] == KILLED - 1 for f in lost), lost
+    # The run went on with the surviving node, and every round was evaluated.
+    assert all(isinstance(r["test-accuracy"], float) for r in rounds.values()), res["rounds"]
+    print(
+        f"deployment up {t_up:.1f}s, round 1 done {t_r1:.1f}s, node killed {t_kill:.1f}s, "
+        f"run finished {t_done:.1f}s (rounds: "
+        + ", ".join(f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed"
+                    for r in res["rounds"][1:])
+        + ")"
+    )

@@ -1,0 +1,174 @@
+"""The frozen teacher loader and the embedded tiny SD pipeline (offline, CPU, real diffusers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from feddifrc_app.diffusion.pipeline import (
+    Teacher,
+    TeacherLoadError,
+    build_tiny_pipeline,
+    load_teacher,
+    resolve_device,
+    teacher_identity,
+    resolve_dtype,
+    weights_hash,
+)
+
+CPU = torch.device("cpu")
+
+
+def tree_hashes(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Shared with test_featurizer.py: the tiny model is built once per session.
+    d = tmp_path_factory.getbasetemp() / "feddifrc-tiny-cache"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def teacher(cache_dir: Path) -> Teacher:
+    return load_teacher("tiny", cache_dir, CPU, torch.float32)
+
+
+# --------------------------------------------------------------------------- tiny build
+
+
+def test_tiny_build_is_byte_identical_per_seed_and_atomic(tmp_path: Path) -> None:
+    a = build_tiny_pipeline(tmp_path / "a", seed=0)
+    b = build_tiny_pipeline(tmp_path / "b", seed=0)
+    c = build_tiny_pipeline(tmp_path / "c", seed=1)
+    ha, hb, hc = tree_hashes(a), tree_hashes(b), tree_hashes(c)
+    assert ha == hb
+    assert "unet/diffusion_pytorch_model.safetensors" in ha
+    assert ha["unet/diffusion_pytorch_model.safetensors"] != hc["unet/diffusion_pytorch_model.safetensors"]
+    assert weights_hash(a) == weights_hash(b) != weights_hash(c)
+    # labelled as random weights, in diffusers format, no temp folders left behind
+    marker = json.loads((a / "feddifrc.json").read_text())
+    assert marker["random_weights"] is True and marker["seed"] == 0
+    assert "RANDOM" in (a / "README.md").read_text()
+    assert json.loads((a / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+    # idempotent: an existing complete build is kept as is
+    assert build_tiny_pipeline(tmp_path / "a", seed=0) == a and tree_hashes(a) == ha
+
+
+def test_tiny_build_replaces_a_stale_folder(tmp_path: Path) -> None:
+    stale = tmp_path / "m"
+    stale.mkdir()
+    (stale / "junk.txt").write_text("half-copied")
+    out = build_tiny_pipeline(stale, seed=0)
+    assert not (out / "junk.txt").exists() and (out / "model_index.json").is_file()
+
+
+# --------------------------------------------------------------------------- load_teacher
+
+
+def test_load_tiny_teacher_is_frozen_and_encode_only(teacher: Teacher, cache_dir: Path) -> None:
+    assert teacher.model_id == "tiny-seed0" and teacher.random_weights is True
+    assert (cache_dir / "models" / "tiny-seed0" / "model_index.json").is_file()
+    assert teacher.device == CPU and teacher.dtype == torch.float32
+    assert teacher.vae.decoder is None and getattr(teacher.vae, "post_quant_conv", None) is None
+    for mod in (teacher.unet, teacher.vae, teacher.text_encoder):
+        assert all(not p.requires_grad for p in mod.parameters())
+        assert all(not m.training for m in mod.modules())
+        assert all(p.dtype == torch.float32 for p in mod.parameters())
+    assert len(teacher.tokenizer) >= 100
+    assert teacher.tokenizer.model_max_length == 77
+    assert teacher.text_width == 32
+    # up_blocks[1..3] cover the default PCA widths 256/128/128
+    assert teacher.block_channels == (64, 256, 128, 128)
+    assert teacher.alphas_cumprod.shape == (1000,)
+    # SD's scaled_linear schedule: beta_1 = 0.00085, beta_1000 = 0.012
+    assert teacher.alphas_cumprod[0].item() == pytest.approx(1 - 0.00085, rel=1e-6)
+    assert teacher.vae_scale_factor == 2 and teacher.latent_channels == 4
+
+
+def test_load_teacher_is_memoised_and_hash_is_stable(teacher: Teacher, cache_dir: Path) -> None:
+    assert load_teacher("tiny", cache_dir, CPU, torch.float32) is teacher
+    folder = cache_dir / "models" / "tiny-seed0"
+    assert teacher.weights_hash == weights_hash(folder)
+    assert len(teacher.weights_hash) == 64
+    # the same files loaded as a plain local folder: same weights, id = absolute path
+    by_path = load_teacher(str(folder), cache_dir, CPU, torch.float32)
+    assert by_path is not teacher
+    assert by_path.model_id == str(folder.resolve()) and by_path.random_weights is False
+    assert by_path.weights_hash == teacher.weights_hash
+    # the identity (for cache keys) is known without loading, and agrees with the loaded teacher
+    ident = teacher_identity("tiny", cache_dir)
+    assert (ident.model_id, ident.weights_hash, ident.random_weights) == ("tiny-seed0", teacher.weights_hash, True)
+    assert ident.folder == folder.resolve()
+
+
+def test_missing_local_folder_is_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(TeacherLoadError) as ei:
+        load_teacher(str(missing), tmp_path, CPU, torch.float32)
+    msg = str(ei.value)
+    assert str(missing) in msg and "does not exist" in msg and "\n" not in msg
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TeacherLoadError, match="model_index.json"):
+        load_teacher(str(tmp_path / "empty"), tmp_path, CPU, torch.float32)
+
+
+def test_uncached_hub_id_offline_fails_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = "feddifrc-tests/not-a-cached-model"
+    start = time.monotonic()
+    with pytest.raises(TeacherLoadError) as ei:
+        load_teacher(model, tmp_path, CPU, torch.float32)
+    assert time.monotonic() - start < 10
+    msg = str(ei.value)
+    assert model in msg and "hf download" in msg and "\n" not in msg
+
+
+def test_empty_tokenizer_is_an_error(tmp_path: Path, cache_dir: Path) -> None:
+    src = build_tiny_pipeline(cache_dir / "models" / "tiny-seed0", seed=0)
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    for f in (dst / "tokenizer").iterdir():
+        f.unlink()
+    with pytest.raises(TeacherLoadError) as ei:
+        load_teacher(str(dst), tmp_path, CPU, torch.float32)
+    assert "tokenizer" in str(ei.value) and str(dst) in str(ei.value)
+
+
+# --------------------------------------------------------------------------- device / dtype
+
+
+def test_resolve_device_and_dtype() -> None:
+    assert resolve_device("cpu") == CPU
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    with pytest.raises(TeacherLoadError):
+        resolve_device("tpu")
+    with pytest.raises(TeacherLoadError):
+        resolve_dtype("int8", CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_an_error_not_a_fallback() -> None:
+    with pytest.raises(TeacherLoadError, match="no CUDA"):
+        resolve_device("cuda")
+    with pytest.raises(TeacherLoadError):
+        resolve_device("cuda:0")

@@ -1,0 +1,209 @@
+"""Pooled per-block UNet features from the frozen tiny teacher (offline, CPU, real diffusers)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from feddifrc_app.diffusion.featurizer import Featurizer, noise_seed, to_unit_range
+from feddifrc_app.diffusion.pipeline import Teacher, load_teacher
+
+CPU = torch.device("cpu")
+PROMPTS = ("a photo of a zero", "a photo of a one", "")
+ATOL, RTOL = 2e-4, 1e-3  # float32 reduction order differs between batch sizes/thread counts
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory: pytest.TempPathFactory) -> Teacher:
+    d = tmp_path_factory.getbasetemp() / "feddifrc-tiny-cache"  # shared with test_diffusion_pipeline.py
+    d.mkdir(exist_ok=True)
+    return load_teacher("tiny", d, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(0, 256, (4, 3, 12, 12), generator=g, dtype=torch.uint8)
+
+
+def make(teacher: Teacher, **kw) -> Featurizer:
+    args = dict(resolution=16, timestep=300, blocks=(1, 2, 3), ensemble=1, seed=0)
+    args.update(kw)
+    return Featurizer(teacher, **args)
+
+
+def state_hash(teacher: Teacher) -> str:
+    h = hashlib.sha256()
+    for mod in (teacher.unet, teacher.vae, teacher.text_encoder):
+        for k, v in mod.state_dict().items():
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- pixels
+
+
+def test_to_unit_range_is_exact_on_known_pixels() -> None:
+    img = torch.tensor([0, 255, 51, 204], dtype=torch.uint8).reshape(1, 1, 2, 2).expand(1, 3, 2, 2)
+    out = to_unit_range(img.contiguous(), 2)
+    assert out.dtype == torch.float32 and out.shape == (1, 3, 2, 2)
+    assert out[0, 0, 0, 0].item() == -1.0 and out[0, 0, 0, 1].item() == 1.0  # exact ends
+    expected = torch.tensor([0.0, 255.0, 51.0, 204.0]) / 127.5 - 1.0  # (-1, 1, -0.6, 0.6) in float32
+    assert torch.equal(out[0, 0].flatten(), expected) and torch.equal(out[0, 0], out[0, 2])
+    assert expected[2].item() == pytest.approx(-0.6) and expected[3].item() == pytest.approx(0.6)
+    # resize keeps [-1, 1]; constant images stay constant
+    white = torch.full((2, 3, 8, 8), 255, dtype=torch.uint8)
+    big = to_unit_range(white, 16)
+    assert big.shape == (2, 3, 16, 16) and torch.allclose(big, torch.ones_like(big))
+    rnd = to_unit_range(torch.randint(0, 256, (2, 3, 9, 13), dtype=torch.uint8), 16)
+    assert rnd.min() >= -1 and rnd.max() <= 1
+    # grey images become 3 channels; float input (already scaled) is refused
+    assert to_unit_range(torch.zeros(1, 1, 4, 4, dtype=torch.uint8), 4).shape == (1, 3, 4, 4)
+    with pytest.raises(TypeError):
+        to_unit_range(torch.zeros(1, 3, 4, 4), 4)
+
+
+# --------------------------------------------------------------------------- features
+
+
+def test_block_shapes_and_channels(teacher: Teacher, images: torch.Tensor) -> None:
+    f = make(teacher)
+    out = f(images, torch.arange(4), PROMPTS)
+    assert set(out) == {1, 2, 3}
+    for b, c in zip((1, 2, 3), (256, 128, 128)):
+        assert out[b].shape == (4, 3, c) and out[b].dtype == torch.float32
+        assert out[b].device == CPU and torch.isfinite(out[b]).all()
+        assert not out[b].is_inference() and not out[b].requires_grad
+    assert f.block_channels == {1: 256, 2: 128, 3: 128}
+    # ordinary tensors: usable as targets in a loss that back-propagates into a model
+    z = torch.randn(4, 128, requires_grad=True)
+    torch.nn.functional.cosine_similarity(z[:, None, :], out[3], dim=-1).sum().backward()
+    assert z.grad is not None
+    # prompts actually condition the features
+    assert not torch.allclose(out[3][:, 0], out[3][:, 1])
+
+
+def test_deterministic_and_seed_dependent(teacher: Teacher, images: torch.Tensor) -> None:
+    ids = torch.tensor([5, 6, 7, 8])
+    a = make(teacher)(images, ids, PROMPTS)
+    b = make(teacher)(images, ids, PROMPTS)
+    c = make(teacher, seed=1)(images, ids, PROMPTS)
+    for k in a:
+        assert torch.equal(a[k], b[k])
+        assert not torch.allclose(a[k], c[k], atol=1e-4)
+    assert noise_seed(0, 5, 0) == noise_seed(0, 5, 0) != noise_seed(0, 5, 1)
+
+
+def test_batched_equals_one_call_per_image_prompt_pair(teacher: Teacher, images: torch.Tensor) -> None:
+    f = make(teacher)
+    ids = torch.tensor([10, 11, 12])
+    batched = f(images[:3], ids, PROMPTS)
+    for i in range(3):
+        for p, prompt in enumerate(PROMPTS):
+            single = f(images[i : i + 1], ids[i : i + 1], (prompt,))
+            for b in f.blocks:
+                torch.testing.assert_close(batched[b][i, p], single[b][0, 0], atol=ATOL, rtol=RTOL)
+
+
+def test_features_do_not_depend_on_batch_composition(teacher: Teacher, images: torch.Tensor) -> None:
+    f = make(teacher)
+    first = f(images[[0, 1, 2]], torch.tensor([40, 41, 42]), PROMPTS)
+    second = f(images[[3, 2]], torch.tensor([43, 42]), PROMPTS)
+    for b in f.blocks:
+        torch.testing.assert_close(first[b][2], second[b][1], atol=ATOL, rtol=RTOL)
+    # same pixels under another id -> another noise draw -> another feature
+    other = f(images[[2]], torch.tensor([99]), PROMPTS)
+    assert not torch.allclose(first[3][2], other[3][0], atol=1e-4)
+
+
+def test_teacher_weights_are_untouched(teacher: Teacher, images: torch.Tensor) -> None:
+    before = state_hash(teacher)
+    make(teacher, ensemble=2)(images, torch.arange(4), PROMPTS, torch.randn(4, teacher.text_width))
+    assert state_hash(teacher) == before
+    assert all(not p.requires_grad for p in teacher.unet.parameters())
+    # no hooks left behind on the shared teacher
+    assert all(not blk._forward_hooks for blk in teacher.unet.up_blocks)
+
+
+def test_ensemble_is_the_mean_of_seeded_draws(teacher: Teacher, images: torch.Tensor) -> None:
+    ids = torch.tensor([3, 4])
+    f1, f2 = make(teacher, ensemble=1), make(teacher, ensemble=2)
+    one = f1(images[:2], ids, PROMPTS)
+    two = f2(images[:2], ids, PROMPTS)
+    assert all(not torch.allclose(one[b], two[b], atol=1e-4) for b in one)
+    torch.testing.assert_close(two, f2(images[:2], ids, PROMPTS), atol=0, rtol=0)
+    # by hand: draws 0 and 1, averaged
+    with torch.inference_mode():
+        l0 = f1.encode(images[:2])
+        rows = f1.prompt_embeddings(PROMPTS).repeat(2, 1, 1)
+        d0 = f1._draw(l0, ids, 0, rows, len(PROMPTS))
+        d1 = f1._draw(l0, ids, 1, rows, len(PROMPTS))
+    for b in f1.blocks:
+        torch.testing.assert_close(one[b], d0[b].reshape(2, 3, -1), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(two[b], ((d0[b] + d1[b]) / 2).reshape(2, 3, -1), atol=ATOL, rtol=RTOL)
+
+
+def test_unet_stops_after_the_last_needed_block(teacher: Teacher, images: torch.Tensor) -> None:
+    calls: dict[str, int] = {}
+
+    def counter(name: str):
+        def pre_hook(_module, _args):
+            calls[name] = calls.get(name, 0) + 1
+
+        return pre_hook
+
+    mods = {f"up{i}": blk for i, blk in enumerate(teacher.unet.up_blocks)} | {"conv_out": teacher.unet.conv_out}
+    handles = [m.register_forward_pre_hook(counter(n)) for n, m in mods.items()]
+    try:
+        make(teacher, blocks=(1,))(images[:2], torch.arange(2), PROMPTS)
+        assert calls == {"up0": 1, "up1": 1}
+        calls.clear()
+        make(teacher, blocks=(3, 1))(images[:2], torch.arange(2), PROMPTS)
+        assert calls == {"up0": 1, "up1": 1, "up2": 1, "up3": 1}  # conv_out never runs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_prompt_embeddings_are_computed_once(teacher: Teacher, images: torch.Tensor) -> None:
+    runs = []
+    h = teacher.text_encoder.register_forward_pre_hook(lambda *_: runs.append(1))
+    try:
+        f = make(teacher)
+        e1 = f.prompt_embeddings(PROMPTS)
+        f(images, torch.arange(4), PROMPTS)
+        f(images[:1], torch.arange(1), PROMPTS)
+        assert f.prompt_embeddings(PROMPTS) is e1 and len(runs) == 1
+    finally:
+        h.remove()
+    assert e1.shape == (3, 77, teacher.text_width)
+
+
+def test_token_offsets(teacher: Teacher, images: torch.Tensor) -> None:
+    f = make(teacher)
+    ids = torch.tensor([0, 1])
+    base = f(images[:2], ids, PROMPTS)
+    zero = f(images[:2], ids, PROMPTS, torch.zeros(2, teacher.text_width))
+    off = torch.zeros(2, teacher.text_width)
+    off[0] = torch.randn(teacher.text_width)
+    moved = f(images[:2], ids, PROMPTS, off)
+    for b in f.blocks:
+        assert torch.equal(base[b], zero[b])
+        assert not torch.allclose(base[b][0], moved[b][0], atol=1e-4)  # image 0's rows change
+        torch.testing.assert_close(base[b][1], moved[b][1], atol=ATOL, rtol=RTOL)  # image 1's do not
+    with pytest.raises(ValueError, match="token_offsets"):
+        f(images[:2], ids, PROMPTS, torch.zeros(2, teacher.text_width + 1))
+
+
+def test_bad_arguments(teacher: Teacher, images: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="blocks"):
+        make(teacher, blocks=(4,))
+    with pytest.raises(ValueError, match="timestep"):
+        make(teacher, timestep=1000)
+    with pytest.raises(ValueError, match="resolution"):
+        make(teacher, resolution=15)
+    with pytest.raises(ValueError, match="ids"):
+        make(teacher)(images, torch.arange(3), PROMPTS)
