@@ -252,9 +252,89 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- entry point
 
 # name -> (help, add arguments, run). The lead adds `report` and `status` here.
+# --------------------------------------------------------------------------- report / status
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory (<outputs-dir>/<run-name>) holding results.json")
+    p.add_argument("--plots", action="store_true", help="(re)draw accuracy.png from results.json")
+
+
+def _read_results(run_dir: Path) -> dict[str, Any]:
+    import json
+
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise CLIError(f"{path} does not exist (is {run_dir} a feddifrc run directory? has round 0 finished?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path} is not valid JSON ({e})") from None
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
+    from feddifrc_app.report import format_table, plot_accuracy
+
+    run_dir = Path(args.run_dir).expanduser().resolve()
+    results = _read_results(run_dir)
+    if args.plots:
+        plot_accuracy(results, run_dir / "accuracy.png")
+    teacher = results.get("teacher", {})
+    print(f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
+          f"({results.get('partition')})"
+          + (f"; teacher {teacher.get('model')}" if teacher else "")
+          + ("  [RANDOM-weight teacher: not evidence that FedDifRC helps]" if teacher.get("random-weights") else ""))
+    print(format_table(results))
+    for name in ("accuracy.png", "label_distribution.png", "config.json"):
+        if (run_dir / name).is_file():
+            print(f"{name}: {run_dir / name}")
+    ckpts = sorted((run_dir / "checkpoints").glob("round-*.pt"))
+    if ckpts:
+        print(f"checkpoints: {len(ckpts)} (last {ckpts[-1].name}); resume with --run-config \"resume-from='{run_dir}'\"")
+    return 0
+
+
+def _add_status(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--outputs-dir", default="~/feddifrc-runs", help="the run config's outputs-dir")
+    p.add_argument("--last", type=int, default=10, help="show the newest N runs")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
+    root = Path(args.outputs_dir).expanduser().resolve()
+    runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last:]
+    if not runs:
+        print(f"no runs under {root}")
+        return 0
+    for path in runs:
+        try:
+            r = _read_results(path.parent)
+        except CLIError as e:
+            print(f"{path.parent.name}: {e}")
+            continue
+        rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
+        cfg_rounds = "?"
+        cfg_path = path.parent / "config.json"
+        if cfg_path.is_file():
+            import json
+
+            cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
+        s = r.get("summary", {})
+        fails = sum(len(x.get("failures", [])) for x in rounds)
+        acc = (f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
+               if rounds and s.get("best-accuracy") is not None else "no round finished yet")
+        print(f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+              f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}")
+    print("live Flower status: `flwr ls <connection>`; logs: `flwr log <run-id> <connection>`")
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "extract": ("fill the teacher-feature cache for a run config (resumable)", _add_extract, cmd_extract),
     "make-tiny": ("build the embedded tiny random-weight teacher and print its folder", _add_make_tiny, cmd_make_tiny),
+    "report": ("print a run's per-round table and summary (final, best, mean of last 5)", _add_report, cmd_report),
+    "status": ("list the newest runs under outputs-dir with their progress", _add_status, cmd_status),
 }
 
 

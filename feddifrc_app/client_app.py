@@ -35,6 +35,22 @@ def _context(context: Context) -> tuple[Config, NodeConfig]:
     return load_config(context.run_config), load_node_config(context.node_config)
 
 
+def _load_global(model: torch.nn.Module, record: ArrayRecord) -> None:
+    """Load the server's arrays; only BN's num_batches_tracked may be absent (the server drops it).
+
+    ``strict=False`` alone would silently keep random weights for any key the record misses
+    (e.g. renamed keys) and train/evaluate a fresh model.
+    """
+    res = model.load_state_dict(record.to_torch_state_dict(), strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("num_batches_tracked")]
+    if missing or res.unexpected_keys:
+        raise ValueError(
+            f"the received arrays do not match the {type(model).__name__} state dict: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {res.unexpected_keys[:5]}{'...' if len(res.unexpected_keys) > 5 else ''}"
+        )
+
+
 def _seed(cfg: Config, rnd: int, pid: int) -> int:
     # One stream per (run seed, round, partition): augmentation, shuffling and negative sampling
     # repeat exactly when a run is resumed.
@@ -83,7 +99,7 @@ def train(msg: Message, context: Context) -> Message:
     device = resolve_device(cfg.train.device)
 
     model = build_model(cfg.model_name, data.num_classes)
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=False)
+    _load_global(model, msg.content["arrays"])
 
     metrics: dict[str, float] = {}
     targets = None
@@ -125,7 +141,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     model = build_model(cfg.model_name, data.num_classes)
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=False)
+    _load_global(model, msg.content["arrays"])
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device))
     content = RecordDict({"metrics": MetricRecord({"eval-loss": m["loss"], "eval-accuracy": m["accuracy"],

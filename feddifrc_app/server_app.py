@@ -154,6 +154,8 @@ def main(grid: Grid, context: Context) -> None:
         results["basis"] = {"mode": "federated-pca", "fingerprint": basis.fingerprint(),
                             "rows": merged[blocks[0]].count, "nodes": len(stats), "widths": list(widths)}
     results["setup-seconds"] = time.perf_counter() - t0
+    if want_stats:
+        results["setup-cache-misses"] = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
     teacher_info = [c["info"] for c in setup.values() if "teacher-model" in c["info"]]
     if teacher_info:
         results["teacher"] = {"model": str(teacher_info[0]["teacher-model"]),

@@ -115,3 +115,36 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     store = FeatureStore(tmp_cache / "features")
     assert store.cached_ids(key_dir.name).size == 10
     assert (key_dir / "key.json").is_file()
+
+
+def _fake_run(run_dir: Path) -> None:
+    from feddifrc_app.outputs import RunDir, write_json
+
+    run = RunDir(run_dir)
+    run_dir.mkdir(parents=True)
+    write_json(run_dir / "config.json", {"num-server-rounds": 3})
+    run.save_results({"method": "feddifrc", "strategy": "fedavg", "dataset": "digits", "partition": "dirichlet",
+                      "teacher": {"model": "tiny-seed0", "random-weights": True},
+                      "rounds": [{"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+                                 {"round": 1, "test-accuracy": 0.4, "test-loss": 1.9, "failures": [],
+                                  "train-metrics": {"train-tdcl": 2.2}},
+                                 {"round": 2, "test-accuracy": 0.3, "test-loss": 1.7,
+                                  "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}]}]})
+
+
+def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
+    _fake_run(tmp_path / "r")
+    assert cli.main(["report", str(tmp_path / "r"), "--plots"]) == 0
+    out = capsys.readouterr().out
+    assert "final 30.00%  best 40.00%  mean of last 5 35.00%" in out
+    assert "RANDOM-weight teacher" in out and "2.2000" in out
+    assert (tmp_path / "r" / "accuracy.png").is_file()
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
+    assert "results.json does not exist" in capsys.readouterr().err
+
+
+def test_status_lists_runs_with_progress_and_failures(tmp_path, capsys):
+    _fake_run(tmp_path / "a")
+    assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "a: feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1" in out

@@ -1,0 +1,321 @@
+"""ClientApp handlers called as plain functions with real Flower Messages and Contexts.
+
+A tiny digits run (40 training images, 4 partitions -> 10 images per client), the embedded
+tiny random-weight teacher at 16 px, 1 local epoch, teacher cache in a per-session tmp dir
+(shared with test_train.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from conftest import default_run_config
+from feddifrc_app import client_app
+from feddifrc_app import dataset as ds
+from feddifrc_app import targets as tg
+from feddifrc_app.config import ConfigError, load_config, load_node_config
+from feddifrc_app.diffusion.cache import teacher_prompts
+from feddifrc_app.diffusion.projection import fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.model import build_model
+from feddifrc_app.server_app import basis_to_record, state_to_record
+from feddifrc_app.train import evaluate as evaluate_model
+
+N_PARTS = 4
+N_IMAGES = 10  # per client: 40 images / 4 partitions
+N_PROMPTS = 11  # 10 class prompts + the NDCR prompt
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Shared with test_train.py: the tiny teacher and its features are built once per session.
+    d = tmp_path_factory.getbasetemp() / "feddifrc-app-cache"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def run_config(cache_dir: Path, **over) -> dict:
+    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(cache_dir), train__device="cpu",
+                diffusion__device="cpu")  # batch 64: one SGD step over the 10 images
+    base.update(over)
+    return default_run_config(**base)
+
+
+def context(rc: dict, pid: int = 0, state: RecordDict | None = None) -> Context:
+    return Context(run_id=1, node_id=pid + 1, node_config={"partition-id": pid, "num-partitions": N_PARTS},
+                   state=state if state is not None else RecordDict(), run_config=rc)
+
+
+def call(kind: str, content: RecordDict, ctx: Context) -> Message:
+    msg = Message(content=content, message_type=kind, dst_node_id=ctx.node_id)
+    reply = client_app.app(msg, ctx)
+    assert not reply.has_error(), reply.error.reason
+    return reply
+
+
+def setup_msg(want_stats: bool) -> RecordDict:
+    return RecordDict({"config": ConfigRecord({"want-stats": want_stats})})
+
+
+def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return build_model("resnet10", 10).state_dict()
+
+
+def train_msg(rnd: int = 1, basis=None, seed: int = 0, **config) -> RecordDict:
+    c = RecordDict({"arrays": state_to_record(model_state(seed)),
+                    "config": ConfigRecord({"server-round": rnd, **config})})
+    if basis is not None:
+        c["basis"] = basis_to_record(basis)
+    return c
+
+
+def arrays(reply: Message) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in reply.content["arrays"].items()}
+
+
+def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def setup_replies(cache_dir: Path) -> list[Message]:
+    """query.setup with want-stats from clients 0 and 1 (fills the teacher cache for both)."""
+    # Module scope runs before conftest's function-scoped task-identity fixture: set it here too.
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    try:
+        rc = run_config(cache_dir)
+        return [call("query.setup", setup_msg(True), context(rc, pid)) for pid in (0, 1)]
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.fixture(scope="module")
+def basis(setup_replies: list[Message]):
+    """The federated PCA basis the server would fit from the two clients' statistics."""
+    stats = [stats_from_arrays({k: v.numpy() for k, v in r.content["pca-stats"].items()}) for r in setup_replies]
+    return fit_basis(merge_client_stats(stats), (256, 128, 128), (1, 2, 3))
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def test_setup_reports_identity_label_counts_and_pca_statistics(cache_dir: Path, setup_replies) -> None:
+    rc = run_config(cache_dir)
+    cfg = load_config(rc)
+    for pid, reply in zip((0, 1), setup_replies):
+        info = dict(reply.content["info"])
+        data, ids = ds.client_split(cfg, load_node_config({"partition-id": pid, "num-partitions": N_PARTS}))
+        assert info["partition-id"] == pid and info["num-partitions"] == N_PARTS
+        assert info["num-examples"] == len(ids) == N_IMAGES
+        assert list(info["label-counts"]) == np.bincount(data.labels[ids], minlength=10).tolist()
+        assert sum(info["label-counts"]) == info["num-examples"]
+        assert info["teacher-model"] == "tiny-seed0"
+        assert info["teacher-random-weights"] is True
+        assert info["teacher-seconds"] >= 0
+        stats = stats_from_arrays({k: v.numpy() for k, v in reply.content["pca-stats"].items()})
+        assert sorted(stats) == [1, 2, 3]
+        assert {b: s.channels for b, s in stats.items()} == {1: 256, 2: 128, 3: 128}
+        for s in stats.values():
+            assert s.count == N_IMAGES * N_PROMPTS
+            assert np.allclose(s.outer, s.outer.T)
+        # the statistics are those of the client's own pooled teacher features
+        pooled, _ = tg.pooled_features(cfg, cache_dir, data, ids, teacher_prompts(cfg, data.class_names))
+        assert np.allclose(stats[2].total, pooled[2].reshape(-1, 128).astype(np.float64).sum(0), rtol=1e-6)
+    # a second setup without want-stats: identity only, no statistics, no teacher work
+    again = call("query.setup", setup_msg(False), context(rc, 0))
+    assert "pca-stats" not in again.content
+    assert "teacher-seconds" not in again.content["info"]
+    assert again.content["info"]["label-counts"] == setup_replies[0].content["info"]["label-counts"]
+
+
+def test_setup_for_fedavg_names_no_teacher(tmp_path: Path) -> None:
+    rc = run_config(tmp_path, method="fedavg")
+    info = call("query.setup", setup_msg(False), context(rc, 2)).content["info"]
+    assert "teacher-model" not in info and info["num-examples"] == N_IMAGES
+    assert not any(tmp_path.iterdir())  # no tiny model built, no features
+
+
+# --------------------------------------------------------------------------- train
+
+
+def test_train_with_federated_basis_then_warm_cache_without_teacher(cache_dir: Path, basis) -> None:
+    rc = run_config(cache_dir)
+    content = train_msg(1, basis)
+    sent = {k: v.numpy() for k, v in content["arrays"].items()}
+    reply = call("train", content, context(rc, 0))
+    got = arrays(reply)
+    assert got.keys() == sent.keys()
+    assert not same_arrays(got, sent)
+    assert all(np.isfinite(v).all() for v in got.values())
+    m = dict(reply.content["metrics"])
+    assert m["num-examples"] == N_IMAGES
+    assert m["train-tdcl"] > 0 and m["train-ndcr"] > 0
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["teacher-cache-misses"] == 0  # setup filled the cache
+
+    # a second call in a "new process": no teacher in memory, and none gets built
+    tg._featurizer.cache_clear()
+    second = call("train", train_msg(2, basis), context(rc, 0))
+    assert second.content["metrics"]["teacher-cache-misses"] == 0
+    assert tg._featurizer.cache_info().currsize == 0
+
+
+def test_train_is_deterministic_per_round(cache_dir: Path, basis) -> None:
+    rc = run_config(cache_dir)
+    a = arrays(call("train", train_msg(3, basis), context(rc, 1)))
+    b = arrays(call("train", train_msg(3, basis), context(rc, 1)))
+    c = arrays(call("train", train_msg(4, basis), context(rc, 1)))
+    assert same_arrays(a, b)
+    assert not same_arrays(a, c)
+
+
+def test_fedavg_train_needs_no_basis_and_no_teacher(tmp_path: Path) -> None:
+    tg._featurizer.cache_clear()
+    rc = run_config(tmp_path, method="fedavg")
+    content = train_msg(1)
+    sent = {k: v.numpy() for k, v in content["arrays"].items()}
+    reply = call("train", content, context(rc, 0))
+    m = dict(reply.content["metrics"])
+    assert not same_arrays(arrays(reply), sent)
+    assert m["num-examples"] == N_IMAGES and m["train-ce"] > 0
+    assert not any(k.startswith(("teacher-", "train-tdcl", "train-ndcr")) for k in m)
+    assert tg._featurizer.cache_info().currsize == 0
+    assert not any(tmp_path.iterdir())  # nothing written to the teacher cache
+
+
+def test_proximal_mu_from_the_message_adds_the_fedprox_term(tmp_path: Path) -> None:
+    rc = run_config(tmp_path, method="fedavg", train__batch_size=5)  # 2 steps: the term is 0 at the first
+    m = call("train", train_msg(1, **{"proximal-mu": 1.0}), context(rc, 0)).content["metrics"]
+    assert m["train-prox"] > 0
+    plain = call("train", train_msg(1), context(rc, 0)).content["metrics"]
+    assert "train-prox" not in plain
+
+
+def test_keep_momentum_stores_buffers_in_context_state(tmp_path: Path) -> None:
+    rc = run_config(tmp_path, method="fedavg", train__keep_momentum=True)
+    state = RecordDict()
+    call("train", train_msg(1), context(rc, 0, state))
+    assert "momentum" in state
+    mom = state["momentum"]
+    assert isinstance(mom, ArrayRecord)
+    names = {n for n, _ in build_model("resnet10", 10).named_parameters()}
+    assert set(mom) == names
+    first = {k: v.numpy().copy() for k, v in mom.items()}
+    # round 2 starts from the stored buffers: same message, with vs without them, differs
+    with_mom = arrays(call("train", train_msg(2), context(rc, 0, state)))
+    without = arrays(call("train", train_msg(2), context(rc, 0, RecordDict())))
+    assert not same_arrays(with_mom, without)
+    assert not same_arrays({k: v.numpy() for k, v in state["momentum"].items()}, first)  # updated
+    # keep-momentum off: nothing stored
+    off = RecordDict()
+    call("train", train_msg(1), context(run_config(tmp_path, method="fedavg"), 0, off))
+    assert "momentum" not in off
+
+
+def test_evaluate_reports_accuracy_of_the_sent_model(cache_dir: Path) -> None:
+    rc = run_config(cache_dir)
+    reply = call("evaluate", RecordDict({"arrays": state_to_record(model_state(5)),
+                                        "config": ConfigRecord({"server-round": 1})}), context(rc, 0))
+    m = dict(reply.content["metrics"])
+    assert 0.0 <= m["eval-accuracy"] <= 1.0
+    assert m["num-examples"] == N_IMAGES
+    assert math.isfinite(m["eval-loss"]) and m["eval-loss"] > 0
+    # the same numbers as evaluating the model directly on the client's images
+    cfg = load_config(rc)
+    data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
+    model = build_model("resnet10", 10)
+    model.load_state_dict(model_state(5))
+    direct = evaluate_model(model, ds.make_loader(data, ids, train=False, batch_size=256, seed=0),
+                            torch.device("cpu"))
+    assert m["eval-accuracy"] == pytest.approx(direct["accuracy"])
+    assert m["eval-loss"] == pytest.approx(direct["loss"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------- model-conditioned targets
+
+
+def test_global_model_condition_reports_its_cost(cache_dir: Path, basis) -> None:
+    rc = run_config(cache_dir, diffusion__condition="global-model")
+    m = call("train", train_msg(1, basis), context(rc, 0)).content["metrics"]
+    assert m["condition-seconds"] > 0
+    assert m["train-tdcl"] > 0 and math.isfinite(m["train-tdcl"])
+
+
+def test_conditioned_targets_depend_on_the_global_model(cache_dir: Path, basis) -> None:
+    cfg = load_config(run_config(cache_dir, diffusion__condition="global-model"))
+    data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
+    ids = ids[:4]  # 4 images x 10 class prompts: keeps the UNet work small
+    prompts = teacher_prompts(cfg, data.class_names)
+    pooled, _ = tg.pooled_features(cfg, cache_dir, data, ids, prompts)
+    static = tg.build_targets(cfg, pooled, ids, basis, data.num_classes)
+    out = {}
+    for seed in (0, 1):
+        model = build_model("resnet10", 10)
+        model.load_state_dict(model_state(seed))
+        out[seed], cost = tg.conditioned_targets(cfg, cache_dir, model, data, ids, prompts, basis, static,
+                                                 torch.device("cpu"))
+        assert cost > 0
+    a, b = out[0], out[1]
+    assert a.prompt_reps.shape == static.prompt_reps.shape == (4, 10, 512)
+    assert torch.equal(a.rows, static.rows)
+    assert a.ndcr is static.ndcr  # the NDCR target stays the static one
+    scale = float(static.prompt_reps.abs().mean())
+    # far beyond the float16 rounding of the cached static features
+    assert float((a.prompt_reps - static.prompt_reps).abs().mean()) > 1e-2 * scale
+    assert float((a.prompt_reps - b.prompt_reps).abs().mean()) > 1e-2 * scale  # another model, other reps
+    assert torch.isfinite(a.prompt_reps).all()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _data_calls() -> int:
+    info = ds._load_train_cached.cache_info()
+    return info.hits + info.misses
+
+
+@pytest.mark.parametrize("kind", ["query.setup", "train", "evaluate"])
+@pytest.mark.parametrize("key,value", [("train.lr", -1.0), ("dataset.train-limit", "forty"),
+                                       ("diffusion.projection", "pca")])
+def test_bad_run_config_fails_naming_the_key_before_touching_data(tmp_path: Path, kind, key, value) -> None:
+    rc = run_config(tmp_path)
+    rc[key] = value
+    content = setup_msg(True) if kind == "query.setup" else train_msg(1)
+    before = _data_calls()
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        client_app.app(Message(content=content, message_type=kind, dst_node_id=1), context(rc, 0))
+    assert _data_calls() == before
+    assert not any(tmp_path.iterdir())
+
+
+def test_bad_node_config_fails_naming_the_key(tmp_path: Path) -> None:
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 4, "num-partitions": 4}, state=RecordDict(),
+                  run_config=run_config(tmp_path))
+    before = _data_calls()
+    with pytest.raises(ConfigError, match="partition-id"):
+        client_app.app(Message(content=train_msg(1), message_type="train", dst_node_id=1), ctx)
+    assert _data_calls() == before
+
+
+def test_federated_pca_without_a_basis_fails_clearly(cache_dir: Path, setup_replies) -> None:
+    rc = run_config(cache_dir)
+    with pytest.raises(ValueError, match="federated-pca.*basis"):
+        client_app.app(Message(content=train_msg(1), message_type="train", dst_node_id=1), context(rc, 0))
+
+
+@pytest.mark.parametrize("kind", ["train", "evaluate"])
+def test_arrays_that_do_not_match_the_model_are_refused(tmp_path: Path, kind) -> None:
+    rc = run_config(tmp_path, method="fedavg")
+    renamed = {f"module.{k}": v for k, v in model_state().items() if not k.endswith("num_batches_tracked")}
+    content = RecordDict({"arrays": ArrayRecord(renamed), "config": ConfigRecord({"server-round": 1})})
+    with pytest.raises(ValueError, match="do not match"):
+        client_app.app(Message(content=content, message_type=kind, dst_node_id=1), context(rc, 0))

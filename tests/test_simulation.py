@@ -1,0 +1,110 @@
+"""Real `flwr run .` in Flower's Ray simulation engine (no mocks, isolated FLWR_HOME).
+
+Runs are submitted without --stream (which exits 0 even on failure) and their status is
+read with `flwr ls --run-id ID --format json`; every process started is killed by PID by
+the `flower_procs` fixture, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from flower_procs import flower_procs  # noqa: F401  (pytest fixture)
+
+pytestmark = pytest.mark.slow
+
+FED = "num-supernodes=2 client-resources-num-cpus=1"
+
+
+def _run(procs, run_config: str, timeout: float = 600) -> dict:
+    run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=FED)
+    info = procs.wait_for_run(run_id, "local", timeout=timeout)
+    log = procs.run_log(run_id, "local")
+    assert info["status"] == "finished:completed", f"{info}\n{log[-4000:]}\n{procs.report()}"
+    return {"id": run_id, "log": log}
+
+
+def _results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path):  # noqa: F811
+    out, cache = tmp_path / "runs", tmp_path / "cache"
+    base = (f"num-server-rounds=2 dataset.train-limit=120 outputs-dir='{out}' "
+            f"diffusion.cache-dir='{cache}'")
+    first = _run(flower_procs, base + " run-name='cold'")
+    r = _results(out / "cold")
+    assert [x["round"] for x in r["rounds"]] == [0, 1, 2]
+    for row in r["rounds"][1:]:
+        m = row["train-metrics"]
+        assert m["train-tdcl"] > 0 and m["train-ndcr"] > 0 and m["train-ce"] > 0
+        assert -1.0 <= m["train-ndcr-cosine"] <= 1.0
+        assert row["failures"] == [] and sorted(row["nodes"]) == [0, 1]
+        assert 0.0 <= row["test-accuracy"] <= 1.0 and row["seconds"] > 0
+    s = r["summary"]
+    assert s["final-accuracy"] == r["rounds"][-1]["test-accuracy"]
+    assert s["best-accuracy"] == max(x["test-accuracy"] for x in r["rounds"][1:])
+    assert r["teacher"] == {"model": "tiny-seed0", "random-weights": True}
+    assert r["basis"]["mode"] == "federated-pca" and r["basis"]["nodes"] == 2
+    assert r["setup-cache-misses"] == 120  # every training image extracted once, during setup
+    assert sum(sum(c) for c in r["label-counts"].values()) == 120
+    for name in ("accuracy.png", "label_distribution.png", "config.json"):
+        assert (out / "cold" / name).is_file()
+    assert len(list((out / "cold" / "checkpoints").glob("round-*.pt"))) == 2
+    assert "loaded diffusion teacher" in first["log"]
+
+    # Same key -> the second run never loads the teacher and extracts nothing.
+    second = _run(flower_procs, base + " run-name='warm'")
+    w = _results(out / "warm")
+    assert w["setup-cache-misses"] == 0
+    assert all(row["train-metrics"]["teacher-cache-misses"] == 0 for row in w["rounds"][1:])
+    assert "loaded diffusion teacher" not in second["log"]
+
+
+def test_resume_matches_uninterrupted_run(flower_procs, tmp_path):  # noqa: F811
+    out = tmp_path / "runs"
+    base = (f"method='fedavg' dataset.train-limit=100 outputs-dir='{out}' "
+            "partition.name='dirichlet' partition.alpha=0.5")
+    _run(flower_procs, base + " num-server-rounds=3 run-name='full'")
+    _run(flower_procs, base + " num-server-rounds=2 run-name='part'")
+    _run(flower_procs, base + f" num-server-rounds=3 resume-from='{out / 'part'}'")
+    full, resumed = _results(out / "full"), _results(out / "part")
+    assert [x["round"] for x in resumed["rounds"]] == [0, 1, 2, 3]
+    assert resumed["resumed"][0]["after-round"] == 2
+    for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
+        assert a["nodes"] == b["nodes"]
+        assert a["test-accuracy"] == pytest.approx(b["test-accuracy"], abs=1e-9)
+        assert a["test-loss"] == pytest.approx(b["test-loss"], rel=1e-5)
+    wa = torch.load(out / "full" / "checkpoints" / "round-0003.pt", weights_only=False)["model"]
+    wb = torch.load(out / "part" / "checkpoints" / "round-0003.pt", weights_only=False)["model"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # FedDifRC composes with other strategies by changing `strategy.name` only.
+        ("ssl-fedadam", "method='feddifrc-ssl' strategy.name='fedadam'"),
+        ("conditioned-fedprox", "diffusion.condition='global-model' strategy.name='fedprox'"),
+    ],
+)
+def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
+    out = tmp_path / "runs"
+    _run(flower_procs, f"num-server-rounds=1 dataset.train-limit=60 outputs-dir='{out}' run-name='{name}' "
+                       f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}")
+    r = _results(out / name)
+    row = r["rounds"][1]
+    assert row["failures"] == []
+    assert 0.0 <= row["test-accuracy"] <= 1.0
+    m = row["train-metrics"]
+    if name.startswith("ssl"):
+        assert "train-ce" not in m and m["train-tdcl"] > 0  # no labels, no CE
+        assert row["test-loss"] is None  # linear-probe accuracy only
+    else:
+        assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
