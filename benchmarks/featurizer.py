@@ -3,26 +3,39 @@
 Run by hand (not a test), e.g.
 
     python benchmarks/featurizer.py                                   # tiny teacher, 16 px, CPU
-    python benchmarks/featurizer.py --warm-cache                      # + the on-disk feature cache
-    python benchmarks/featurizer.py --model stabilityai/stable-diffusion-2-1 \\
-        --resolution 224 --device cuda --images 64 --naive-images 8   # SD-2.1 on a GPU
+    python benchmarks/featurizer.py --threads 1 --warm-cache          # + the on-disk feature cache
+    python benchmarks/featurizer.py --model sd21-random --resolution 224 --device cuda \
+        --images 64 --naive-images 8                                  # SD-2.1-sized, on a GPU
+    python benchmarks/featurizer.py --model stabilityai/stable-diffusion-2-1 \
+        --resolution 224 --device cuda --images 64 --naive-images 8   # the real SD-2.1 (cached)
 
 Same process, same teacher, same images (sklearn's digits, 8x8 upsampled), same
 prompts (10 class prompts + the unconditional NDCR prompt), same seeded noise:
 
 (a) naive — what the public code does: one UNet call per (image, prompt); the VAE
-    and the text encoder re-run on every call; the full UNet runs; nothing cached.
-(b) ours  — ``Featurizer``: VAE once per image, prompts encoded once, ONE UNet call
-    per batch of B images x P prompts, stopped after the last needed block.
+    and the text encoder re-run on every call; nothing cached. Like the public
+    ``MyUNet2DConditionModel`` it stops after the last needed up-block.
+(b) ours, plain — ``Featurizer(fast=False)``: VAE once per image, prompts encoded once,
+    ONE UNet call per batch of B images x P prompts, stock UNet modules.
+(c) ours — ``Featurizer()``: (b) plus the exact shortcuts (shared-prompt cross-attention,
+    prompt-independent prefix run once per image, oneDNN linear/GEGLU on CPU).
 
-Both outputs must agree (allclose); prints images/s of each and the ratio.
-``--warm-cache`` adds (c): features read back from ``diffusion/cache.py``'s store
+All three outputs must agree (allclose); prints images/s of each and the ratios, timed
+batch by batch in rotating order (load from other processes hits all alike), then a
+cost breakdown: what one naive call costs (text encoder, VAE, UNet on ONE row) against
+what one row of our batched call costs -- the ratio can never exceed their quotient.
+``--warm-cache`` adds (d): features read back from ``diffusion/cache.py``'s store
 (filled once, then read by a fresh extractor that never loads the teacher).
+
+``--model sd21-random`` builds a RANDOM-weight model with the architecture of SD-2.1
+(UNet 865 M parameters, VAE encoder, 23-layer 1024-wide text encoder) in memory, so that
+the cost of an SD-2.1-sized teacher can be measured on a machine with no weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +52,53 @@ from feddifrc_app.diffusion.featurizer import Featurizer, noise_seed, to_unit_ra
 from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, resolve_device, resolve_dtype  # noqa: E402
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+# The published SD-2.1 (768-v) component configs, for --model sd21-random.
+SD21_UNET = dict(
+    sample_size=96, in_channels=4, out_channels=4, layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True,
+    upcast_attention=True, norm_num_groups=32,
+)
+SD21_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32, sample_size=768,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)
+SD21_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
+                 max_position_embeddings=77, projection_dim=512, hidden_act="gelu")
+
+
+def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Teacher:
+    """A RANDOM-weight teacher with SD-2.1's architecture, built in memory (timing only).
+
+    The tokenizer is the tiny model's (the vocabulary size does not change the cost).
+    """
+    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from feddifrc_app.diffusion.pipeline import SD_SCHEDULER
+
+    tok = load_teacher("tiny", cache_dir, torch.device("cpu"), torch.float32).tokenizer
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**SD21_UNET)
+        vae = AutoencoderKL(**SD21_VAE)
+        text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SD21_TEXT))
+    vae.decoder = None
+    vae.post_quant_conv = None
+    for m in (unet, vae, text):
+        m.requires_grad_(False)
+        m.eval()
+        m.to(device, dtype)
+    alphas = PNDMScheduler(**SD_SCHEDULER).alphas_cumprod.to("cpu", torch.float32)
+    return Teacher(unet=unet, vae=vae, text_encoder=text, tokenizer=tok, alphas_cumprod=alphas,
+                   model_id=f"sd21-random-seed{seed}", weights_hash="random", random_weights=True, device=device,
+                   dtype=dtype, text_width=SD21_TEXT["hidden_size"],
+                   block_channels=tuple(int(b.resnets[-1].out_channels) for b in unet.up_blocks))
 
 
 def digits_images(n: int) -> torch.Tensor:

@@ -140,7 +140,7 @@ def main(grid: Grid, context: Context) -> None:
         raise RuntimeError("setup: no node answered; see the ClientApp logs")
     partition_of = {nid: int(c["info"]["partition-id"]) for nid, c in setup.items()}
     basis_rec: ArrayRecord | None = None
-    if resumed is not None and "basis" in resumed[1]:
+    if resumed is not None and resumed[1].get("basis") is not None:
         basis_rec = ArrayRecord({k: Array(v) for k, v in resumed[1]["basis"].items()})
     elif want_stats:
         # Only sufficient statistics (counts, sums, second moments) ever left the clients.

@@ -160,7 +160,7 @@ def _loss_parts(
         ce = F.cross_entropy(logits, y)
         return {"ce": ce, "total": ce}
     # Self-supervised: no CE; reps (B, 1 + K, D) = positive prompt first, then the negatives.
-    return losses.feddifrc_loss(
+    parts = losses.feddifrc_loss(
         None if ssl else logits,
         None if ssl else y,
         z,
@@ -175,6 +175,9 @@ def _loss_parts(
         ndcr_space=lc.ndcr_space,
         generator=gen,
     )
+    if ssl:
+        del parts["ce"]  # not a loss term here: no "train-ce" metric (it would read as a CE of 0)
+    return parts
 
 
 @torch.no_grad()
