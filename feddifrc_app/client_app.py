@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -51,10 +52,11 @@ def _load_global(model: torch.nn.Module, record: ArrayRecord) -> None:
         )
 
 
-def _seed(cfg: Config, rnd: int, pid: int) -> int:
-    # One stream per (run seed, round, partition): augmentation, shuffling and negative sampling
-    # repeat exactly when a run is resumed.
-    return (cfg.seed * 1_000_003 + rnd * 9_176 + pid) % (2**31)
+def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:
+    # One stream per (run seed, round, node data): augmentation, shuffling and negative sampling
+    # repeat exactly when a run is resumed. Nodes with their own data-dir are told apart by it.
+    who = node.partition_id if node.partition_id is not None else zlib.crc32(node.data_dir.encode())
+    return (cfg.seed * 1_000_003 + rnd * 9_176 + who) % (2**31)
 
 
 def _pooled(cfg: Config, node: NodeConfig, data, ids) -> tuple[dict[int, np.ndarray], tuple[str, ...], CacheStats]:
@@ -93,8 +95,10 @@ def train(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     rnd = int(msg.content["config"]["server-round"])
     data, ids = client_split(cfg, node)
-    pid = node.partition_id if node.partition_id is not None else 0
-    seed = _seed(cfg, rnd, pid)
+    if cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and "basis" not in msg.content:
+        # Fail before touching the teacher: extracting features for nothing would waste minutes.
+        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
+    seed = _seed(cfg, rnd, node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device)
 
