@@ -172,3 +172,29 @@ def test_cuda_without_cuda_is_an_error_not_a_fallback() -> None:
         resolve_device("cuda")
     with pytest.raises(TeacherLoadError):
         resolve_device("cuda:0")
+
+
+def test_weights_hash_memo_is_reused_and_invalidated_by_changes(tmp_path):
+    import json
+    import os
+
+    from feddifrc_app.diffusion.pipeline import build_tiny_pipeline, weights_hash
+
+    folder = build_tiny_pipeline(tmp_path / "tiny", seed=0)
+    memo = tmp_path / "digests.json"
+    plain = weights_hash(folder)
+    assert weights_hash(folder, memo) == plain
+    entries = json.loads(memo.read_text())
+    assert len(entries) >= 5
+    # A memoised digest is trusted while (path, size, mtime) match: poison one and see it used.
+    tag = next(k for k in entries if "/unet/" in k)
+    entries[tag] = "0" * 64
+    memo.write_text(json.dumps(entries))
+    assert weights_hash(folder, memo) != plain
+    # Touching the file changes its mtime: the stale entry is ignored and the real digest comes back.
+    path = tag.split("|")[0]
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert weights_hash(folder, memo) == plain
+    memo.write_text("{not json")
+    assert weights_hash(folder, memo) == plain  # a corrupt memo is rebuilt, never fatal

@@ -377,12 +377,23 @@ def build_tiny_pipeline(path: Path, seed: int = 0) -> Path:
 # --------------------------------------------------------------------------- weights hash
 
 
-def _file_digest(p: Path) -> str:
-    """sha256 of a file's content. Hub-cache LFS blobs are named by that sha256: reuse it."""
+def _file_digest(p: Path, memo: dict[str, str] | None = None) -> str:
+    """sha256 of a file's content. Hub-cache LFS blobs are named by that sha256: reuse it.
+
+    ``memo`` maps "realpath|size|mtime_ns" to a digest computed earlier: in deployment every
+    message is a new process, and re-reading a 5 GB local SD folder each time would cost more
+    than the round itself.
+    """
     if p.is_symlink():
         target = Path(os.path.realpath(p))
         if re.fullmatch(r"[0-9a-f]{64}", target.name) and target.parent.name == "blobs":
             return target.name
+    if memo is not None:
+        st = p.stat()
+        tag = f"{os.path.realpath(p)}|{st.st_size}|{st.st_mtime_ns}"
+        if tag not in memo:
+            memo[tag] = _file_digest(p)
+        return memo[tag]
     h = hashlib.sha256()
     with open(p, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -415,13 +426,28 @@ def _loaded_files(folder: Path) -> list[Path]:
     return [p for p in files if p.is_file()]
 
 
-def weights_hash(folder: Path) -> str:
+def weights_hash(folder: Path, memo_file: Path | None = None) -> str:
     """sha256 over (relative path, content sha256) of every file loading reads. Content-defined:
-    a hub snapshot and a plain copy of it hash the same."""
+    a hub snapshot and a plain copy of it hash the same. ``memo_file`` (JSON) remembers file
+    digests by (path, size, mtime) across processes; it is rewritten atomically."""
     folder = Path(folder)
+    memo: dict[str, str] | None = None
+    if memo_file is not None:
+        try:
+            memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
+            if not isinstance(memo, dict):
+                memo = {}
+        except (OSError, ValueError):
+            memo = {}  # unreadable memo: recompute (and rewrite it below)
+        before = dict(memo)
     h = hashlib.sha256()
     for p in _loaded_files(folder):
-        h.update(f"{p.relative_to(folder).as_posix()}\0{_file_digest(p)}\n".encode())
+        h.update(f"{p.relative_to(folder).as_posix()}\0{_file_digest(p, memo)}\n".encode())
+    if memo_file is not None and memo != before:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
     return h.hexdigest()
 
 
@@ -558,7 +584,7 @@ def teacher_identity(model: str, cache_dir: Path) -> TeacherIdentity:
 @functools.cache
 def _identity_cached(model: str, cache_dir: Path) -> TeacherIdentity:
     folder, model_id, random_weights = _resolve_folder(model, cache_dir)
-    return TeacherIdentity(model_id, weights_hash(folder), random_weights, folder)
+    return TeacherIdentity(model_id, weights_hash(folder, cache_dir / "weights-digests.json"), random_weights, folder)
 
 
 def load_teacher(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Teacher:
