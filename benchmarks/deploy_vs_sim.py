@@ -1,0 +1,199 @@
+"""Per-round time of ONE config in a loopback deployment vs Flower's Ray simulation (issue 5).
+
+Run by hand (not a test), e.g.
+
+    python benchmarks/deploy_vs_sim.py                         # feddifrc, train-limit 300, 4 rounds
+    python benchmarks/deploy_vs_sim.py --method fedavg --rounds 6 --train-limit 600
+
+Both modes run the same run config (``method``, ``dataset.train-limit``,
+``num-server-rounds``, ``fraction-train=1.0``, ``min-nodes=2``, outputs in a temp folder)
+on 2 nodes, each starting with a COLD feature cache:
+
+1. simulation: ``flwr run . local --federation-config "num-supernodes=2
+   client-resources-num-cpus=1"`` with a fresh shared ``diffusion.cache-dir``;
+2. deployment: ``flower-superlink --insecure`` (this measures time; TLS and node auth are
+   tested in tests/test_deployment.py) + 2 ``flower-supernode --insecure`` with
+   ``--node-config "partition-id=i num-partitions=2 cache-dir=<fresh per-node dir>"``, and
+   ``flwr run . <connection>``.
+
+Printed per mode from its ``results.json``: ``setup-seconds``, ``setup-cache-misses``, every
+round's ``seconds`` and the train metrics ``teacher-seconds`` / ``teacher-cache-misses`` (the
+strategy's num-examples-weighted mean over nodes), the median round time of rounds >= 2, and
+the deployment / simulation ratio of the medians. Also how often "loaded diffusion teacher"
+appears in ``flwr log`` (and, in deployment, in the SuperLink and SuperNode logs, where the
+ClientApp processes write) in total and AFTER setup. "After setup" = after ``results.json``
+first appears (written after round 0's central evaluation, i.e. after the setup exchange); it
+must be 0: the feature cache makes every training round SD-free.
+
+Processes are started and killed by PID by tests/flower_procs.py (isolated FLWR_HOME, free
+ports). The machine's load average is printed: the numbers only mean something next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from flower_procs import FlowerProcs, free_port
+
+NEEDLE = "loaded diffusion teacher"
+FED = "num-supernodes={n} client-resources-num-cpus=1"
+CONN = "bench-deploy"
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} CPUs"
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_log(work: Path, text: str) -> str:
+    (work / "flwr-log.txt").write_text(text)
+    return text
+
+
+def watch(procs: FlowerProcs, run_id: int, conn: str, results: Path, rounds: int, timeout: float,
+          snapshot) -> tuple[dict[str, Any], Any]:
+    """Wait for the run to finish with few CLI calls (they cost CPU on a small machine).
+
+    ``snapshot()`` is called once, as soon as ``results.json`` exists (setup done); its value is
+    returned with the final ``flwr ls`` record.
+    """
+    deadline, next_ls, snap = time.monotonic() + timeout, time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        res = read_json(results)
+        if res is not None and snap is None:
+            snap = snapshot()
+        done = res is not None and any(r["round"] == rounds for r in res.get("rounds", []))
+        if done or time.monotonic() > next_ls:
+            info = procs.run_info(run_id, conn)
+            if str(info.get("status", "")).startswith("finished"):
+                return info, snap
+            next_ls = time.monotonic() + (2 if done else 30)
+        time.sleep(0.25)
+    raise TimeoutError(f"run {run_id} not finished after {timeout}s\n{procs.run_log(run_id, conn)[-4000:]}")
+
+
+def run_simulation(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
+    out = work / "outputs"
+    rc += f" outputs-dir='{out}' run-name='sim' diffusion.cache-dir='{work / 'cache'}'"
+    # Ray prints a repeated actor log line (the 2nd actor's "loaded ...") only when its dedup
+    # buffer flushes, possibly after setup: print each line as it comes, so the split is right.
+    with FlowerProcs(work / "flower", extra_env={"RAY_DEDUP_LOGS": "0"}) as procs:
+        t0 = time.monotonic()
+        run_id = procs.submit_run(ROOT, "local", run_config=rc, federation_config=FED.format(n=a.nodes))
+        info, at_setup = watch(procs, run_id, "local", out / "sim" / "results.json", a.rounds, a.timeout,
+                               lambda: {"flwr log": procs.run_log(run_id, "local").count(NEEDLE)})
+        wall = time.monotonic() - t0
+        total = {"flwr log": save_log(work, procs.run_log(run_id, "local")).count(NEEDLE)}
+    return {"info": info, "wall": wall, "results": read_json(out / "sim" / "results.json"),
+            "loads": total, "loads-at-setup": at_setup}
+
+
+def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
+    out = work / "outputs"
+    rc += f" outputs-dir='{out}' run-name='deploy'"  # no diffusion.cache-dir: the node config's wins
+    with FlowerProcs(work / "flower") as procs:
+        port = free_port()
+        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                  "--disable-runtime-dependency-installation"], ready_port=port)
+        procs.add_connection(CONN, f"127.0.0.1:{port}", insecure=True)
+        nodes = []
+        for i in range(a.nodes):
+            rport = free_port()
+            node_cfg = f'partition-id={i} num-partitions={a.nodes} cache-dir="{work / f"cache-{i}"}"'
+            nodes.append(procs.start(f"supernode-{i}", [
+                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
+                "--host", "127.0.0.1", "--port", str(rport), "--node-config", node_cfg], ready_port=rport))
+        procs.wait_for_nodes_online(CONN, a.nodes, timeout=90)
+        logs = [procs.procs["superlink"], *nodes]
+
+        def counts() -> dict[str, int]:
+            return {p.name: p.text().count(NEEDLE) for p in logs}
+
+        t0 = time.monotonic()
+        run_id = procs.submit_run(ROOT, CONN, run_config=rc)
+        info, at_setup = watch(procs, run_id, CONN, out / "deploy" / "results.json", a.rounds, a.timeout,
+                               lambda: {"flwr log": procs.run_log(run_id, CONN).count(NEEDLE), **counts()})
+        wall = time.monotonic() - t0
+        total = {"flwr log": save_log(work, procs.run_log(run_id, CONN)).count(NEEDLE), **counts()}
+    return {"info": info, "wall": wall, "results": read_json(out / "deploy" / "results.json"),
+            "loads": total, "loads-at-setup": at_setup}
+
+
+def report(mode: str, r: dict[str, Any]) -> float | None:
+    res = r["results"] or {}
+    print(f"\n== {mode}: status {r['info'].get('status')}, submit -> finished {r['wall']:.1f}s")
+    if not res:
+        print("   no results.json")
+        return None
+    print(f"   setup-seconds {res.get('setup-seconds', float('nan')):.2f}, "
+          f"setup-cache-misses {res.get('setup-cache-misses')}")
+    print("   round  seconds  teacher-seconds  teacher-cache-misses  test-accuracy  failures")
+    secs = {}
+    for row in res["rounds"][1:]:
+        m = row.get("train-metrics", {})
+        secs[row["round"]] = row["seconds"]
+        print(f"   {row['round']:5d}  {row['seconds']:7.2f}  {m.get('teacher-seconds', float('nan')):15.3f}  "
+              f"{m.get('teacher-cache-misses', float('nan')):20.1f}  {row['test-accuracy']:13.4f}  "
+              f"{len(row['failures'])}")
+    later = [s for k, s in secs.items() if k >= 2]
+    med = statistics.median(later) if later else None
+    print(f"   median round time (rounds >= 2): {med:.2f}s" if med is not None else "   (no round >= 2)")
+    after = {k: v - (r["loads-at-setup"] or {}).get(k, 0) for k, v in r["loads"].items()}
+    print(f"   {NEEDLE!r}: total {r['loads']}, after setup {after} -> "
+          f"{'OK, none after setup' if not any(after.values()) else 'TEACHER LOADED AFTER SETUP'}")
+    return med
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="feddifrc", help="method (default: feddifrc, the app default)")
+    ap.add_argument("--rounds", type=int, default=4, help="num-server-rounds")
+    ap.add_argument("--train-limit", type=int, default=300, help="dataset.train-limit")
+    ap.add_argument("--nodes", type=int, default=2, help="SuperNodes / simulated nodes")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--keep", action="store_true", help="keep the temp folder (logs, results) and print it")
+    a = ap.parse_args(argv)
+
+    rc = (f"method='{a.method}' dataset.train-limit={a.train_limit} num-server-rounds={a.rounds} "
+          f"fraction-train=1.0 min-nodes={a.nodes}")
+    tmp = tempfile.mkdtemp(prefix="feddifrc-deploy-vs-sim-")
+    work = Path(tmp)
+    print(f"config: {rc}, {a.nodes} nodes, cold cache per mode; work dir {work}")
+    print(f"load average before: {load()}")
+    sim = run_simulation(work / "sim", rc, a)
+    print(f"load average after simulation: {load()}")
+    dep = run_deployment(work / "deploy", rc, a)
+    print(f"load average after deployment: {load()}")
+
+    m_sim, m_dep = report("simulation", sim), report("deployment", dep)
+    if m_sim and m_dep:
+        print(f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
+              f"= {m_dep / m_sim:.2f}x")
+    if a.keep:
+        print(f"kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(str(r["info"].get("status")) == "finished:completed" for r in (sim, dep))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
