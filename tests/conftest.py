@@ -29,6 +29,12 @@ def make_config(**overrides: Any) -> Config:
     return load_config(default_run_config(**overrides))
 
 
+@pytest.fixture(scope="session")
+def teacher_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache folder per test session: the tiny teacher and its features are built once."""
+    return tmp_path_factory.mktemp("feddifrc-app-cache")
+
+
 @pytest.fixture
 def tmp_cache(tmp_path: Path) -> Path:
     d = tmp_path / "cache"

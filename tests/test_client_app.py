@@ -31,16 +31,8 @@ N_IMAGES = 10  # per client: 40 images / 4 partitions
 N_PROMPTS = 11  # 10 class prompts + the NDCR prompt
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Shared with test_train.py: the tiny teacher and its features are built once per session.
-    d = tmp_path_factory.getbasetemp() / "feddifrc-app-cache"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-def run_config(cache_dir: Path, **over) -> dict:
-    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(cache_dir), train__device="cpu",
+def run_config(teacher_cache: Path, **over) -> dict:
+    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(teacher_cache), train__device="cpu",
                 diffusion__device="cpu")  # batch 64: one SGD step over the 10 images
     base.update(over)
     return default_run_config(**base)
@@ -84,7 +76,7 @@ def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def setup_replies(cache_dir: Path) -> list[Message]:
+def setup_replies(teacher_cache: Path) -> list[Message]:
     """query.setup with want-stats from clients 0 and 1 (fills the teacher cache for both)."""
     # Module scope runs before conftest's function-scoped task-identity fixture: set it here too.
     from flwr.supercore.task_identity import TaskIdentity
@@ -92,7 +84,7 @@ def setup_replies(cache_dir: Path) -> list[Message]:
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
     try:
-        rc = run_config(cache_dir)
+        rc = run_config(teacher_cache)
         return [call("query.setup", setup_msg(True), context(rc, pid)) for pid in (0, 1)]
     finally:
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
@@ -108,8 +100,8 @@ def basis(setup_replies: list[Message]):
 # --------------------------------------------------------------------------- setup
 
 
-def test_setup_reports_identity_label_counts_and_pca_statistics(cache_dir: Path, setup_replies) -> None:
-    rc = run_config(cache_dir)
+def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: Path, setup_replies) -> None:
+    rc = run_config(teacher_cache)
     cfg = load_config(rc)
     for pid, reply in zip((0, 1), setup_replies):
         info = dict(reply.content["info"])
@@ -128,7 +120,7 @@ def test_setup_reports_identity_label_counts_and_pca_statistics(cache_dir: Path,
             assert s.count == N_IMAGES * N_PROMPTS
             assert np.allclose(s.outer, s.outer.T)
         # the statistics are those of the client's own pooled teacher features
-        pooled, _ = tg.pooled_features(cfg, cache_dir, data, ids, teacher_prompts(cfg, data.class_names))
+        pooled, _ = tg.pooled_features(cfg, teacher_cache, data, ids, teacher_prompts(cfg, data.class_names))
         assert np.allclose(stats[2].total, pooled[2].reshape(-1, 128).astype(np.float64).sum(0), rtol=1e-6)
     # a second setup without want-stats: identity only, no statistics, no teacher work
     again = call("query.setup", setup_msg(False), context(rc, 0))
@@ -147,8 +139,8 @@ def test_setup_for_fedavg_names_no_teacher(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- train
 
 
-def test_train_with_federated_basis_then_warm_cache_without_teacher(cache_dir: Path, basis) -> None:
-    rc = run_config(cache_dir)
+def test_train_with_federated_basis_then_warm_cache_without_teacher(teacher_cache: Path, basis) -> None:
+    rc = run_config(teacher_cache)
     content = train_msg(1, basis)
     sent = {k: v.numpy() for k, v in content["arrays"].items()}
     reply = call("train", content, context(rc, 0))
@@ -169,8 +161,8 @@ def test_train_with_federated_basis_then_warm_cache_without_teacher(cache_dir: P
     assert tg._featurizer.cache_info().currsize == 0
 
 
-def test_train_is_deterministic_per_round(cache_dir: Path, basis) -> None:
-    rc = run_config(cache_dir)
+def test_train_is_deterministic_per_round(teacher_cache: Path, basis) -> None:
+    rc = run_config(teacher_cache)
     a = arrays(call("train", train_msg(3, basis), context(rc, 1)))
     b = arrays(call("train", train_msg(3, basis), context(rc, 1)))
     c = arrays(call("train", train_msg(4, basis), context(rc, 1)))
@@ -221,8 +213,8 @@ def test_keep_momentum_stores_buffers_in_context_state(tmp_path: Path) -> None:
     assert "momentum" not in off
 
 
-def test_evaluate_reports_accuracy_of_the_sent_model(cache_dir: Path) -> None:
-    rc = run_config(cache_dir)
+def test_evaluate_reports_accuracy_of_the_sent_model(teacher_cache: Path) -> None:
+    rc = run_config(teacher_cache)
     reply = call("evaluate", RecordDict({"arrays": state_to_record(model_state(5)),
                                         "config": ConfigRecord({"server-round": 1})}), context(rc, 0))
     m = dict(reply.content["metrics"])
@@ -243,25 +235,25 @@ def test_evaluate_reports_accuracy_of_the_sent_model(cache_dir: Path) -> None:
 # --------------------------------------------------------------------------- model-conditioned targets
 
 
-def test_global_model_condition_reports_its_cost(cache_dir: Path, basis) -> None:
-    rc = run_config(cache_dir, diffusion__condition="global-model")
+def test_global_model_condition_reports_its_cost(teacher_cache: Path, basis) -> None:
+    rc = run_config(teacher_cache, diffusion__condition="global-model")
     m = call("train", train_msg(1, basis), context(rc, 0)).content["metrics"]
     assert m["condition-seconds"] > 0
     assert m["train-tdcl"] > 0 and math.isfinite(m["train-tdcl"])
 
 
-def test_conditioned_targets_depend_on_the_global_model(cache_dir: Path, basis) -> None:
-    cfg = load_config(run_config(cache_dir, diffusion__condition="global-model"))
+def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, basis) -> None:
+    cfg = load_config(run_config(teacher_cache, diffusion__condition="global-model"))
     data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
     ids = ids[:4]  # 4 images x 10 class prompts: keeps the UNet work small
     prompts = teacher_prompts(cfg, data.class_names)
-    pooled, _ = tg.pooled_features(cfg, cache_dir, data, ids, prompts)
+    pooled, _ = tg.pooled_features(cfg, teacher_cache, data, ids, prompts)
     static = tg.build_targets(cfg, pooled, ids, basis, data.num_classes)
     out = {}
     for seed in (0, 1):
         model = build_model("resnet10", 10)
         model.load_state_dict(model_state(seed))
-        out[seed], cost = tg.conditioned_targets(cfg, cache_dir, model, data, ids, prompts, basis, static,
+        out[seed], cost = tg.conditioned_targets(cfg, teacher_cache, model, data, ids, prompts, basis, static,
                                                  torch.device("cpu"))
         assert cost > 0
     a, b = out[0], out[1]
@@ -306,8 +298,8 @@ def test_bad_node_config_fails_naming_the_key(tmp_path: Path) -> None:
     assert _data_calls() == before
 
 
-def test_federated_pca_without_a_basis_fails_clearly(cache_dir: Path, setup_replies) -> None:
-    rc = run_config(cache_dir)
+def test_federated_pca_without_a_basis_fails_clearly(teacher_cache: Path, setup_replies) -> None:
+    rc = run_config(teacher_cache)
     with pytest.raises(ValueError, match="federated-pca.*basis"):
         client_app.app(Message(content=train_msg(1), message_type="train", dst_node_id=1), context(rc, 0))
 

@@ -32,16 +32,8 @@ NODE = {"partition-id": 0, "num-partitions": 4}
 SSL_NEGATIVES = "cat,dog,car"
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Shared with test_client_app.py: the tiny teacher and its features are built once per session.
-    d = tmp_path_factory.getbasetemp() / "feddifrc-app-cache"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-def cfg_for(cache_dir: Path, **over) -> Config:
-    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(cache_dir), train__device="cpu",
+def cfg_for(teacher_cache: Path, **over) -> Config:
+    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(teacher_cache), train__device="cpu",
                 diffusion__device="cpu", train__batch_size=5, diffusion__projection="random")
     base.update(over)
     return make_config(**base)
@@ -65,15 +57,15 @@ def _client(cfg: Config) -> Client:
 
 
 @pytest.fixture(scope="module")
-def sup(cache_dir: Path) -> Client:
+def sup(teacher_cache: Path) -> Client:
     """Supervised client: 10 images x (10 class prompts + the NDCR prompt)."""
-    return _client(cfg_for(cache_dir))
+    return _client(cfg_for(teacher_cache))
 
 
 @pytest.fixture(scope="module")
-def ssl(cache_dir: Path) -> Client:
+def ssl(teacher_cache: Path) -> Client:
     """Self-supervised client: positive prompt, 3 negatives, NDCR prompt."""
-    return _client(cfg_for(cache_dir, method="feddifrc-ssl", ssl__negatives=SSL_NEGATIVES))
+    return _client(cfg_for(teacher_cache, method="feddifrc-ssl", ssl__negatives=SSL_NEGATIVES))
 
 
 def targets_for(c: Client, cfg: Config | None = None) -> TeacherTargets:
