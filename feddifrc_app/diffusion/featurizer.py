@@ -96,10 +96,10 @@ def onednn_linear_available() -> bool:
         x, w, b = (torch.randn(s, generator=g) for s in ((3, 5, 24), (40, 24), (40,)))
         with torch.inference_mode():
             got = op(x, w, b, "none", [], "")
-            ok = torch.allclose(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-            ok = ok and torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5, rtol=1e-5)
+            ok = torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+            ok = ok and torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4, rtol=1e-4)
             h, gate = F.linear(x, w, b).chunk(2, dim=-1)
-            ok = ok and torch.allclose(_geglu(x, w, b), h * F.gelu(gate), atol=1e-5, rtol=1e-5)
+            ok = ok and torch.allclose(_geglu(x, w, b), h * F.gelu(gate), atol=1e-4, rtol=1e-4)
         return bool(ok)
     except Exception:  # op missing, or this torch build has no oneDNN
         return False
@@ -139,8 +139,7 @@ def _is_plain_geglu(mod: torch.nn.Module) -> bool:
         from diffusers.models.activations import GEGLU
     except ImportError:  # pragma: no cover
         return False
-    return type(mod) is GEGLU and type(getattr(mod, "proj", None)) is torch.nn.Linear and \
-        type(mod).gelu is GEGLU.gelu
+    return type(mod) is GEGLU and type(getattr(mod, "proj", None)) is torch.nn.Linear
 
 
 def _shared_prefix_forward(mod: torch.nn.Module, n_images: int, n_prompts: int):
@@ -180,7 +179,7 @@ class SharedPromptCrossAttention:
     @staticmethod
     def supports(attn) -> bool:
         return (
-            type(attn.processor).__name__ in ("AttnProcessor2_0", "AttnProcessor")
+            type(attn.processor).__name__ == "AttnProcessor2_0"  # the same maths (no upcast, default scale)
             and getattr(attn, "spatial_norm", None) is None
             and getattr(attn, "group_norm", None) is None
             and not getattr(attn, "norm_cross", None)
