@@ -309,3 +309,22 @@ def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):
     feats, missing = store.load(KEY, np.arange(64))
     assert missing.size == 0
     np.testing.assert_array_equal(feats[1], feats_of(np.arange(64))[1].astype(np.float16))
+
+
+def test_verified_shards_are_not_rehashed_until_replaced(store, monkeypatch):
+    import feddifrc_app.diffusion.cache as cache_mod
+
+    ids = np.arange(0, 8, 2)
+    cached_pooled_features(store, KEY, ids, Counter())
+    calls = []
+    real = cache_mod._checksum
+    monkeypatch.setattr(cache_mod, "_checksum", lambda *a: calls.append(1) or real(*a))
+    cache_mod._VERIFIED.clear()
+    store.load(KEY, ids)
+    assert len(calls) == 1  # first read in this process: verified
+    store.load(KEY, ids)
+    assert len(calls) == 1  # unchanged file: trusted, not hashed again
+    cached_pooled_features(store, KEY, np.array([1]), Counter())  # id 0's shard rewritten (new inode)
+    calls.clear()
+    store.load(KEY, np.array([0]))
+    assert len(calls) == 1  # a replaced shard is verified again

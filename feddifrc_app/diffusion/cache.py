@@ -226,6 +226,10 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+# path -> (inode, size, mtime_ns, checksum) of shards whose checksum this process verified.
+_VERIFIED: dict[str, tuple[int, int, int, Any]] = {}
+
+
 class FeatureStore:
     """Per-image feature shards under ``root`` (normally ``<cache_dir>/features``)."""
 
@@ -316,8 +320,15 @@ class FeatureStore:
                 raise CorruptShard(f"block {b}: {a.dtype} {a.shape}, header says float16 {want}")
         if not arrays:
             raise CorruptShard("no blocks")
-        if _checksum(ids, arrays) != header.get("sha256"):
-            raise CorruptShard("checksum mismatch")
+        # The checksum pass reads every byte again; a shard already verified by this process
+        # and not replaced since (same inode, size and mtime) is not hashed twice: a simulation
+        # actor re-reads its shards every round, and at CIFAR scale that is ~0.5 GB per client.
+        st = path.stat()
+        tag = (st.st_ino, st.st_size, st.st_mtime_ns, header.get("sha256"))
+        if _VERIFIED.get(str(path)) != tag:
+            if _checksum(ids, arrays) != header.get("sha256"):
+                raise CorruptShard("checksum mismatch")
+            _VERIFIED[str(path)] = tag
         return _Shard(ids=ids, blocks=arrays)
 
     def _read(self, key: str, shard: int) -> _Shard | None:
