@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import client_split, make_loader
 from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
-from feddifrc_app.model import build_model
+from feddifrc_app.model import build_model, load_weights
 from feddifrc_app.diffusion.cache import CacheStats, teacher_prompts
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.targets import build_targets, client_basis, conditioned_targets, pooled_features
@@ -34,22 +34,6 @@ app = ClientApp()
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
     return load_config(context.run_config), load_node_config(context.node_config)
-
-
-def _load_global(model: torch.nn.Module, record: ArrayRecord) -> None:
-    """Load the server's arrays; only BN's num_batches_tracked may be absent (the server drops it).
-
-    ``strict=False`` alone would silently keep random weights for any key the record misses
-    (e.g. renamed keys) and train/evaluate a fresh model.
-    """
-    res = model.load_state_dict(record.to_torch_state_dict(), strict=False)
-    missing = [k for k in res.missing_keys if not k.endswith("num_batches_tracked")]
-    if missing or res.unexpected_keys:
-        raise ValueError(
-            f"the received arrays do not match the {type(model).__name__} state dict: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {res.unexpected_keys[:5]}{'...' if len(res.unexpected_keys) > 5 else ''}"
-        )
 
 
 def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:
@@ -103,7 +87,7 @@ def train(msg: Message, context: Context) -> Message:
     device = resolve_device(cfg.train.device)
 
     model = build_model(cfg.model_name, data.num_classes)
-    _load_global(model, msg.content["arrays"])
+    load_weights(model, msg.content["arrays"].to_torch_state_dict())
 
     metrics: dict[str, float] = {}
     targets = None
@@ -145,7 +129,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     model = build_model(cfg.model_name, data.num_classes)
-    _load_global(model, msg.content["arrays"])
+    load_weights(model, msg.content["arrays"].to_torch_state_dict())
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device))
     content = RecordDict({"metrics": MetricRecord({"eval-loss": m["loss"], "eval-accuracy": m["accuracy"],

@@ -100,3 +100,20 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     except KeyError:
         raise ValueError(f"model name={name!r}: expected one of {', '.join(MODELS)}") from None
     return cls(num_classes)
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a global state dict; only BN's num_batches_tracked may be absent (it never travels:
+    it is unused with a set BN momentum and breaks FedOpt's float maths).
+
+    ``strict=False`` alone would silently keep random weights for any key the state misses
+    (e.g. renamed keys) and train/evaluate a fresh model.
+    """
+    res = model.load_state_dict(state, strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("num_batches_tracked")]
+    if missing or res.unexpected_keys:
+        raise ValueError(
+            f"the received arrays do not match the {type(model).__name__} state dict: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {res.unexpected_keys[:5]}{'...' if len(res.unexpected_keys) > 5 else ''}"
+        )

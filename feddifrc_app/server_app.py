@@ -24,7 +24,7 @@ from feddifrc_app import report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import load_dataset, make_loader
 from feddifrc_app.diffusion.projection import Basis, clip_widths, fit_basis, merge_client_stats, stats_from_arrays
-from feddifrc_app.model import build_model
+from feddifrc_app.model import build_model, load_weights
 from feddifrc_app.outputs import RunDir, write_json
 from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
 from feddifrc_app.train import embed, evaluate, linear_probe, resolve_device
@@ -125,6 +125,8 @@ def main(grid: Grid, context: Context) -> None:
     test_loader = make_loader(test, np.arange(len(test)), train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
 
     resumed = run.load_last_checkpoint() if cfg.resume_from else None
+    if cfg.resume_from and resumed is None:
+        raise FileNotFoundError(f"resume-from = {cfg.resume_from!r}: no readable checkpoint in {run.ckpt_dir}")
     results = (run.load_results() if resumed else None) or {
         "method": cfg.method, "strategy": cfg.strategy.name, "dataset": cfg.dataset.name,
         "partition": cfg.partition.name, "rounds": [], "resumed": [],
@@ -180,7 +182,7 @@ def main(grid: Grid, context: Context) -> None:
     start = 1
     if resumed is not None:
         last, payload = resumed
-        model.load_state_dict(payload["model"], strict=False)
+        load_weights(model, payload["model"])
         load_strategy_state(strategy, payload["strategy"])
         start = last + 1
         results["rounds"] = [r for r in results["rounds"] if r["round"] <= last]
@@ -189,7 +191,7 @@ def main(grid: Grid, context: Context) -> None:
     arrays = state_to_record(model.state_dict())
 
     def central_eval(rnd: int) -> dict[str, float]:
-        model.load_state_dict(record_to_state(arrays), strict=False)
+        load_weights(model, record_to_state(arrays))
         if cfg.method == "feddifrc-ssl":
             tr = make_loader(train_data, np.arange(len(train_data)), train=False,
                              batch_size=cfg.train.eval_batch_size, seed=cfg.seed)

@@ -76,3 +76,16 @@ def test_unknown_model_name_lists_choices() -> None:
         build_model("resnet18", 10)
     with pytest.raises(ValueError, match="num_classes"):
         build_model("resnet10", 0)
+
+
+def test_load_weights_accepts_missing_bn_counters_only():
+    from feddifrc_app.model import build_model, load_weights
+
+    src, dst = build_model("resnet10", 10), build_model("resnet10", 10)
+    state = {k: v for k, v in src.state_dict().items() if not k.endswith("num_batches_tracked")}
+    load_weights(dst, state)
+    assert torch.equal(dst.fc.weight, src.fc.weight)
+    with pytest.raises(ValueError, match="missing"):
+        load_weights(dst, {k: v for k, v in state.items() if k != "fc.weight"})
+    with pytest.raises(ValueError, match="unexpected"):
+        load_weights(dst, {**state, "module.extra": torch.zeros(1)})
