@@ -189,8 +189,11 @@ def test_supernode_auth_requires_tls(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- a real run
 
 APP_FILES = [ROOT / "feddifrc_app" / "server_app.py", ROOT / "feddifrc_app" / "client_app.py"]
-ROUNDS = 3
-KILLED = 2  # supernode index killed mid-run (partition-id 1)
+# Round 1 with both nodes, round 2 loses the killed node (~60 s), then the node is
+# restarted: the rounds in progress when it comes back online do not use it yet, a later
+# round must. Each extra round costs a few seconds with train-limit=200.
+ROUNDS = 5
+KILLED = 2  # supernode index killed mid-run (partition-id 1) and later restarted
 
 
 def _results(path: Path) -> dict[str, Any] | None:
@@ -255,6 +258,33 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
         dep.procs.kill(f"supernode-{KILLED}", sig=signal.SIGKILL)
         t_kill = time.monotonic() - t0
 
+        # Its failure is recorded (after ~60 s of missed heartbeats or the round-timeout).
+        def failed_round() -> int | None:
+            res = _results(results_path)
+            for r in (res or {}).get("rounds", []):
+                if any(f["partition-id"] == KILLED - 1 for f in r.get("failures", [])):
+                    return int(r["round"])
+            return None
+
+        fail_round = _wait_for(failed_round, "the killed node's failure in results.json", 240, dep, run_id)
+        t_fail = time.monotonic() - t0
+
+        # Restart the same SuperNode (same auth key, same partition-id). The SuperLink only
+        # re-activates a registered node that is offline: wait until it is marked so.
+        killed_id = dep.node_ids[KILLED]
+
+        def node_status() -> str | None:
+            return next((n["status"] for n in dep.procs.nodes(CONN) if int(n["node-id"]) == killed_id), None)
+
+        _wait_for(lambda: node_status() == "offline", "the killed node to be offline", 120, dep, run_id)
+        dep.start_supernode(KILLED, 2, tmp_path / "node-cache")
+        # Same key -> same node id: the registered one comes back online, no new node appears.
+        _wait_for(lambda: node_status() == "online", "the restarted node to be online", 90, dep, run_id)
+        nodes_after = {int(n["node-id"]): n["status"] for n in dep.procs.nodes(CONN)}
+        assert set(nodes_after) == set(dep.node_ids.values()), nodes_after
+        back_round = max(r["round"] for r in _results(results_path)["rounds"])
+        t_back = time.monotonic() - t0
+
         info = dep.procs.wait_for_run(run_id, CONN, timeout=600)
         t_done = time.monotonic() - t0
         log = dep.procs.run_log(run_id, CONN)
@@ -270,10 +300,21 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
     lost = [f for r in later for f in r["failures"]]
     assert lost, f"the killed node's failure is not recorded: {later}\n{log}"
     assert all(f["partition-id"] == KILLED - 1 for f in lost), lost
+    assert rounds[fail_round]["failures"], rounds[fail_round]
+    # The node that rejoined is used again: a round that started after it was back online
+    # (round back_round + 1 may have started just before) trains on its partition again.
+    rejoined = [r["round"] for r in later if r["round"] > fail_round and KILLED - 1 in r["nodes"]]
+    assert rejoined, (
+        f"partition {KILLED - 1} not used after the restart (failed in round {fail_round}, back online "
+        f"during round {back_round + 1}; if that is round {ROUNDS}, raise ROUNDS): {later}\n{log[-6000:]}"
+    )
+    assert all(not r["failures"] for r in later if r["round"] >= min(rejoined)), later
     # The run went on with the surviving node, and every round was evaluated.
     assert all(isinstance(r["test-accuracy"], float) for r in rounds.values()), res["rounds"]
     print(
         f"deployment up {t_up:.1f}s, round 1 done {t_r1:.1f}s, node killed {t_kill:.1f}s, "
+        f"failure recorded (round {fail_round}) {t_fail:.1f}s, node back online (during round "
+        f"{back_round + 1}, same node id {killed_id}) {t_back:.1f}s, used again in rounds {rejoined}, "
         f"run finished {t_done:.1f}s (rounds: "
         + ", ".join(f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed"
                     for r in res["rounds"][1:])
