@@ -130,6 +130,14 @@ def _negative_mask(labels: Tensor, num_classes: int, num_negatives: int,
 # --------------------------------------------------------------------------- paper
 
 
+def _prepare(z: Tensor, reps: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked float32 ``z`` (B, D), detached float32 ``reps`` (B, K, D), int64 ``labels`` (B,)."""
+    _check_temperature(temperature)
+    z, reps, labels = z.float(), reps.detach().float(), labels.long()
+    _check_zr(z, reps, labels)
+    return z, reps, labels
+
+
 def tdcl_paper(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float, num_negatives: int = 0,
                generator: torch.Generator | None = None, normaliser: str = "none") -> Tensor:
     """Paper TDCL (METHOD §3). Returns a scalar (0-dim) float32 tensor.
@@ -150,11 +158,7 @@ def tdcl_paper(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float, n
     s: cosine (``normaliser="none"``) or cosine / U (``"mean-distance"``, [A],
     see ``_mean_distance``).
     """
-    _check_temperature(temperature)
-    z = z.float()
-    reps = reps.detach().float()
-    labels = labels.long()
-    _check_zr(z, reps, labels)
+    z, reps, labels = _prepare(z, reps, labels, temperature)
     b, k, _ = reps.shape
     if b == 0:
         return z.sum() * 0.0
@@ -251,11 +255,7 @@ def tdcl_code(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float) ->
 
     z (B, D); reps (B, K, D) by class index (detached inside); labels (B,).
     """
-    _check_temperature(temperature)
-    z = z.float()
-    reps = reps.detach().float()
-    labels = labels.long()
-    _check_zr(z, reps, labels)
+    z, reps, labels = _prepare(z, reps, labels, temperature)
     b, k, d = reps.shape
     if b == 0:
         return z.sum() * 0.0

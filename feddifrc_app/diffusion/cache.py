@@ -519,15 +519,6 @@ class CacheStats:
     extract_seconds: float = 0.0  # time inside `extract`
     corrupt: int = 0  # invalid shard files met (logged, recomputed)
 
-    def as_metrics(self, prefix: str = "teacher-cache.") -> dict[str, float]:
-        return {
-            f"{prefix}hits": float(self.hits),
-            f"{prefix}misses": float(self.misses),
-            f"{prefix}seconds": float(self.seconds),
-            f"{prefix}extract-seconds": float(self.extract_seconds),
-            f"{prefix}corrupt": float(self.corrupt),
-        }
-
 
 def _to_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, without importing torch here
