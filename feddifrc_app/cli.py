@@ -7,6 +7,11 @@
         so a killed run continues where it stopped and a finished one recomputes nothing.
     feddifrc make-tiny [--cache-dir DIR] [--seed 0]
         Build the embedded tiny RANDOM-weight teacher and print its folder.
+    feddifrc pretrain-teacher --out DIR [--app .] [--run-config ...] [--seed 0]
+                     [--vae-steps 300] [--unet-steps 1200] [--batch-size 64]
+        Train the tiny text-to-image teacher on the dataset's PUBLIC split (mnist-5k)
+        under the run config's class prompts and write a diffusers SD folder
+        (the packaged ``tiny-mnist`` teacher is this command's output, seed 0).
 
 Subcommands live in :data:`COMMANDS` (name -> help, argument adder, runner); add a
 row to add one. Heavy modules (torch, diffusers, datasets) are imported inside
@@ -16,6 +21,7 @@ the runners, so ``feddifrc --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
@@ -249,6 +255,49 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- pretrain-teacher
+
+
+def _add_pretrain(p: argparse.ArgumentParser) -> None:
+    from feddifrc_app.diffusion.pretrain import PretrainRecipe
+
+    d = PretrainRecipe()
+    p.add_argument("--out", required=True, help="folder to write the diffusers pipeline to (replaced atomically)")
+    p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
+    p.add_argument("--run-config", action="append", metavar="FILE_OR_PAIRS",
+                   help="overrides as for `flwr run --run-config` (dataset, prompt template, resolution)")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights, batches and noise")
+    p.add_argument("--vae-steps", type=int, default=d.vae_steps)
+    p.add_argument("--unet-steps", type=int, default=d.unet_steps, help="0 with --vae-steps 0: the untrained control")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
+    from feddifrc_app.diffusion.cache import teacher_prompts
+    from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+
+    cfg = load_app_config(args.app, args.run_config)
+    if cfg.dataset.name != "mnist-5k":
+        raise CLIError(f"dataset.name = {cfg.dataset.name!r} has no public split to pretrain on: the teacher "
+                       "must never see the federated data; use dataset.name = 'mnist-5k'")
+    try:
+        recipe = PretrainRecipe(seed=args.seed, resolution=cfg.diffusion.resolution, batch_size=args.batch_size,
+                                vae_steps=args.vae_steps, unet_steps=args.unet_steps)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    data = load_dataset(cfg.dataset, PUBLIC_SPLIT)
+    prompts = teacher_prompts(dataclasses.replace(cfg, method="feddifrc"), data.class_names)[:data.num_classes]
+    out = pretrain_teacher(data.images, data.labels, prompts, Path(args.out), recipe, name=args.name,
+                           data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
+                                     "the federated train and test splits.",
+                           progress=not args.no_progress)
+    print(out)
+    return 0
+
+
 # --------------------------------------------------------------------------- entry point
 
 # name -> (help, add arguments, run). The lead adds `report` and `status` here.
@@ -332,6 +381,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "extract": ("fill the teacher-feature cache for a run config (resumable)", _add_extract, cmd_extract),
+    "pretrain-teacher": ("train the tiny text-to-image teacher on the public split and write an SD folder",
+                         _add_pretrain, cmd_pretrain),
     "make-tiny": ("build the embedded tiny random-weight teacher and print its folder", _add_make_tiny, cmd_make_tiny),
     "report": ("print a run's per-round table and summary (final, best, mean of last 5)", _add_report, cmd_report),
     "status": ("list the newest runs under outputs-dir with their progress", _add_status, cmd_status),

@@ -86,7 +86,7 @@ def train(msg: Message, context: Context) -> Message:
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device)
 
-    model = build_model(cfg.model_name, data.num_classes)
+    model = build_model(cfg.model_name, data.num_classes, cfg.model_width)
     load_weights(model, msg.content["arrays"].to_torch_state_dict())
 
     metrics: dict[str, float] = {}
@@ -128,7 +128,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
-    model = build_model(cfg.model_name, data.num_classes)
+    model = build_model(cfg.model_name, data.num_classes, cfg.model_width)
     load_weights(model, msg.content["arrays"].to_torch_state_dict())
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl")
-DATASETS = ("digits", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
+DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
 STRATEGIES = (
@@ -148,11 +148,17 @@ class Config:
     dataset: DatasetConfig
     partition: PartitionConfig
     model_name: str
+    model_width: int  # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512)
     train: TrainConfig
     strategy: StrategyConfig
     diffusion: DiffusionConfig
     loss: LossConfig
     ssl: SSLConfig
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the classifier embedding z, which the fused teacher feature must match."""
+        return 8 * self.model_width
 
     @property
     def uses_diffusion(self) -> bool:
@@ -294,6 +300,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "partition.classes-per-client": ("int", (1, None)),
     "partition.imb-factor": ("float", (0.0, 1.0, True, False)),
     "model.name": ("choice", MODELS),
+    "model.width": ("int", (1, 1024)),
     "train.local-epochs": ("int", (1, None)),
     "train.batch-size": ("int", (1, None)),
     "train.lr": ("float", (0.0, None, True, False)),
@@ -397,12 +404,13 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
                     "expected distinct up_block indices in 0..3")
     if any(c < 1 for c in channels):
         raise _fail("diffusion.channels", run_config["diffusion.channels"], "expected positive widths")
-    if sum(channels) != 512:
-        # ResNet-10's embedding is 512-d and the fused teacher feature must match it.
+    if sum(channels) != 8 * v["model.width"]:
+        # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
         raise _fail("diffusion.channels", run_config["diffusion.channels"],
-                    "widths must sum to 512 (the ResNet-10 embedding width)")
+                    f"widths must sum to {8 * v['model.width']}, the ResNet-10 embedding width "
+                    f"(8 * model.width = 8 * {v['model.width']})")
     if v["diffusion.model"].strip() == "":
-        raise _fail("diffusion.model", "", "expected 'tiny', a hub id or a local folder")
+        raise _fail("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
     if "{}" not in v["diffusion.prompt-template"]:
         raise _fail("diffusion.prompt-template", v["diffusion.prompt-template"],
                     "must contain '{}' where the class name goes")
@@ -444,6 +452,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
             imb_factor=v["partition.imb-factor"],
         ),
         model_name=v["model.name"],
+        model_width=v["model.width"],
         train=TrainConfig(
             local_epochs=v["train.local-epochs"],
             batch_size=v["train.batch-size"],
@@ -556,6 +565,7 @@ def _to_flat(cfg: Config):
         "fraction-train": cfg.fraction_train, "fraction-evaluate": cfg.fraction_evaluate, "min-nodes": cfg.min_nodes,
         "outputs-dir": cfg.outputs_dir, "run-name": cfg.run_name, "resume-from": cfg.resume_from,
         "keep-checkpoints": cfg.keep_checkpoints, "model.name": cfg.model_name,
+        "model.width": cfg.model_width,
     }
     yield from inv.items()
     for section, obj in (("dataset", cfg.dataset), ("partition", cfg.partition),

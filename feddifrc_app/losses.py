@@ -5,7 +5,7 @@ cast to float32 inside (``.float()``), teacher tensors (diffusion
 representations, NDCR targets) are detached inside so gradients never reach
 them, and every function returns tensors.
 
-Shapes: ``B`` batch, ``D`` embedding width (512 for ResNet-10), ``K`` number of
+Shapes: ``B`` batch, ``D`` embedding width (8 x model.width: 512 for the paper's ResNet-10), ``K`` number of
 class prompts (number of classes) or of SSL negative prompts.
 
 Two variants:

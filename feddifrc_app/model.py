@@ -1,8 +1,8 @@
 """The client classifier: ResNet-10 of the paper (METHOD §7).
 
-``forward(x)`` returns ``(features, logits)``: ``features`` is the 512-d pooled
-embedding ``z`` that TDCL/NDCR pull towards the diffusion teacher, ``logits``
-is ``fc(features)``. No max-pool and a stride-1 3x3 stem: the CIFAR-style
+``forward(x)`` returns ``(features, logits)``: ``features`` is the pooled
+embedding ``z`` (``8 * width``-d: 512 at the paper's width 64) that TDCL/NDCR pull
+towards the diffusion teacher, ``logits`` is ``fc(features)``. No max-pool and a stride-1 3x3 stem: the CIFAR-style
 variant of ``model/resnet_cnn.py`` in the public code, so a 32x32 input reaches
 the last stage at 4x4. Works for any input size >= 8 (global average pool).
 """
@@ -40,28 +40,31 @@ class BasicBlock(nn.Module):
 
 
 class ResNet10(nn.Module):
-    """ResNet-10: stem + four stages of ONE BasicBlock (64/128/256/512, strides 1/2/2/2).
+    """ResNet-10: stem + four stages of ONE BasicBlock (w/2w/4w/8w, strides 1/2/2/2).
 
-    Input (B, 3, S, S) float -> (features (B, 512), logits (B, num_classes)).
-    4,903,242 parameters for 10 classes.
+    ``width`` w = 64 is the paper's network: input (B, 3, S, S) float -> (features (B, 512),
+    logits (B, num_classes)), 4,903,242 parameters for 10 classes. w = 16 (128-d features,
+    308,826 parameters) is ~8x cheaper on a CPU and enough for 28x28 digits.
     """
 
-    embedding_dim: int = 512
-    widths: tuple[int, int, int, int] = (64, 128, 256, 512)
     strides: tuple[int, int, int, int] = (1, 2, 2, 2)
 
-    def __init__(self, num_classes: int) -> None:
+    def __init__(self, num_classes: int, width: int = 64) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes={num_classes}: expected >= 1")
+        if width < 1:
+            raise ValueError(f"width={width}: expected >= 1")
         self.num_classes = num_classes
+        self.widths = (width, 2 * width, 4 * width, 8 * width)
+        self.embedding_dim = 8 * width
         self.stem = nn.Sequential(
-            nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False),
-            nn.BatchNorm2d(64),
+            nn.Conv2d(3, width, 3, stride=1, padding=1, bias=False),
+            nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
         )
         blocks = []
-        c_in = 64
+        c_in = width
         for c_out, stride in zip(self.widths, self.strides, strict=True):
             blocks.append(BasicBlock(c_in, c_out, stride))
             c_in = c_out
@@ -80,7 +83,7 @@ class ResNet10(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) -> pooled pre-classifier features (B, 512)."""
+        """(B, 3, S, S) -> pooled pre-classifier features (B, 8 * width)."""
         out = self.stem(x)
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return torch.flatten(self.pool(out), 1)
@@ -93,13 +96,13 @@ class ResNet10(nn.Module):
 MODELS: dict[str, type[ResNet10]] = {"resnet10": ResNet10}
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """A fresh classifier by name (``MODELS``); unknown names raise ``ValueError``."""
+def build_model(name: str, num_classes: int, width: int = 64) -> nn.Module:
+    """A fresh classifier by name (``MODELS``) and base width; unknown names raise ``ValueError``."""
     try:
         cls = MODELS[name]
     except KeyError:
         raise ValueError(f"model name={name!r}: expected one of {', '.join(MODELS)}") from None
-    return cls(num_classes)
+    return cls(num_classes, width)
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -151,6 +151,11 @@ def main(grid: Grid, context: Context) -> None:
         merged = merge_client_stats(stats)
         blocks = cfg.diffusion.blocks
         widths = clip_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks])
+        if sum(widths) != cfg.embedding_dim:
+            raise ValueError(
+                f"diffusion.channels = {','.join(map(str, cfg.diffusion.channels))} clipped to the teacher's block "
+                f"widths {[merged[b].channels for b in blocks]} gives {sum(widths)} dims, but the ResNet-10 "
+                f"embedding is {cfg.embedding_dim}-d (8 x model.width); choose channels that fit this teacher")
         basis = fit_basis(merged, widths, blocks, mode="federated-pca")
         basis_rec = basis_to_record(basis)
         results["basis"] = {"mode": "federated-pca", "fingerprint": basis.fingerprint(),
@@ -163,8 +168,8 @@ def main(grid: Grid, context: Context) -> None:
         results["teacher"] = {"model": str(teacher_info[0]["teacher-model"]),
                               "random-weights": bool(teacher_info[0]["teacher-random-weights"])}
         if results["teacher"]["random-weights"]:
-            log.warning("the diffusion teacher has RANDOM weights (embedded tiny model): this run shows "
-                        "that the pipeline works, not that FedDifRC helps")
+            log.warning("the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
+                        "(or is a control), not that FedDifRC helps")
 
     # Each node reports its own label counts, so the plot also covers nodes with their own data-dir.
     order = sorted(setup, key=lambda n: (partition_of[n], n))
@@ -177,7 +182,7 @@ def main(grid: Grid, context: Context) -> None:
 
     # ---- model and strategy (fresh or from the checkpoint)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model_name, test.num_classes)
+    model = build_model(cfg.model_name, test.num_classes, cfg.model_width)
     strategy = build_strategy(cfg)
     start = 1
     if resumed is not None:

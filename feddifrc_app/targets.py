@@ -4,9 +4,9 @@ Pipeline for a client's images ``ids`` (dataset indices)::
 
     pooled per-block teacher features  {block: (n, P, C_b)}   <- feature cache (extract on a miss)
     shared basis (federated PCA from the server / local PCA / random)
-    fused = fuse(pooled, basis)        (n, P, 512)
-    TDCL reps = fused[:, :K]           (n, K, 512)  the image under each class prompt
-    NDCR target = fused[:, -1]         (n, 512)     the image under the NDCR prompt
+    fused = fuse(pooled, basis)        (n, P, D)    D = the classifier embedding width
+    TDCL reps = fused[:, :K]           (n, K, D)    the image under each class prompt
+    NDCR target = fused[:, -1]         (n, D)       the image under the NDCR prompt
 
 Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
 (self-supervised: the positive prompt, the negatives, then the NDCR prompt).
@@ -40,8 +40,6 @@ from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, local_pc
 from feddifrc_app.train import TeacherTargets
 
 log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
-
-EMBED_DIM = 512  # ResNet-10 feature width: the fused teacher vector must match it
 
 
 @cache
@@ -98,10 +96,10 @@ def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis
     d = cfg.diffusion
     chans = [pooled[b].shape[-1] for b in d.blocks]
     widths = clip_widths(d.channels, chans)
-    if sum(widths) != EMBED_DIM:
+    if sum(widths) != cfg.embedding_dim:
         raise ValueError(
             f"diffusion.channels = {','.join(map(str, d.channels))} clipped to the teacher's block widths "
-            f"{chans} gives {sum(widths)} dims, but the ResNet-10 embedding is {EMBED_DIM}-d; choose "
+            f"{chans} gives {sum(widths)} dims, but the ResNet-10 embedding is {cfg.embedding_dim}-d; choose "
             f"diffusion.blocks/channels that fit this teacher"
         )
     if d.projection == "federated-pca":
@@ -125,7 +123,7 @@ def build_targets(cfg: Config, pooled: dict[int, np.ndarray], ids: np.ndarray, b
         widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
         return TeacherTargets(rows=rows, prompt_reps=None, ndcr=None,
                               per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, num_prompts_tdcl))
-    fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, 512)
+    fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, D)
     reps = fused[:, :num_prompts_tdcl].contiguous() if cfg.loss.tdcl_weight > 0 else None
     ndcr = fused[:, -1].contiguous() if cfg.loss.ndcr_weight > 0 else None
     return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
@@ -137,7 +135,7 @@ def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, da
     """``diffusion.condition = "global-model"``: OUR READING of the paper's c_i = h(x_i) [A].
 
     Once per round, embed the client's (un-augmented) images with the received global model,
-    map each 512-d embedding to the text width with a FIXED seeded Gaussian projection,
+    map each D-d embedding to the text width with a FIXED seeded Gaussian projection,
     rescale it to the mean norm of the prompt token embeddings, add it to every prompt token
     of that image's rows and recompute the TDCL representations (class prompts only; the NDCR
     target stays the static one). Not cacheable: it changes every round. Returns the new
@@ -153,7 +151,8 @@ def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, da
     class_prompts = prompts[:k]
     width = feat.teacher.text_width
     gen = torch.Generator().manual_seed(cfg.seed + 0xC0D1)
-    proj = torch.randn(EMBED_DIM, width, generator=gen) / EMBED_DIM**0.5  # (512, D_text)
+    dim = cfg.embedding_dim
+    proj = torch.randn(dim, width, generator=gen) / dim**0.5  # (D, D_text)
     token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
     model.to(device).eval()
     reps = []

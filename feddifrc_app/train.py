@@ -196,7 +196,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
 
 @torch.no_grad()
 def embed(model: nn.Module, loader: Iterable, device: torch.device) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(features (N, 512), labels (N,), dataset indices (N,)) of ``model`` over ``loader``."""
+    """(features (N, D), labels (N,), dataset indices (N,)) of ``model`` over ``loader``."""
     model.to(device).eval()
     feats, labels, ids = [], [], []
     for x, y, idx in loader:

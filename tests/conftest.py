@@ -12,12 +12,29 @@ from feddifrc_app.config import Config, load_config, read_app_defaults
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def default_run_config(**overrides: Any) -> dict[str, Any]:
-    """The flat [tool.flwr.app.config] table of pyproject.toml, with dotted-key overrides.
+# Most unit tests exercise the plumbing on sklearn's digits with the embedded RANDOM tiny
+# teacher at the paper's 512-d width: small and independent of the packaged weights. Tests
+# of the quickstart defaults (mnist-5k, the pretrained tiny-mnist teacher) pass
+# ``plumbing=False``.
+PLUMBING: dict[str, Any] = {
+    "dataset.name": "digits",
+    "dataset.image-size": 16,
+    "model.width": 64,
+    "diffusion.model": "tiny",
+    "diffusion.resolution": 16,
+    "diffusion.channels": "256,128,128",
+}
+
+
+def default_run_config(plumbing: bool = True, **overrides: Any) -> dict[str, Any]:
+    """The flat [tool.flwr.app.config] table of pyproject.toml (with ``PLUMBING`` unless
+    ``plumbing=False``), with dotted-key overrides.
 
     Keyword names use '__' for '.' and '_' for '-': dataset__train_limit=64.
     """
     cfg = read_app_defaults(ROOT / "pyproject.toml")
+    if plumbing:
+        cfg.update(PLUMBING)
     for k, v in overrides.items():
         key = k.replace("__", ".").replace("_", "-")
         assert key in cfg, key
@@ -25,8 +42,8 @@ def default_run_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-def make_config(**overrides: Any) -> Config:
-    return load_config(default_run_config(**overrides))
+def make_config(plumbing: bool = True, **overrides: Any) -> Config:
+    return load_config(default_run_config(plumbing, **overrides))
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,22 @@ def test_defaults_load_and_round_trip():
     assert load_config(cfg.to_flat()) == cfg
 
 
+def test_pyproject_defaults_are_the_quickstart():
+    # `flwr run .` with no overrides: mnist-5k with the packaged pretrained teacher, and a
+    # width-16 ResNet-10 whose 128-d embedding the fused 64+32+32 teacher feature matches.
+    cfg = make_config(plumbing=False)
+    assert (cfg.dataset.name, cfg.dataset.image_size, cfg.diffusion.model) == ("mnist-5k", 28, "tiny-mnist")
+    assert (cfg.model_width, cfg.embedding_dim, cfg.diffusion.channels) == (16, 128, (64, 32, 32))
+    assert cfg.diffusion.resolution == 32 and cfg.method == "feddifrc"
+    assert load_config(cfg.to_flat()) == cfg
+
+
+def test_channels_must_match_the_model_width():
+    assert make_config(model__width=32, diffusion__channels="128,64,64").embedding_dim == 256
+    with pytest.raises(ConfigError, match=r"sum to 128, the ResNet-10 embedding width \(8 \* model.width = 8 \* 16\)"):
+        make_config(model__width=16)  # the plumbing base keeps the paper's 256,128,128
+
+
 def test_casts_flower_scalars():
     # Flower does not type-check overrides: 2.0 in an int key, "0.3" in a float key, "true" in a bool.
     cfg = make_config(num_server_rounds=2.0, partition__alpha="0.3", train__keep_momentum="true",
@@ -104,7 +120,7 @@ def test_strings_are_case_insensitive_for_names():
 @pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.toml")), ids=lambda p: p.name)
 def test_every_conf_file_loads(path):
     overrides = read_override_file(path)
-    raw = default_run_config()
+    raw = default_run_config(plumbing=False)
     unknown = set(overrides) - set(raw)
     assert not unknown, f"{path.name} overrides unknown keys {unknown}"
     raw.update(overrides)

@@ -549,3 +549,44 @@ def test_client_split_uses_a_nodes_own_folder(tmp_path: Path) -> None:
     data, ids = client_split(cfg, load_node_config({"data-dir": str(tmp_path)}))
     assert data.name == "image-folder" and data.class_names == ["cat", "dog house", "zebra"]
     assert ids.tolist() == list(range(len(data))) and len(data) == 5  # 6 images, fixed 80/20 -> 5 train
+
+
+# --------------------------------------------------------------------------- mnist-5k
+
+
+def mnist_cfg(**kw: object) -> DatasetConfig:
+    return dataclasses.replace(make_config(plumbing=False).dataset, **kw)
+
+
+def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> None:
+    from feddifrc_app.dataset import MNIST5K_SIZES, PUBLIC_SPLIT, _mnist5k_arrays
+
+    images, labels, splits = _mnist5k_arrays()
+    assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
+    assert np.bincount(labels).tolist() == [500] * 10
+    parts = [splits[s] for s in (PUBLIC_SPLIT, "train", "test")]
+    assert [len(p) for p in parts] == [MNIST5K_SIZES[s] for s in (PUBLIC_SPLIT, "train", "test")] == [1500, 2500, 1000]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(5000))  # disjoint and complete
+    for p, per_class in zip(parts, (150, 250, 100)):
+        assert np.bincount(labels[p]).tolist() == [per_class] * 10
+    # The loaded splits are exactly those rows (the teacher's public data never enters train/test).
+    d = load_dataset(mnist_cfg(), "test")
+    assert d.images.shape == (1000, 3, 28, 28) and d.class_names[3] == "digit three"
+    assert torch.equal(d.images[:, 0], torch.from_numpy(images[splits["test"]]))
+    assert np.array_equal(d.labels, labels[splits["test"]])
+    assert load_dataset(mnist_cfg(), "test").fingerprint == d.fingerprint
+
+
+def test_mnist5k_normalisation_comes_from_the_train_split_and_resizes() -> None:
+    train = load_dataset(mnist_cfg(), "train")
+    px = train.images[:, 0].double() / 255
+    assert train.mean[0] == pytest.approx(float(px.mean())) and train.std[0] == pytest.approx(float(px.std()))
+    assert load_dataset(mnist_cfg(), "public").mean == train.mean  # one normalisation for every split
+    small = load_dataset(mnist_cfg(image_size=16), "test")
+    assert small.images.shape == (1000, 3, 16, 16)
+    assert not train_transform(train).flip  # a mirrored digit is another symbol
+
+
+def test_public_split_exists_for_mnist5k_only() -> None:
+    with pytest.raises(ValueError, match="'public' exists for mnist-5k only"):
+        load_dataset(dcfg(), "public")

@@ -107,7 +107,8 @@ def test_load_teacher_is_memoised_and_hash_is_stable(teacher: Teacher, cache_dir
     # the same files loaded as a plain local folder: same weights, id = absolute path
     by_path = load_teacher(str(folder), cache_dir, CPU, torch.float32)
     assert by_path is not teacher
-    assert by_path.model_id == str(folder.resolve()) and by_path.random_weights is False
+    # ... still labelled random: its feddifrc.json says so, whatever name loads it
+    assert by_path.model_id == str(folder.resolve()) and by_path.random_weights is True
     assert by_path.weights_hash == teacher.weights_hash
     # the identity (for cache keys) is known without loading, and agrees with the loaded teacher
     ident = teacher_identity("tiny", cache_dir)
@@ -198,3 +199,45 @@ def test_weights_hash_memo_is_reused_and_invalidated_by_changes(tmp_path):
     assert weights_hash(folder, memo) == plain
     memo.write_text("{not json")
     assert weights_hash(folder, memo) == plain  # a corrupt memo is rebuilt, never fatal
+
+
+# --------------------------------------------------------------------------- the packaged teacher
+
+
+def test_packaged_tiny_mnist_is_found_through_the_installed_package_and_verified(tmp_path: Path) -> None:
+    import feddifrc_app
+    from feddifrc_app.diffusion.pipeline import _installed_package_dir
+
+    # The installed distribution (an editable install here and in CI) holds the weights; a
+    # Flower FAB copy of the code (text files only) would not.
+    assert _installed_package_dir() == Path(feddifrc_app.__file__).resolve().parent
+    ident = teacher_identity("tiny-mnist", tmp_path)
+    assert ident.folder == _installed_package_dir() / "teachers" / "tiny-mnist"
+    assert (ident.model_id, ident.random_weights) == ("tiny-mnist", False)
+    marker = json.loads((ident.folder / "feddifrc.json").read_text())
+    assert marker["kind"] == "feddifrc-pretrained-tiny-sd" and marker["recipe"]["unet_steps"] >= 1000
+    weights = sum(p.stat().st_size for p in ident.folder.rglob("*.safetensors"))
+    assert weights <= 10 * 1024 * 1024
+    t = load_teacher("tiny-mnist", tmp_path, CPU, torch.float32)
+    assert t.weights_hash == ident.weights_hash and t.random_weights is False
+    assert t.block_channels == (64, 64, 64, 32)
+
+
+def test_packaged_teacher_with_a_missing_file_names_it_and_how_to_rebuild(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddifrc_app.diffusion import pipeline
+
+    pkg = tmp_path / "site" / "feddifrc_app"
+    src = pipeline._installed_package_dir() / "teachers" / "tiny-mnist"
+    shutil.copytree(src, pkg / "teachers" / "tiny-mnist")
+    (pkg / "teachers" / "tiny-mnist" / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    monkeypatch.setattr(pipeline, "_installed_package_dir", lambda: pkg)
+    load_teacher.cache_clear()
+    try:
+        with pytest.raises(TeacherLoadError) as e:
+            teacher_identity("tiny-mnist", tmp_path / "cache")
+    finally:
+        load_teacher.cache_clear()
+    msg = str(e.value)
+    assert "\n" not in msg and "unet/diffusion_pytorch_model.safetensors is missing" in msg
+    assert f"feddifrc pretrain-teacher --out {pkg / 'teachers' / 'tiny-mnist'}" in msg

@@ -50,7 +50,7 @@ def test_features_are_pooled_pre_linear_vector() -> None:
 
 def test_structure_and_shortcuts() -> None:
     model = ResNet10(10)
-    assert ResNet10.embedding_dim == 512 and model.embedding_dim == 512
+    assert model.embedding_dim == 512 and model.widths == (64, 128, 256, 512)
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())
     stem_conv = model.stem[0]
     assert (stem_conv.kernel_size, stem_conv.stride, stem_conv.out_channels) == ((3, 3), (1, 1), 64)
@@ -89,3 +89,13 @@ def test_load_weights_accepts_missing_bn_counters_only():
         load_weights(dst, {k: v for k, v in state.items() if k != "fc.weight"})
     with pytest.raises(ValueError, match="unexpected"):
         load_weights(dst, {**state, "module.extra": torch.zeros(1)})
+
+
+def test_width_scales_the_network_and_the_embedding() -> None:
+    narrow = build_model("resnet10", 10, width=16).eval()
+    assert narrow.embedding_dim == 128 and narrow.widths == (16, 32, 64, 128)
+    assert sum(p.numel() for p in narrow.parameters()) == 308_826
+    z, logits = narrow(torch.randn(2, 3, 28, 28))
+    assert z.shape == (2, 128) and logits.shape == (2, 10)
+    with pytest.raises(ValueError, match="width=0"):
+        build_model("resnet10", 10, width=0)

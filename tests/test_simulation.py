@@ -49,7 +49,7 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     s = r["summary"]
     assert s["final-accuracy"] == r["rounds"][-1]["test-accuracy"]
     assert s["best-accuracy"] == max(x["test-accuracy"] for x in r["rounds"][1:])
-    assert r["teacher"] == {"model": "tiny-seed0", "random-weights": True}
+    assert r["teacher"] == {"model": "tiny-mnist", "random-weights": False}  # the packaged teacher, found from the FAB
     assert r["basis"]["mode"] == "federated-pca" and r["basis"]["nodes"] == 2
     assert r["setup-cache-misses"] == 120  # every training image extracted once, during setup
     assert sum(sum(c) for c in r["label-counts"].values()) == 120

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from feddifrc_app.diffusion.pipeline import Teacher
 
-__all__ = ["to_unit_range", "Featurizer", "noise_seed"]
+__all__ = ["to_unit_range", "encode_prompts", "Featurizer", "noise_seed"]
 
 _PROMPT_MEMO = 64  # prompt tuples kept per Featurizer
 
@@ -70,6 +70,15 @@ def to_unit_range(images: Tensor, resolution: int) -> Tensor:
         x = F.interpolate(x, size=(resolution, resolution), mode="bilinear", align_corners=False, antialias=True)
         x = x.clamp_(-1.0, 1.0)
     return x.contiguous()
+
+
+def encode_prompts(tokenizer, text_encoder, prompts: tuple[str, ...]) -> Tensor:
+    """``(P, L, D)`` last hidden states of the text encoder, prompts padded to the tokenizer's
+    max length as Stable Diffusion does (the teacher's pretraining conditions the same way)."""
+    device = next(text_encoder.parameters()).device
+    ids = tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids.to(device)
+    return text_encoder(ids)[0]
 
 
 def noise_seed(seed: int, image_id: int, draw: int) -> int:
@@ -309,14 +318,7 @@ class Featurizer:
             return hit
         t = self.teacher
         with torch.inference_mode():
-            ids = t.tokenizer(
-                list(key),
-                padding="max_length",
-                max_length=t.tokenizer.model_max_length,
-                truncation=True,
-                return_tensors="pt",
-            ).input_ids.to(t.device)
-            emb = t.text_encoder(ids)[0].to(t.dtype)
+            emb = encode_prompts(t.tokenizer, t.text_encoder, key).to(t.dtype)
         self._prompts[key] = emb
         if len(self._prompts) > _PROMPT_MEMO:
             self._prompts.popitem(last=False)

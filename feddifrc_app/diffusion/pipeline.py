@@ -40,6 +40,11 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "build_tiny_pipeline",
+    "folder_digests",
+    "packaged_teacher_dir",
+    "verify_folder",
+    "PACKAGED_TEACHERS",
+    "PRETRAINED_KIND",
     "load_teacher",
     "weights_hash",
     "TINY_PREFIX",
@@ -275,18 +280,15 @@ SD_SCHEDULER = dict(
 TINY_RESOLUTION = 16
 
 
-def _write_tiny(folder: Path, seed: int) -> None:
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+def tiny_text_encoder(seed: int):
+    """(CLIPTokenizer over ``_TINY_CORPUS``, seeded random tiny CLIPTextModel): the text side of
+    both tiny teachers. Every word the app prompts with is one token."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     vocab, merges = _tiny_bpe()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        unet = UNet2DConditionModel(**TINY_UNET)
-        torch.manual_seed(seed + 1)
-        vae = AutoencoderKL(**TINY_VAE)
-        torch.manual_seed(seed + 2)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=len(vocab),
@@ -296,6 +298,32 @@ def _write_tiny(folder: Path, seed: int) -> None:
                 **TINY_TEXT,
             )
         )
+    return tokenizer, text_encoder
+
+
+def save_tiny_pipeline(pipe, folder: Path) -> None:
+    """``pipe.save_pretrained`` (safetensors) of a pipeline with the tiny tokenizer, plus the classic
+    vocab.json/merges.txt pair that SD hub folders ship, so that the slow CLIPTokenizer of
+    transformers 4.x loads the folder too."""
+    with _quiet():
+        pipe.save_pretrained(folder, safe_serialization=True)
+    tok_dir = folder / "tokenizer"
+    vocab, merges = _tiny_bpe()
+    (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tok_dir / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+
+
+def _write_tiny(folder: Path, seed: int) -> None:
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**TINY_UNET)
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKL(**TINY_VAE)
+    tokenizer, text_encoder = tiny_text_encoder(seed + 2)
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -306,15 +334,7 @@ def _write_tiny(folder: Path, seed: int) -> None:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    with _quiet():
-        pipe.save_pretrained(folder, safe_serialization=True)
-    # Also the classic vocab.json/merges.txt pair (what SD hub folders ship), so that the slow
-    # CLIPTokenizer of transformers 4.x loads this folder too.
-    tok_dir = folder / "tokenizer"
-    (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (tok_dir / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
-    )
+    save_tiny_pipeline(pipe, folder)
     marker = {
         "kind": "feddifrc-tiny-sd",
         "model_id": _tiny_name(seed),
@@ -475,9 +495,86 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "~", ".", "\\")) or os.path.isabs(model) or Path(model).exists()
 
 
+PRETRAINED_KIND = "feddifrc-pretrained-tiny-sd"  # feddifrc.json "kind" of `feddifrc pretrain-teacher` folders
+
+# Teachers shipped inside the package (feddifrc_app/teachers/<name>/), by diffusion.model name.
+PACKAGED_TEACHERS: dict[str, str] = {
+    "tiny-mnist": "pretrained on mnist-5k's public split by `feddifrc pretrain-teacher` (seed 0)",
+}
+_REBUILD = {
+    "tiny-mnist": "feddifrc pretrain-teacher --out {folder}",
+}
+
+
+def _installed_package_dir() -> Path:
+    """``feddifrc_app/`` of the INSTALLED distribution (site-packages, or the checkout of an
+    editable install). Not ``__file__``: Flower runs the app from an unpacked FAB, which
+    carries text files only, so packaged weights are never next to the running code."""
+    import urllib.parse
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("feddifrc-app")
+    except metadata.PackageNotFoundError:
+        return Path(__file__).resolve().parents[1]  # a source tree used without installing it
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        info = json.loads(direct)
+        if info.get("dir_info", {}).get("editable"):  # PEP 610: the project folder
+            return (Path(urllib.parse.unquote(urllib.parse.urlparse(info["url"]).path)) / "feddifrc_app").resolve()
+    return Path(str(dist.locate_file("feddifrc_app"))).resolve()
+
+
+def packaged_teacher_dir(name: str) -> tuple[Path, dict[str, Any]]:
+    """(folder, marker) of a teacher shipped in the package (``PACKAGED_TEACHERS``), files verified."""
+    folder = _installed_package_dir() / "teachers" / name
+    return folder, verify_folder(folder, rebuild=_REBUILD[name].format(folder=folder))
+
+
+def folder_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a pipeline folder but the marker and the card (relative posix paths)."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): _file_digest(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name not in (_MARKER, "README.md")}
+
+
+def verify_folder(folder: Path, rebuild: str) -> dict[str, Any]:
+    """Check the files of a ``feddifrc pretrain-teacher`` folder against the sha256 sums in its
+    ``feddifrc.json`` and return that marker. Every file loading reads must be listed; a
+    missing, truncated or altered one is a one-line ``TeacherLoadError`` naming it, never a load."""
+    how = f"rebuild it with `{rebuild}` or reinstall feddifrc-app"
+    try:
+        marker = json.loads((folder / _MARKER).read_text())
+        files = marker["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no file checksums")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TeacherLoadError(f"teacher folder {folder} has no readable {_MARKER} with file checksums; {how}") from None
+    unlisted = [p.relative_to(folder).as_posix() for p in _loaded_files(folder)
+                if p.relative_to(folder).as_posix() not in files]
+    if unlisted:
+        raise TeacherLoadError(f"teacher file {folder / unlisted[0]} is not covered by the checksums in "
+                               f"{folder / _MARKER}; {how}")
+    for rel, digest in sorted(files.items()):
+        p = folder / rel
+        if not p.is_file():
+            raise TeacherLoadError(f"teacher file {p} is missing; {how}")
+        try:
+            ok = _file_digest(p) == digest
+        except OSError as e:
+            raise TeacherLoadError(f"teacher file {p} cannot be read ({_one_line(e, 120)}); {how}") from None
+        if not ok:
+            raise TeacherLoadError(f"teacher file {p} is corrupt (its sha256 does not match {_MARKER}); {how}")
+    return marker
+
+
 def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
     """model -> (local diffusers folder, model_id, random_weights). Builds tiny on first use;
-    fetches hub ids from the HF cache (or the hub when online)."""
+    finds packaged teachers in the installed package; fetches hub ids from the HF cache (or
+    the hub when online)."""
+    if model in PACKAGED_TEACHERS:
+        folder, marker = packaged_teacher_dir(model)
+        return folder, model, bool(marker.get("random_weights"))
     m = re.fullmatch(rf"{TINY_PREFIX}(?:-seed(\d+))?", model)
     if m:
         seed = int(m.group(1) or 0)
@@ -489,14 +586,17 @@ def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
             raise TeacherLoadError(
                 f"diffusion model folder '{folder}' does not exist; set diffusion.model to a diffusers "
                 "Stable Diffusion folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/, "
-                "scheduler/ as written by StableDiffusionPipeline.save_pretrained), a cached hub id, or 'tiny'"
+                "scheduler/ as written by StableDiffusionPipeline.save_pretrained), a cached hub id, or 'tiny-mnist'"
             )
         if not (folder / "model_index.json").is_file():
             raise TeacherLoadError(
                 f"diffusion model folder '{folder}' has no model_index.json: it is not a diffusers pipeline "
                 "folder; save one with StableDiffusionPipeline.save_pretrained(folder) or copy a hub snapshot"
             )
-        return folder, str(folder), False
+        marker = _read_marker(folder)
+        if marker.get("kind") == PRETRAINED_KIND:  # written by `feddifrc pretrain-teacher`: verify it
+            verify_folder(folder, rebuild="feddifrc pretrain-teacher --out " + str(folder))
+        return folder, str(folder), bool(marker.get("random_weights", False))
     # a hub id
     from diffusers import DiffusionPipeline
 
@@ -509,7 +609,7 @@ def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
                 f"diffusion model '{model}' is not in the Hugging Face cache {_hf_cache_dir()} and "
                 f"HF_HUB_OFFLINE is set; on a machine with internet run `hf download {model}` and copy "
                 "that cache here (or point HF_HOME at it), or set diffusion.model to a local diffusers "
-                "folder or 'tiny'"
+                "folder or 'tiny-mnist'"
             ) from None
         try:
             folder = DiffusionPipeline.download(model, **kw)
@@ -518,9 +618,25 @@ def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
                 f"diffusion model '{model}' is not in the Hugging Face cache {_hf_cache_dir()} and could "
                 f"not be downloaded ({_one_line(e, 160)}); check the id and the network (gated models "
                 "need `hf auth login`), copy a cache made with `hf download` here, or set "
-                "diffusion.model to a local diffusers folder or 'tiny'"
+                "diffusion.model to a local diffusers folder or 'tiny-mnist'"
             ) from None
     return Path(folder), model, False
+
+
+def _read_marker(folder: Path) -> dict[str, Any]:
+    """The folder's ``feddifrc.json`` ({} when it has none); an unreadable one is an error, since
+    it may be what says the weights are random or must be verified."""
+    path = folder / _MARKER
+    if not path.exists():
+        return {}
+    try:
+        m = json.loads(path.read_text())
+        if not isinstance(m, dict):
+            raise ValueError("not a JSON object")
+        return m
+    except (OSError, ValueError) as e:
+        raise TeacherLoadError(f"teacher folder {folder}: {path.name} is unreadable ({_one_line(e, 120)}); "
+                               "restore it or rebuild the folder") from None
 
 
 def _hf_cache_dir() -> str:

@@ -1,4 +1,4 @@
-"""The shared projection basis and fusion of per-block teacher features to 512-d.
+"""The shared projection basis and fusion of per-block teacher features to the embedding width.
 
 numpy (plus one torch matmul in :func:`fuse`): it runs on the server (which never loads the
 teacher) as well as on clients.
@@ -6,7 +6,8 @@ teacher) as well as on clients.
 Mean pooling over space commutes with a linear projection, so the feature cache
 holds POOLED per-block features ``{block: (..., C_b)}`` and a basis is applied
 afterwards: ``fused = concat_b((x_b - mean_b) @ W_b)`` with ``W_b`` of shape
-``(C_b, k_b)`` and ``sum_b k_b = 512`` (the ResNet-10 embedding width).
+``(C_b, k_b)`` and ``sum_b k_b = D``, the ResNet-10 embedding width (8 x model.width: 512
+in the paper).
 
 Bases (``diffusion.projection``):
 
@@ -252,7 +253,7 @@ def clip_widths(
 
     ``block_channels`` is aligned with ``widths``, or (with ``blocks``) a
     mapping/sequence indexed by block id, e.g. ``teacher.block_channels``.
-    The caller checks that the clipped sum is still the embedding width (512).
+    The caller checks that the clipped sum is still the embedding width (8 x model.width).
     """
     widths = tuple(int(w) for w in widths)
     if blocks is not None:

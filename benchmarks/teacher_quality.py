@@ -1,0 +1,185 @@
+"""What does a diffusion teacher know? The trained tiny-mnist teacher beside its random-weight control.
+
+    python benchmarks/teacher_quality.py [--out DIR] [--model tiny-mnist] [--folds 5]
+
+Both teachers have the same architecture, text encoder, prompts and noise; the control is
+`feddifrc pretrain-teacher --vae-steps 0 --unet-steps 0` (untrained weights, its VAE scaling
+factor measured on the same public split). Everything is measured on mnist-5k's federated
+TEST split (1,000 images), which neither teacher saw, at the run config's timestep,
+resolution and blocks, with the app's own code: the feature cache, the prompt list of a
+run (the K class prompts in label order, then the NDCR prompt), a PCA basis to the
+configured widths (fitted label-free on these features) and the paper's TDCL loss.
+
+- **probe**: 5-fold linear-probe accuracy (StandardScaler + logistic regression) of the
+  fused NDCR-prompt features (the NDCR targets). Chance is 0.10.
+- **prompt effect**: mean over images and class-prompt pairs of 1 - cos(F^c, F^c') of one
+  image's teacher features (pooled blocks, each L2-normalised, concatenated) under two
+  class prompts (0 = the prompt changes nothing).
+- **student TDCL**: the lowest held-out TDCL loss (tau = 0.04, positive = the true-class
+  prompt) that a linear student on the pixels reaches, 5-fold, in the teacher's own space
+  and in the fused (PCA) space that the app's TDCL uses. ln 10 = 2.30 is chance.
+
+Targets: probe >= 0.85 for the trained teacher and <= 0.5 for the control; prompt effect
+>= 0.1 and <= 0.01. The script prints a table and writes teacher_quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from feddifrc_app.cli import load_app_config  # noqa: E402
+from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset  # noqa: E402
+from feddifrc_app.diffusion.cache import teacher_prompts  # noqa: E402
+from feddifrc_app.diffusion.projection import client_stats, clip_widths, fit_basis, fuse, merge_client_stats  # noqa: E402
+from feddifrc_app.losses import tdcl_paper  # noqa: E402
+from feddifrc_app.targets import pooled_features  # noqa: E402
+
+TARGETS = {"probe": (0.85, 0.5), "prompt-effect": (0.1, 0.01)}
+
+
+def control_teacher(cfg, folder: Path) -> Path:
+    """The untrained control: same architecture and recipe at 0 steps (built once)."""
+    from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+
+    marker = folder / "feddifrc.json"
+    built = json.loads(marker.read_text())["recipe"]["resolution"] if marker.is_file() else None
+    if built != cfg.diffusion.resolution:
+        data = load_dataset(cfg.dataset, PUBLIC_SPLIT)
+        prompts = teacher_prompts(cfg, data.class_names)[:data.num_classes]
+        pretrain_teacher(data.images, data.labels, prompts, folder,
+                         PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
+                         name="tiny-mnist-untrained", data_note="untrained control", progress=False)
+    return folder
+
+
+def teacher_features(cfg, cache_dir: Path, data) -> tuple[np.ndarray, np.ndarray, int]:
+    """(raw (N, P, sum C_b), fused (N, P, D), K) for every image under the run's prompts.
+
+    raw: the teacher's own pooled features, each block L2-normalised, concatenated.
+    fused: what the app trains against, a PCA basis (label-free) to the configured widths.
+    """
+    prompts = teacher_prompts(cfg, data.class_names)
+    ids = np.arange(len(data))
+    pooled, _ = pooled_features(cfg, cache_dir, data, ids, prompts, progress=True)
+    blocks = cfg.diffusion.blocks
+    raw = np.concatenate([pooled[b] / np.linalg.norm(pooled[b], axis=-1, keepdims=True).clip(1e-12)
+                          for b in blocks], axis=-1)
+    stats = merge_client_stats([client_stats(pooled)])
+    widths = clip_widths(cfg.diffusion.channels, [stats[b].channels for b in blocks])
+    basis = fit_basis(stats, widths, blocks, mode="federated-pca")
+    return raw, fuse(pooled, basis), data.num_classes
+
+
+def probe_accuracy(x: np.ndarray, y: np.ndarray, folds: int) -> float:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    clf = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=2000))
+    cv = StratifiedKFold(folds, shuffle=True, random_state=0)
+    return float(cross_val_score(clf, x, y, cv=cv).mean())
+
+
+def prompt_effect(reps: np.ndarray) -> float:
+    """Mean 1 - cos over ordered pairs of distinct class prompts of the same image. reps: (N, K, D)."""
+    u = reps / np.linalg.norm(reps, axis=-1, keepdims=True).clip(1e-12)
+    cos = np.einsum("nkd,nld->nkl", u, u)
+    k = reps.shape[1]
+    off = ~np.eye(k, dtype=bool)
+    return float((1.0 - cos[:, off]).mean())
+
+
+def student_tdcl(pixels: np.ndarray, reps: np.ndarray, y: np.ndarray, folds: int, temperature: float,
+                 steps: int = 400) -> float:
+    """Held-out TDCL loss of a linear pixel -> D student trained on TDCL alone, mean over folds."""
+    from sklearn.model_selection import StratifiedKFold
+
+    x = torch.from_numpy(pixels).float()
+    x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
+    r, labels = torch.from_numpy(reps).float(), torch.from_numpy(y).long()
+    out = []
+    for tr, te in StratifiedKFold(folds, shuffle=True, random_state=0).split(pixels, y):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(x.shape[1], r.shape[-1])
+        opt = torch.optim.Adam(lin.parameters(), lr=1e-2, weight_decay=1e-4)
+        for _ in range(steps):
+            loss = tdcl_paper(lin(x[tr]), r[tr], labels[tr], temperature=temperature)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            out.append(float(tdcl_paper(lin(x[te]), r[te], labels[te], temperature=temperature)))
+    return float(np.mean(out))
+
+
+def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
+    raw, fused, k = teacher_features(cfg, cache_dir, test)
+    y = test.labels
+    pixels = test.images[:, 0].reshape(len(test), -1).numpy()
+    tau = cfg.loss.temperature
+    return {
+        "probe": probe_accuracy(fused[:, -1], y, folds),
+        "prompt-effect": prompt_effect(raw[:, :k]),
+        "student-tdcl-raw": student_tdcl(pixels, raw[:, :k], y, folds, tau),
+        "student-tdcl-fused": student_tdcl(pixels, fused[:, :k], y, folds, tau),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "teacher_quality"))
+    ap.add_argument("--run-config", action="append", default=None, help="overrides as for flwr run")
+    ap.add_argument("--folds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = out / "cache"
+    cfg = load_app_config(ROOT, args.run_config)
+    if cfg.dataset.name != "mnist-5k":
+        raise SystemExit("teacher_quality: needs dataset.name = 'mnist-5k' (the teacher's public split)")
+    import dataclasses
+
+    control = control_teacher(cfg, out / "tiny-mnist-untrained")
+    test = load_dataset(cfg.dataset, "test")
+    rows = {}
+    for label, model in ((cfg.diffusion.model, cfg.diffusion.model), ("untrained control", str(control))):
+        c = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=model))
+        rows[label] = measure(c, cache_dir, test, args.folds)
+    d = cfg.diffusion
+    print(f"\nmnist-5k federated test split ({len(test)} images), t = {d.timestep}, {d.resolution} px, "
+          f"blocks {','.join(map(str, d.blocks))} -> PCA {','.join(map(str, d.channels))}, "
+          f"NDCR prompt {d.ndcr_prompt!r}, {args.folds}-fold\n")
+    print(f"| teacher | linear probe of NDCR features (chance 0.10) | prompt effect | student TDCL, teacher space | "
+          f"student TDCL, fused space (chance ln 10 = {math.log(10):.2f}) |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, m in rows.items():
+        print(f"| {label} | {m['probe']:.3f} | {m['prompt-effect']:.4f} | {m['student-tdcl-raw']:.3f} | "
+              f"{m['student-tdcl-fused']:.3f} |")
+    trained, ctrl = rows[cfg.diffusion.model], rows["untrained control"]
+    checks = {
+        "trained probe >= 0.85": trained["probe"] >= TARGETS["probe"][0],
+        "control probe <= 0.5": ctrl["probe"] <= TARGETS["probe"][1],
+        "trained prompt effect >= 0.1": trained["prompt-effect"] >= TARGETS["prompt-effect"][0],
+        "control prompt effect <= 0.01": ctrl["prompt-effect"] <= TARGETS["prompt-effect"][1],
+    }
+    print("\n" + "\n".join(f"{'PASS' if ok else 'MISS'}  {name}" for name, ok in checks.items()))
+    (out / "teacher_quality.json").write_text(json.dumps(
+        {"rows": rows, "checks": checks, "timestep": d.timestep, "resolution": d.resolution,
+         "blocks": list(d.blocks), "channels": list(d.channels), "images": len(test)}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

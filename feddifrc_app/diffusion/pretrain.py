@@ -1,0 +1,331 @@
+"""Pretrain a tiny latent text-to-image teacher on a CPU, saved as a Stable Diffusion folder.
+
+The result is a standard diffusers ``StableDiffusionPipeline`` folder (AutoencoderKL,
+UNet2DConditionModel, CLIPTextModel + CLIPTokenizer, DDIMScheduler) that
+``diffusion.model = <folder>`` loads exactly like any SD checkpoint. The recipe:
+
+1. **VAE** (``TEACHER_VAE``: channels 16/32/32, x4 downsampling, 32x32x3 -> 8x8x4):
+   pixel MSE + ``KL_WEIGHT`` x KL (summed over the latent, averaged over the batch),
+   AdamW, cosine learning rate, gradient clip 1.
+2. **Latents**: the deterministic posterior mean of every image; ``scaling_factor``
+   = 1 / their standard deviation (written into the VAE config, so t = 300 means the
+   same noise level as for SD).
+3. **UNet** (``TEACHER_UNET``, 2.1 M parameters) trained with **v-prediction** (as SD-2.x).
+   With the epsilon objective a model this small learns to denoise but ignores the
+   prompt within a CPU budget: epsilon loss barely weighs the high-t errors where the
+   class matters. Class prompts in label order, ``EMPTY_PROMPT_RATE`` of the samples on
+   the empty prompt (the unconditional/NDCR prompt), timesteps uniform, warm-up then
+   cosine learning rate, gradient clip 1, and an EMA of the weights (the saved UNet).
+4. **Text encoder**: the seeded random tiny CLIP of the embedded model, frozen. Its class
+   prompts differ from the class word onward, which is enough for a v-prediction UNet.
+
+Steps, not wall time, bound each phase, so a rebuild with the same seed and data gives
+the same teacher. ``unet_steps = vae_steps = 0`` writes the untrained initialisation of
+the same architecture (its scaling factor still measured on the data): the
+random-weight control that differs from the teacher in its weights alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
+from feddifrc_app.diffusion.pipeline import (
+    PRETRAINED_KIND,
+    SD_SCHEDULER,
+    folder_digests,
+    save_tiny_pipeline,
+    tiny_text_encoder,
+)
+
+__all__ = ["TEACHER_UNET", "TEACHER_VAE", "PretrainRecipe", "pretrain_teacher"]
+
+KL_WEIGHT = 1e-7
+EMPTY_PROMPT_RATE = 0.1
+
+TEACHER_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 3,  # two downsamples: factor 4
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    block_out_channels=(16, 32, 32),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=16,
+    sample_size=32,
+)
+# up_blocks are block_out_channels reversed: widths 64, 64, 64, 32; the default blocks
+# 1, 2, 3 give 64 + 64 + 32 pooled channels.
+TEACHER_UNET = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(32, 64, 64, 64),
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=16,
+)
+
+
+@dataclass(frozen=True)
+class PretrainRecipe:
+    """Every number that shapes the teacher (recorded in the folder's ``feddifrc.json``)."""
+
+    seed: int = 0
+    resolution: int = 32
+    batch_size: int = 64
+    vae_steps: int = 300
+    vae_lr: float = 1e-3
+    vae_lr_end: float = 2e-4
+    unet_steps: int = 1200
+    unet_lr: float = 1e-3
+    unet_lr_end: float = 1e-4
+    unet_warmup: int = 100
+    weight_decay: float = 1e-2
+    ema_decay: float = 0.995
+    empty_prompt_rate: float = EMPTY_PROMPT_RATE
+    kl_weight: float = KL_WEIGHT
+
+    def __post_init__(self) -> None:
+        if self.resolution < 4 or self.resolution % 4:
+            raise ValueError(f"resolution={self.resolution}: expected a positive multiple of 4 (the VAE factor)")
+        for name in ("batch_size",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected >= 1")
+        for name in ("vae_steps", "unet_steps", "unet_warmup", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: expected >= 0")
+        if not 0.0 <= self.empty_prompt_rate <= 1.0 or not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError("empty_prompt_rate must be in [0, 1] and ema_decay in [0, 1)")
+
+
+def _lr_lambda(steps: int, warmup: int, lr: float, lr_end: float) -> Callable[[int], float]:
+    """Linear warm-up, then cosine from ``lr`` to ``lr_end`` (as a factor of ``lr``)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        p = (step - warmup) / max(1, steps - warmup)
+        return (lr_end + 0.5 * (lr - lr_end) * (1 + math.cos(math.pi * min(1.0, p)))) / lr
+
+    return f
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled or total == 0, dynamic_ncols=True)
+
+
+def _train_vae(vae, x: torch.Tensor, r: PretrainRecipe, gen: torch.Generator, progress: bool) -> list[float]:
+    opt = torch.optim.AdamW(vae.parameters(), lr=r.vae_lr, weight_decay=r.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(r.vae_steps, 0, r.vae_lr, r.vae_lr_end))
+    losses: list[float] = []
+    vae.train()
+    with _progress(r.vae_steps, "teacher VAE", progress) as bar:
+        for _ in range(r.vae_steps):
+            batch = x[torch.randint(0, len(x), (r.batch_size,), generator=gen)]
+            post = vae.encode(batch).latent_dist
+            z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+            recon = vae.decode(z).sample
+            kl = post.kl().mean()  # summed over the latent, averaged over the batch
+            loss = F.mse_loss(recon, batch) + r.kl_weight * kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    vae.eval()
+    return losses
+
+
+@torch.no_grad()
+def _latents(vae, x: torch.Tensor, batch: int = 256) -> torch.Tensor:
+    return torch.cat([vae.encode(x[i:i + batch]).latent_dist.mean for i in range(0, len(x), batch)])
+
+
+def _train_unet(unet, latents: torch.Tensor, labels: torch.Tensor, emb: torch.Tensor, scheduler,
+                r: PretrainRecipe, gen: torch.Generator, progress: bool):
+    """v-prediction training; returns (EMA UNet, losses). ``emb``: (K + 1, L, D), the empty prompt last."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ema = AveragedModel(unet, multi_avg_fn=get_ema_multi_avg_fn(r.ema_decay), use_buffers=True)
+    opt = torch.optim.AdamW(unet.parameters(), lr=r.unet_lr, weight_decay=r.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(r.unet_steps, r.unet_warmup, r.unet_lr, r.unet_lr_end))
+    empty = emb.shape[0] - 1
+    n_t = scheduler.config.num_train_timesteps
+    losses: list[float] = []
+    unet.train()
+    with _progress(r.unet_steps, "teacher UNet", progress) as bar:
+        for _ in range(r.unet_steps):
+            i = torch.randint(0, len(latents), (r.batch_size,), generator=gen)
+            l0, y = latents[i], labels[i]
+            drop = torch.rand(r.batch_size, generator=gen) < r.empty_prompt_rate
+            cond = emb[torch.where(drop, torch.full_like(y, empty), y)]
+            t = torch.randint(0, n_t, (r.batch_size,), generator=gen)
+            noise = torch.randn(l0.shape, generator=gen)
+            noisy = scheduler.add_noise(l0, noise, t)
+            target = scheduler.get_velocity(l0, noise, t)
+            loss = F.mse_loss(unet(noisy, t, encoder_hidden_states=cond).sample, target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            ema.update_parameters(unet)
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    out = ema.module if r.unet_steps > 0 else unet
+    out.eval()
+    return out, losses
+
+
+def _mean_tail(xs: Sequence[float], n: int = 50) -> float | None:
+    return float(np.mean(xs[-n:])) if xs else None
+
+
+def pretrain_teacher(
+    images: torch.Tensor,
+    labels: np.ndarray,
+    class_prompts: Sequence[str],
+    out: Path,
+    recipe: PretrainRecipe = PretrainRecipe(),
+    *,
+    name: str = "tiny-teacher",
+    data_note: str = "",
+    progress: bool = True,
+) -> Path:
+    """Train the tiny teacher on ``images`` (uint8 (N, 3, H, W)) labelled ``labels`` (0..K-1)
+    under ``class_prompts`` (K, label order) and write it to ``out`` atomically.
+
+    The folder is built next to ``out`` and renamed into place, so a killed run leaves no
+    partial teacher; an existing ``out`` is replaced only once the new one is complete.
+    ``feddifrc.json`` records the recipe, the training losses and a sha256 of every file
+    (the loader checks them); ``README.md`` is the model card.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    labels_t = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+    k = len(class_prompts)
+    if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels_t) or len(images) == 0:
+        raise ValueError(f"images must be uint8 (N, 3, H, W) with N = len(labels) > 0, got {images.dtype} "
+                         f"{tuple(images.shape)} and {len(labels_t)} labels")
+    if k < 1 or int(labels_t.min()) < 0 or int(labels_t.max()) >= k:
+        raise ValueError(f"labels must lie in 0..{k - 1} (one prompt per class)")
+    if "" in class_prompts:
+        raise ValueError("a class prompt is empty: the empty prompt is the unconditional one")
+    out = Path(out).expanduser().resolve()
+    t_start = time.perf_counter()
+    gen = torch.Generator().manual_seed(recipe.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        vae = AutoencoderKL(**TEACHER_VAE)
+        torch.manual_seed(recipe.seed + 1)
+        unet = UNet2DConditionModel(**TEACHER_UNET)
+    # The text side is the embedded tiny model's (seed 2 there): one tokenizer for both tiny teachers.
+    tokenizer, text_encoder = tiny_text_encoder(2)
+    text_encoder.requires_grad_(False).eval()
+    scheduler = DDIMScheduler(**{k_: v for k_, v in SD_SCHEDULER.items() if k_ != "skip_prk_steps"},
+                              clip_sample=False, prediction_type="v_prediction")
+
+    x = to_unit_range(images, recipe.resolution)
+    vae_losses = _train_vae(vae, x, recipe, gen, progress)
+    lat = _latents(vae, x)
+    scale = 1.0 / float(lat.std())
+    vae.register_to_config(scaling_factor=scale)
+    with torch.no_grad():
+        emb = encode_prompts(tokenizer, text_encoder, (*class_prompts, "")).float()
+    unet, unet_losses = _train_unet(unet, lat * scale, labels_t, emb, scheduler, recipe, gen, progress)
+
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        save_tiny_pipeline(pipe, tmp)
+        trained = recipe.unet_steps > 0
+        marker: dict[str, Any] = {
+            "kind": PRETRAINED_KIND,
+            "model_id": name,
+            "random_weights": not trained,
+            "resolution": recipe.resolution,
+            "recipe": asdict(recipe),
+            "prompts": [*class_prompts, ""],
+            "data": {"images": int(len(images)), "per_class": np.bincount(labels_t.numpy(), minlength=k).tolist(),
+                     "note": data_note},
+            "training": {"vae_loss_last50": _mean_tail(vae_losses), "unet_loss_first50": _mean_tail(unet_losses[:50]),
+                         "unet_loss_last50": _mean_tail(unet_losses), "scaling_factor": scale,
+                         "seconds": round(time.perf_counter() - t_start, 1), "torch": torch.__version__},
+            "files": folder_digests(tmp),
+        }
+        (tmp / "feddifrc.json").write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(_card(marker))
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.replace(out, trash)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(trash, out)  # put the previous teacher back
+                raise
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _card(m: dict[str, Any]) -> str:
+    r, tr = m["recipe"], m["training"]
+    kind = ("trained" if not m["random_weights"] else
+            "UNTRAINED (random weights: a control, never evidence that FedDifRC helps)")
+    return f"""# {m['model_id']}: a tiny latent text-to-image teacher, {kind}
+
+A diffusers `StableDiffusionPipeline` folder written by `feddifrc pretrain-teacher`
+(`feddifrc_app/diffusion/pretrain.py`). Load it with `diffusion.model = "<this folder>"`.
+
+## Data
+{m['data']['images']} images, per class {m['data']['per_class']}. {m['data']['note']}
+Prompts (label order, then the empty prompt used for {r['empty_prompt_rate']:.0%} of samples):
+{', '.join(repr(p) for p in m['prompts'])}
+
+## Recipe (seed {r['seed']})
+- Input {r['resolution']}x{r['resolution']} in [-1, 1]; VAE AutoencoderKL 16/32/32, x4 -> 8x8x4 latent:
+  {r['vae_steps']} steps of {r['batch_size']}, MSE + {r['kl_weight']:g} KL, AdamW {r['vae_lr']:g} cosine to {r['vae_lr_end']:g}.
+- Latents: posterior mean x scaling_factor = 1/std = {tr['scaling_factor']:.4f}.
+- UNet2DConditionModel (32, 64, 64, 64), v-prediction: {r['unet_steps']} steps of {r['batch_size']},
+  AdamW {r['unet_lr']:g} (wd {r['weight_decay']:g}), {r['unet_warmup']} warm-up steps, cosine to {r['unet_lr_end']:g},
+  grad clip 1, EMA {r['ema_decay']} (the saved weights).
+- Text: a frozen, seeded random tiny CLIP text encoder; byte-level BPE tokenizer.
+- Scheduler: DDIM, SD's scaled_linear betas (0.00085-0.012, 1000 steps), v_prediction.
+
+## Training
+VAE loss (last 50 steps) {tr['vae_loss_last50']}; UNet v-loss first 50 {tr['unet_loss_first50']},
+last 50 {tr['unet_loss_last50']}; {tr['seconds']} s on this machine (torch {tr['torch']}).
+
+## Integrity
+`feddifrc.json` holds the sha256 of every file; the app refuses a folder whose files do not match.
+"""
