@@ -35,7 +35,13 @@ from feddifrc_app.diffusion.cache import (
     key_from_fields,
 )
 from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.diffusion.pipeline import load_teacher, resolve_device, resolve_dtype, teacher_identity
+from feddifrc_app.diffusion.pipeline import (
+    load_teacher,
+    resolve_device,
+    resolve_dtype,
+    teacher_identity,
+    teacher_resolution,
+)
 from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, local_pca_basis, random_basis
 from feddifrc_app.train import TeacherTargets
 
@@ -49,7 +55,11 @@ def _featurizer(model: str, cache_dir: str, device: str, dtype: str, resolution:
     t0 = time.perf_counter()
     teacher = load_teacher(model, Path(cache_dir), dev, resolve_dtype(dtype, dev))
     log.info("loaded diffusion teacher %s on %s in %.1fs%s", teacher.model_id, dev, time.perf_counter() - t0,
-             " (RANDOM weights: embedded tiny model)" if teacher.random_weights else "")
+             " (RANDOM weights)" if teacher.random_weights else "")
+    trained_at = teacher_resolution(model, Path(cache_dir))
+    if trained_at is not None and trained_at != resolution:
+        log.warning("diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
+                    "this size are out of its training distribution", teacher.model_id, trained_at, resolution)
     return Featurizer(teacher, resolution=resolution, timestep=timestep, blocks=blocks, ensemble=ensemble, seed=seed)
 
 

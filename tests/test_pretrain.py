@@ -141,3 +141,15 @@ def test_an_unreadable_marker_or_unlisted_weights_are_refused(few_steps: Path, t
     (folder / "feddifrc.json").write_text('{"kind": "feddifrc-pretr')  # truncated
     with pytest.raises(TeacherLoadError, match="feddifrc.json is unreadable"):
         teacher_identity(str(folder), tmp_path / "cache")
+
+
+def test_the_training_resolution_is_recorded_and_checked_against_the_config(few_steps: Path, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from feddifrc_app.diffusion.pipeline import teacher_resolution
+    from feddifrc_app.targets import _featurizer
+
+    assert teacher_resolution(str(few_steps), tmp_path) == 32
+    assert teacher_resolution("tiny", tmp_path) == 16
+    with caplog.at_level("WARNING", logger="flwr.feddifrc"):
+        _featurizer(str(few_steps), str(tmp_path), "cpu", "float32", 16, 100, (1, 2, 3), 1, 0)
+    assert "trained at 32 px but diffusion.resolution = 16" in caplog.text

@@ -37,6 +37,7 @@ __all__ = [
     "Teacher",
     "TeacherIdentity",
     "teacher_identity",
+    "teacher_resolution",
     "resolve_device",
     "resolve_dtype",
     "build_tiny_pipeline",
@@ -701,6 +702,12 @@ def teacher_identity(model: str, cache_dir: Path) -> TeacherIdentity:
 def _identity_cached(model: str, cache_dir: Path) -> TeacherIdentity:
     folder, model_id, random_weights = _resolve_folder(model, cache_dir)
     return TeacherIdentity(model_id, weights_hash(folder, cache_dir / "weights-digests.json"), random_weights, folder)
+
+
+def teacher_resolution(model: str, cache_dir: Path) -> int | None:
+    """The input size a feddifrc-built teacher (tiny, pretrain-teacher) was made for; None otherwise."""
+    res = _read_marker(teacher_identity(model, cache_dir).folder).get("resolution")
+    return int(res) if isinstance(res, int) else None
 
 
 def load_teacher(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Teacher:

@@ -298,6 +298,10 @@ def pretrain_teacher(
     return out
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def _card(m: dict[str, Any]) -> str:
     r, tr = m["recipe"], m["training"]
     kind = ("trained" if not m["random_weights"] else
@@ -323,8 +327,8 @@ Prompts (label order, then the empty prompt used for {r['empty_prompt_rate']:.0%
 - Scheduler: DDIM, SD's scaled_linear betas (0.00085-0.012, 1000 steps), v_prediction.
 
 ## Training
-VAE loss (last 50 steps) {tr['vae_loss_last50']}; UNet v-loss first 50 {tr['unet_loss_first50']},
-last 50 {tr['unet_loss_last50']}; {tr['seconds']} s on this machine (torch {tr['torch']}).
+VAE loss (mean of the last 50 steps) {_fmt(tr['vae_loss_last50'])}; UNet v-loss, mean of the first 50
+steps {_fmt(tr['unet_loss_first50'])}, of the last 50 {_fmt(tr['unet_loss_last50'])}; {tr['seconds']} s (torch {tr['torch']}).
 
 ## Integrity
 `feddifrc.json` holds the sha256 of every file; the app refuses a folder whose files do not match.
