@@ -3,7 +3,7 @@
 Every dataset is held in memory as ONE uint8 tensor ``(N, 3, S, S)`` at the
 classifier size ``S = cfg.image_size`` plus int64 labels: the same bytes feed the
 classifier (through ``train_transform``/``eval_transform``) and the diffusion
-teacher (which needs the un-augmented image, METHOD §7), and their hash keys the
+teacher (which needs the un-augmented image, as in the paper), and their hash keys the
 feature cache (``ImageData.fingerprint``).
 
 Sources (``load_dataset(cfg, split)``):
@@ -25,8 +25,7 @@ Sources (``load_dataset(cfg, split)``):
   (``cache_dir=cfg.data_dir``).
 - ``tiny-imagenet``: Hugging Face ``zh-plus/tiny-imagenet`` (splits train/valid;
   "test" = valid). Its labels are sorted wnids; names come from
-  ``tiny_imagenet_names`` looked up BY WNID, so prompts follow label order
-  (METHOD §9.7).
+  ``tiny_imagenet_names`` looked up BY WNID, so prompts follow label order.
 - ``image-folder``: ``cfg.data_dir`` with ``train/`` and ``test/`` (or ``val/``)
   class-per-folder subfolders, or class folders directly (then a fixed
   stratified 80/20 split).

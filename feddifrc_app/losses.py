@@ -1,4 +1,4 @@
-"""FedDifRC local losses: CE + TDCL + NDCR (METHOD.md §3-§5, §9 items 2-3).
+"""FedDifRC local losses: CE + TDCL + NDCR.
 
 A leaf module (torch only). Every function is pure: no module state, inputs are
 cast to float32 inside (``.float()``), teacher tensors (diffusion
@@ -140,7 +140,7 @@ def _prepare(z: Tensor, reps: Tensor, labels: Tensor, temperature: float) -> tup
 
 def tdcl_paper(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float, num_negatives: int = 0,
                generator: torch.Generator | None = None, normaliser: str = "none") -> Tensor:
-    """Paper TDCL (METHOD §3). Returns a scalar (0-dim) float32 tensor.
+    """Paper TDCL. Returns a scalar (0-dim) float32 tensor.
 
     z:      (B, D) client embeddings (gradients flow here).
     reps:   (B, K, D) fused diffusion reps of the SAME image i under each of the
@@ -175,7 +175,7 @@ NDCR_SPACES = ("unit", "raw")
 
 
 def ndcr_paper(z: Tensor, target: Tensor, *, space: str = "raw") -> Tensor:
-    """Paper NDCR (METHOD §4): ``mean_i sum_q (z_iq - H_iq)^2``. z, target (B, D) -> scalar.
+    """Paper NDCR: ``mean_i sum_q (z_iq - H_iq)^2``. z, target (B, D) -> scalar.
 
     ``space="raw"``: the literal form on the vectors as they are. ``space="unit"`` [A]: both
     vectors L2-normalised first (= 2 - 2 cos, in [0, 4]). The paper does not say at what scale
@@ -197,7 +197,7 @@ def ndcr_paper(z: Tensor, target: Tensor, *, space: str = "raw") -> Tensor:
 def tdcl_ssl(z: Tensor, positive: Tensor, negatives: Tensor, *, temperature: float,
              num_negatives: int = 0, generator: torch.Generator | None = None,
              normaliser: str = "none") -> Tensor:
-    """Self-supervised TDCL (METHOD §5), same per-sample form as ``tdcl_paper``.
+    """Self-supervised TDCL, same per-sample form as ``tdcl_paper``.
 
     z:         (B, D) embeddings.
     positive:  (B, D) rep of image i under "a photo of a similar object".
@@ -248,7 +248,7 @@ def tdcl_code(z: Tensor, reps: Tensor, labels: Tensor, *, temperature: float) ->
                 (no normaliser; tau = ``--infonce_t`` 0.04, utils/options.py);
       :153-161  ONE batch-level ratio over all (M+1)*B rows:
                 ``-log(sum_pos exp(l) / sum_all exp(l))``.
-    The writer of ``sdfeas_text_*.pth`` is not public (METHOD §9.1), so the
+    The writer of ``sdfeas_text_*.pth`` is not public, so the
     order of ``sd_text_fea[:-1]`` is unknown: [A] we take the other classes in
     ascending class order, M = K-1. The ratio is evaluated with logsumexp
     (same value, no overflow) and returned 0-dim (the code's is shape (1,)).
@@ -277,7 +277,7 @@ def ndcr_code(z: Tensor, target: Tensor) -> Tensor:
     = ``(1/B) sum_i KL(P_i || Q_i)`` with target ``P_i = softmax(H_i/||H_i||)``
     and input ``Q_i = softmax(z_i/||z_i||)`` (softmax over the D features).
     Unit vectors' entries are ~1/sqrt(D), so for D = 512 this is at most about
-    ``||u - v||^2 / (2D) <= 4/1024 ~ 0.004``: nearly inactive (METHOD §9.3).
+    ``||u - v||^2 / (2D) <= 4/1024 ~ 0.004``: nearly inactive.
     """
     z = z.float()
     target = target.detach().float()

@@ -1,4 +1,4 @@
-"""The client classifier: ResNet-10 of the paper (METHOD §7).
+"""The client classifier: ResNet-10 of the paper.
 
 ``forward(x)`` returns ``(features, logits)``: ``features`` is the pooled
 embedding ``z`` (``8 * width``-d: 512 at the paper's width 64) that TDCL/NDCR pull

@@ -8,7 +8,7 @@ dataset directly.
 Fidelity to the public FedDifRC code (``hwang52/FedDifRC`` at ``c305f62``):
 
 - ``dirichlet_nid1`` is ``utils/sample_dirichlet.py::clients_indices`` step for
-  step (same ``RandomState`` draws in the same order), so the METHOD §8
+  step (same ``RandomState`` draws in the same order), so the published
   regression matrix is reproduced exactly.
 - ``partition_indices(seed=s)`` also reproduces the code's *index identity* on a
   dataset in the same order: ``main_FedDifRC.py`` calls ``np.random.seed(seed)``
@@ -142,7 +142,7 @@ def _kept_by_class(labels: np.ndarray, imb_factor: float, seed: int | None) -> l
 
 
 def long_tail(labels: np.ndarray, imb_factor: float, seed: int | None = None) -> np.ndarray:
-    """Indices kept by the exponential long tail (METHOD §8 step 1).
+    """Indices kept by the exponential long tail (the public code's step 1).
 
     Class ``c`` keeps ``int((N / C) * imb_factor ** (c / (C - 1)))`` samples
     (or all it has, if fewer). Which ones: ``seed=None`` keeps the first of each
@@ -235,7 +235,7 @@ def dirichlet_nid1(
     alpha: float,
     seed: int,
 ) -> list[np.ndarray]:
-    """The paper's NID1 split, exactly the public code's algorithm (METHOD §8 steps 2-5).
+    """The paper's NID1 split, exactly the public code's algorithm (its steps 2-5).
 
     1. ``(index, label)`` list class by class (class 0 first; within a class,
        the order of ``indices`` is kept), shuffled by ``RandomState(seed)``.

@@ -3,7 +3,7 @@
 Why this table exists: the Hugging Face copy ``zh-plus/tiny-imagenet`` labels its
 ``label`` ClassLabel with bare wnids (``"n01443537"``), sorted, and ships no
 ``words.txt``. Prompts ("a photo of a {}") need words. The public FedDifRC code
-took names in ``wnids.txt`` order while labels follow sorted order (METHOD §9.7);
+took names in ``wnids.txt`` order while labels follow sorted order;
 here names are always looked up BY WNID, so they follow whatever label order the
 dataset has.
 

@@ -1,4 +1,4 @@
-"""ResNet-10 (METHOD §7): shapes, parameter count, features = pooled pre-linear vector."""
+"""ResNet-10: shapes, parameter count, features = pooled pre-linear vector."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 
 from feddifrc_app import partition as P
 
-# METHOD §8 regression target: CIFAR-10 sized (10 classes x 5000), M=10,
+# Regression target (the paper's published matrix): CIFAR-10 sized (10 classes x 5000), M=10,
 # alpha=0.05, seed=7, no long tail. Rows = clients, columns = classes.
 PUBLISHED_NID1 = np.array(
     [

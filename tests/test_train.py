@@ -228,7 +228,7 @@ def test_code_variant_with_per_batch_projection_trains(sup: Client) -> None:
     _, m, _ = run(sup, cfg, model=model, targets=t)
     assert all_finite(m)
     assert m["train-tdcl"] > 0
-    # the public code's softmax-KL NDCR on unit vectors is at most ~4/(2*512) (METHOD §9.3)
+    # the public code's softmax-KL NDCR on unit vectors is at most ~4/(2*512)
     assert 0.0 <= m["train-ndcr"] < 0.01
     assert not torch.equal(flat(model), before)
 

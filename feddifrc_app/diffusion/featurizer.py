@@ -1,9 +1,9 @@
 """Images x prompts -> per-block, spatially mean-pooled UNet features of the frozen teacher.
 
-Work per batch of B images and P prompts (METHOD §2, §10; DESIGN §4):
+Work per batch of B images and P prompts:
 
 1. pixels -> [-1, 1] once (``to_unit_range``: the ONLY pixel mapping; the public code
-   scaled twice, METHOD §9.6), VAE-encode once per image (deterministic latent mean);
+   scaled twice), VAE-encode once per image (deterministic latent mean);
 2. prompt embeddings computed once per prompt tuple and memoised;
 3. per noise draw: seeded noise per image (seeded by ``(seed, dataset id, draw)``, so a
    feature never depends on which other images share its batch),

@@ -5,7 +5,7 @@ diffusers folder, or ``"tiny"``) once per process and keeps only what feature
 extraction needs: the UNet, the VAE *encoder*, the text encoder and tokenizer, and
 the noise schedule. Every parameter is frozen (``requires_grad_(False)``, ``.eval()``).
 Nothing here ever falls back silently: a missing model or a missing CUDA device is a
-``TeacherLoadError`` with one actionable line (DESIGN §4, §6).
+``TeacherLoadError`` with one actionable line.
 
 ``build_tiny_pipeline`` writes a seeded, RANDOM-weight, SD-architecture pipeline in
 diffusers folder format (~68 MB, 16.6 M parameters: the 256-wide up_blocks[1] the default

@@ -19,8 +19,8 @@ Bases (``diffusion.projection``):
 - ``local-pca``: each client fits PCA on its own rows; clients then live in
   different coordinates (an ablation).
 - ``random``: a seeded random orthonormal basis, zero mean (an ablation).
-- ``per-batch``: :func:`fuse_per_batch`, the PUBLIC CODE's behaviour (METHOD
-  §9.5: PCA refit on every batch, so features from different batches and
+- ``per-batch``: :func:`fuse_per_batch`, the PUBLIC CODE's behaviour (PCA
+  refit on every batch, so features from different batches and
   clients are in different coordinates). For comparison only; there is no
   shared basis to build. The public code fits PCA on the spatial rows of each
   block and norm-pools; the cache holds mean-pooled features, so this fits on
@@ -396,7 +396,7 @@ def fuse(pooled: Mapping[int, np.ndarray], basis: Basis) -> np.ndarray:
 
 
 def fuse_per_batch(pooled: Mapping[int, np.ndarray], widths: Sequence[int]) -> np.ndarray:
-    """The PUBLIC CODE's fusion (METHOD §9.5): PCA refit on THIS batch, per block.
+    """The PUBLIC CODE's fusion: PCA refit on THIS batch, per block.
 
     For comparison only. Blocks in ascending order (as ``pooled`` holds them),
     ``widths`` aligned with that order. Rows are the batch's pooled (image,
