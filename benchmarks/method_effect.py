@@ -131,7 +131,7 @@ class Flower:
 def run_config(cell: Cell, args: argparse.Namespace, runs: Path, cache: Path, control: Path) -> str:
     pairs = [
         METHODS[cell.method],
-        f"seed={cell.seed}", f"partition.name='dirichlet'", f"partition.alpha={cell.alpha}",
+        f"seed={cell.seed}", "partition.name='dirichlet'", f"partition.alpha={cell.alpha}",
         f"num-server-rounds={args.rounds}", f"train.local-epochs={args.epochs}", "fraction-train=0.5",
         "min-nodes=10", f"outputs-dir='{runs}'", f"run-name='{cell.name}'", f"diffusion.cache-dir='{cache}'",
         "keep-checkpoints=1",
