@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from feddifrc_app import report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import load_dataset, make_loader
-from feddifrc_app.diffusion.projection import Basis, clip_widths, fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.diffusion.projection import Basis, fit_basis, fused_widths, merge_client_stats, stats_from_arrays
 from feddifrc_app.model import build_model, load_weights
 from feddifrc_app.outputs import RunDir, write_json
 from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
@@ -150,12 +150,7 @@ def main(grid: Grid, context: Context) -> None:
                  for c in setup.values() if "pca-stats" in c]
         merged = merge_client_stats(stats)
         blocks = cfg.diffusion.blocks
-        widths = clip_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks])
-        if sum(widths) != cfg.embedding_dim:
-            raise ValueError(
-                f"diffusion.channels = {','.join(map(str, cfg.diffusion.channels))} clipped to the teacher's block "
-                f"widths {[merged[b].channels for b in blocks]} gives {sum(widths)} dims, but the ResNet-10 "
-                f"embedding is {cfg.embedding_dim}-d (8 x model.width); choose channels that fit this teacher")
+        widths = fused_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks], cfg.embedding_dim)
         basis = fit_basis(merged, widths, blocks, mode="federated-pca")
         basis_rec = basis_to_record(basis)
         results["basis"] = {"mode": "federated-pca", "fingerprint": basis.fingerprint(),

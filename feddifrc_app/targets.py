@@ -42,7 +42,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_identity,
     teacher_resolution,
 )
-from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, local_pca_basis, random_basis
+from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, fused_widths, local_pca_basis, random_basis
 from feddifrc_app.train import TeacherTargets
 
 log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
@@ -105,13 +105,7 @@ def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis
     """The basis this client projects with; None for the public code's per-batch refit."""
     d = cfg.diffusion
     chans = [pooled[b].shape[-1] for b in d.blocks]
-    widths = clip_widths(d.channels, chans)
-    if sum(widths) != cfg.embedding_dim:
-        raise ValueError(
-            f"diffusion.channels = {','.join(map(str, d.channels))} clipped to the teacher's block widths "
-            f"{chans} gives {sum(widths)} dims, but the ResNet-10 embedding is {cfg.embedding_dim}-d; choose "
-            f"diffusion.blocks/channels that fit this teacher"
-        )
+    widths = fused_widths(d.channels, chans, cfg.embedding_dim)
     if d.projection == "federated-pca":
         if server_basis is None:
             raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")

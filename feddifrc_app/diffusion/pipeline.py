@@ -498,13 +498,9 @@ def _looks_like_path(model: str) -> bool:
 
 PRETRAINED_KIND = "feddifrc-pretrained-tiny-sd"  # feddifrc.json "kind" of `feddifrc pretrain-teacher` folders
 
-# Teachers shipped inside the package (feddifrc_app/teachers/<name>/), by diffusion.model name.
-PACKAGED_TEACHERS: dict[str, str] = {
-    "tiny-mnist": "pretrained on mnist-5k's public split by `feddifrc pretrain-teacher` (seed 0)",
-}
-_REBUILD = {
-    "tiny-mnist": "feddifrc pretrain-teacher --out {folder}",
-}
+# Teachers shipped inside the package (feddifrc_app/teachers/<name>/), by diffusion.model name;
+# each is the output of `feddifrc pretrain-teacher` (seed 0).
+PACKAGED_TEACHERS: tuple[str, ...] = ("tiny-mnist",)
 
 
 def _installed_package_dir() -> Path:
@@ -529,7 +525,7 @@ def _installed_package_dir() -> Path:
 def packaged_teacher_dir(name: str) -> tuple[Path, dict[str, Any]]:
     """(folder, marker) of a teacher shipped in the package (``PACKAGED_TEACHERS``), files verified."""
     folder = _installed_package_dir() / "teachers" / name
-    return folder, verify_folder(folder, rebuild=_REBUILD[name].format(folder=folder))
+    return folder, verify_folder(folder)
 
 
 def folder_digests(folder: Path) -> dict[str, str]:
@@ -539,11 +535,11 @@ def folder_digests(folder: Path) -> dict[str, str]:
             if p.is_file() and p.name not in (_MARKER, "README.md")}
 
 
-def verify_folder(folder: Path, rebuild: str) -> dict[str, Any]:
+def verify_folder(folder: Path) -> dict[str, Any]:
     """Check the files of a ``feddifrc pretrain-teacher`` folder against the sha256 sums in its
     ``feddifrc.json`` and return that marker. Every file loading reads must be listed; a
     missing, truncated or altered one is a one-line ``TeacherLoadError`` naming it, never a load."""
-    how = f"rebuild it with `{rebuild}` or reinstall feddifrc-app"
+    how = f"rebuild it with `feddifrc pretrain-teacher --out {folder}` or reinstall feddifrc-app"
     try:
         marker = json.loads((folder / _MARKER).read_text())
         files = marker["files"]
@@ -596,7 +592,7 @@ def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
             )
         marker = _read_marker(folder)
         if marker.get("kind") == PRETRAINED_KIND:  # written by `feddifrc pretrain-teacher`: verify it
-            verify_folder(folder, rebuild="feddifrc pretrain-teacher --out " + str(folder))
+            verify_folder(folder)
         return folder, str(folder), bool(marker.get("random_weights", False))
     # a hub id
     from diffusers import DiffusionPipeline

@@ -51,6 +51,7 @@ __all__ = [
     "fit_basis",
     "fuse",
     "fuse_per_batch",
+    "fused_widths",
     "local_pca_basis",
     "merge_client_stats",
     "merge_stats",
@@ -253,7 +254,7 @@ def clip_widths(
 
     ``block_channels`` is aligned with ``widths``, or (with ``blocks``) a
     mapping/sequence indexed by block id, e.g. ``teacher.block_channels``.
-    The caller checks that the clipped sum is still the embedding width (8 x model.width).
+    ``fused_widths`` also checks that the clipped sum is still the embedding width.
     """
     widths = tuple(int(w) for w in widths)
     if blocks is not None:
@@ -265,6 +266,18 @@ def clip_widths(
     if len(widths) != len(chans):
         raise ValueError(f"widths {widths} and block channels {chans} differ in length")
     return tuple(min(w, c) for w, c in zip(widths, chans))
+
+
+def fused_widths(widths: Sequence[int], block_channels: Sequence[int], embedding_dim: int) -> tuple[int, ...]:
+    """``clip_widths`` that also checks the fused vector still has the classifier's width."""
+    out = clip_widths(widths, block_channels)
+    if sum(out) != embedding_dim:
+        raise ValueError(
+            f"diffusion.channels = {','.join(map(str, widths))} clipped to the teacher's block widths "
+            f"{list(block_channels)} gives {sum(out)} dims, but the ResNet-10 embedding is {embedding_dim}-d "
+            "(8 x model.width); choose diffusion.blocks/channels that fit this teacher"
+        )
+    return out
 
 
 def _sign_fix(vecs: np.ndarray) -> np.ndarray:
