@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from flower_procs import FlowerProcs, free_port
+from flower_procs import FlowerProcs, free_port  # noqa: E402
 
 NEEDLE = "loaded diffusion teacher"
 FED = "num-supernodes={n} client-resources-num-cpus=1"
@@ -68,8 +68,9 @@ def save_log(work: Path, text: str) -> str:
     return text
 
 
-def watch(procs: FlowerProcs, run_id: int, conn: str, results: Path, rounds: int, timeout: float,
-          snapshot) -> tuple[dict[str, Any], Any]:
+def watch(
+    procs: FlowerProcs, run_id: int, conn: str, results: Path, rounds: int, timeout: float, snapshot
+) -> tuple[dict[str, Any], Any]:
     """Wait for the run to finish with few CLI calls (they cost CPU on a small machine).
 
     ``snapshot()`` is called once, as soon as ``results.json`` exists (setup done); its value is
@@ -98,12 +99,24 @@ def run_simulation(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
     with FlowerProcs(work / "flower", extra_env={"RAY_DEDUP_LOGS": "0"}) as procs:
         t0 = time.monotonic()
         run_id = procs.submit_run(ROOT, "local", run_config=rc, federation_config=FED.format(n=a.nodes))
-        info, at_setup = watch(procs, run_id, "local", out / "sim" / "results.json", a.rounds, a.timeout,
-                               lambda: {"flwr log": procs.run_log(run_id, "local").count(NEEDLE)})
+        info, at_setup = watch(
+            procs,
+            run_id,
+            "local",
+            out / "sim" / "results.json",
+            a.rounds,
+            a.timeout,
+            lambda: {"flwr log": procs.run_log(run_id, "local").count(NEEDLE)},
+        )
         wall = time.monotonic() - t0
         total = {"flwr log": save_log(work, procs.run_log(run_id, "local")).count(NEEDLE)}
-    return {"info": info, "wall": wall, "results": read_json(out / "sim" / "results.json"),
-            "loads": total, "loads-at-setup": at_setup}
+    return {
+        "info": info,
+        "wall": wall,
+        "results": read_json(out / "sim" / "results.json"),
+        "loads": total,
+        "loads-at-setup": at_setup,
+    }
 
 
 def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -111,16 +124,42 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
     rc += f" outputs-dir='{out}' run-name='deploy'"  # no diffusion.cache-dir: the node config's wins
     with FlowerProcs(work / "flower") as procs:
         port = free_port()
-        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                  "--disable-runtime-dependency-installation"], ready_port=port)
+        procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            ready_port=port,
+        )
         procs.add_connection(CONN, f"127.0.0.1:{port}", insecure=True)
         nodes = []
         for i in range(a.nodes):
             rport = free_port()
             node_cfg = f'partition-id={i} num-partitions={a.nodes} cache-dir="{work / f"cache-{i}"}"'
-            nodes.append(procs.start(f"supernode-{i}", [
-                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                "--host", "127.0.0.1", "--port", str(rport), "--node-config", node_cfg], ready_port=rport))
+            nodes.append(
+                procs.start(
+                    f"supernode-{i}",
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{port}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(rport),
+                        "--node-config",
+                        node_cfg,
+                    ],
+                    ready_port=rport,
+                )
+            )
         procs.wait_for_nodes_online(CONN, a.nodes, timeout=90)
         logs = [procs.procs["superlink"], *nodes]
 
@@ -129,12 +168,24 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
 
         t0 = time.monotonic()
         run_id = procs.submit_run(ROOT, CONN, run_config=rc)
-        info, at_setup = watch(procs, run_id, CONN, out / "deploy" / "results.json", a.rounds, a.timeout,
-                               lambda: {"flwr log": procs.run_log(run_id, CONN).count(NEEDLE), **counts()})
+        info, at_setup = watch(
+            procs,
+            run_id,
+            CONN,
+            out / "deploy" / "results.json",
+            a.rounds,
+            a.timeout,
+            lambda: {"flwr log": procs.run_log(run_id, CONN).count(NEEDLE), **counts()},
+        )
         wall = time.monotonic() - t0
         total = {"flwr log": save_log(work, procs.run_log(run_id, CONN)).count(NEEDLE), **counts()}
-    return {"info": info, "wall": wall, "results": read_json(out / "deploy" / "results.json"),
-            "loads": total, "loads-at-setup": at_setup}
+    return {
+        "info": info,
+        "wall": wall,
+        "results": read_json(out / "deploy" / "results.json"),
+        "loads": total,
+        "loads-at-setup": at_setup,
+    }
 
 
 def report(mode: str, r: dict[str, Any]) -> float | None:
@@ -143,22 +194,28 @@ def report(mode: str, r: dict[str, Any]) -> float | None:
     if not res:
         print("   no results.json")
         return None
-    print(f"   setup-seconds {res.get('setup-seconds', float('nan')):.2f}, "
-          f"setup-cache-misses {res.get('setup-cache-misses')}")
+    print(
+        f"   setup-seconds {res.get('setup-seconds', float('nan')):.2f}, "
+        f"setup-cache-misses {res.get('setup-cache-misses')}"
+    )
     print("   round  seconds  teacher-seconds  teacher-cache-misses  test-accuracy  failures")
     secs = {}
     for row in res["rounds"][1:]:
         m = row.get("train-metrics", {})
         secs[row["round"]] = row["seconds"]
-        print(f"   {row['round']:5d}  {row['seconds']:7.2f}  {m.get('teacher-seconds', float('nan')):15.3f}  "
-              f"{m.get('teacher-cache-misses', float('nan')):20.1f}  {row['test-accuracy']:13.4f}  "
-              f"{len(row['failures'])}")
+        print(
+            f"   {row['round']:5d}  {row['seconds']:7.2f}  {m.get('teacher-seconds', float('nan')):15.3f}  "
+            f"{m.get('teacher-cache-misses', float('nan')):20.1f}  {row['test-accuracy']:13.4f}  "
+            f"{len(row['failures'])}"
+        )
     later = [s for k, s in secs.items() if k >= 2]
     med = statistics.median(later) if later else None
     print(f"   median round time (rounds >= 2): {med:.2f}s" if med is not None else "   (no round >= 2)")
     after = {k: v - (r["loads-at-setup"] or {}).get(k, 0) for k, v in r["loads"].items()}
-    print(f"   {NEEDLE!r}: total {r['loads']}, after setup {after} -> "
-          f"{'OK, none after setup' if not any(after.values()) else 'TEACHER LOADED AFTER SETUP'}")
+    print(
+        f"   {NEEDLE!r}: total {r['loads']}, after setup {after} -> "
+        f"{'OK, none after setup' if not any(after.values()) else 'TEACHER LOADED AFTER SETUP'}"
+    )
     return med
 
 
@@ -172,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temp folder (logs, results) and print it")
     a = ap.parse_args(argv)
 
-    rc = (f"method='{a.method}' dataset.train-limit={a.train_limit} num-server-rounds={a.rounds} "
-          f"fraction-train=1.0 min-nodes={a.nodes}")
+    rc = (
+        f"method='{a.method}' dataset.train-limit={a.train_limit} num-server-rounds={a.rounds} "
+        f"fraction-train=1.0 min-nodes={a.nodes}"
+    )
     tmp = tempfile.mkdtemp(prefix="feddifrc-deploy-vs-sim-")
     work = Path(tmp)
     print(f"config: {rc}, {a.nodes} nodes, cold cache per mode; work dir {work}")
@@ -185,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
 
     m_sim, m_dep = report("simulation", sim), report("deployment", dep)
     if m_sim and m_dep:
-        print(f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
-              f"= {m_dep / m_sim:.2f}x")
+        print(
+            f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
+            f"= {m_dep / m_sim:.2f}x"
+        )
     if a.keep:
         print(f"kept: {work}")
     else:

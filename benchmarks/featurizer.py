@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,27 +50,47 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from feddifrc_app.diffusion.featurizer import Featurizer, noise_seed, to_unit_range  # noqa: E402
-from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, resolve_device, resolve_dtype  # noqa: E402
+from feddifrc_app.device import resolve_device, resolve_dtype  # noqa: E402
+from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range  # noqa: E402
+from feddifrc_app.diffusion.pipeline import Teacher, load_teacher  # noqa: E402
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 # The published SD-2.1 (768-v) component configs, for --model sd21-random.
 SD21_UNET = dict(
-    sample_size=96, in_channels=4, out_channels=4, layers_per_block=2,
+    sample_size=96,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
     block_out_channels=(320, 640, 1280, 1280),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True,
-    upcast_attention=True, norm_num_groups=32,
+    cross_attention_dim=1024,
+    attention_head_dim=(5, 10, 20, 20),
+    use_linear_projection=True,
+    upcast_attention=True,
+    norm_num_groups=32,
 )
 SD21_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32, sample_size=768,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    layers_per_block=2,
+    norm_num_groups=32,
+    sample_size=768,
     block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
 )
-SD21_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
-                 max_position_embeddings=77, projection_dim=512, hidden_act="gelu")
+SD21_TEXT = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=23,
+    num_attention_heads=16,
+    max_position_embeddings=77,
+    projection_dim=512,
+    hidden_act="gelu",
+)
 
 
 def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Teacher:
@@ -77,12 +98,11 @@ def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtyp
 
     The tokenizer is the tiny model's (the vocabulary size does not change the cost).
     """
+    import diffusers.utils.logging as dlog
     from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from feddifrc_app.diffusion.pipeline import SD_SCHEDULER
-
-    import diffusers.utils.logging as dlog
+    from feddifrc_app.diffusion.tiny import SD_SCHEDULER
 
     tok = load_teacher("tiny", cache_dir, torch.device("cpu"), torch.float32).tokenizer
     dlog.set_verbosity_error()  # no "cast with to()" notes for random weights
@@ -90,8 +110,15 @@ def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtyp
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(**SD21_UNET)
         vae = AutoencoderKL(**SD21_VAE)
-        text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SD21_TEXT))
+        text = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tok),
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                **SD21_TEXT,
+            )
+        )
     vae.decoder = None
     vae.post_quant_conv = None
     for m in (unet, vae, text):
@@ -99,10 +126,20 @@ def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtyp
         m.eval()
         m.to(device, dtype)
     alphas = PNDMScheduler(**SD_SCHEDULER).alphas_cumprod.to("cpu", torch.float32)
-    return Teacher(unet=unet, vae=vae, text_encoder=text, tokenizer=tok, alphas_cumprod=alphas,
-                   model_id=f"sd21-random-seed{seed}", weights_hash="random", random_weights=True, device=device,
-                   dtype=dtype, text_width=SD21_TEXT["hidden_size"],
-                   block_channels=tuple(int(b.resnets[-1].out_channels) for b in unet.up_blocks))
+    return Teacher(
+        unet=unet,
+        vae=vae,
+        text_encoder=text,
+        tokenizer=tok,
+        alphas_cumprod=alphas,
+        model_id=f"sd21-random-seed{seed}",
+        weights_hash="random",
+        random_weights=True,
+        device=device,
+        dtype=dtype,
+        text_width=SD21_TEXT["hidden_size"],
+        block_channels=tuple(int(b.resnets[-1].out_channels) for b in unet.up_blocks),
+    )
 
 
 def digits_images(n: int) -> torch.Tensor:
@@ -123,8 +160,18 @@ class _Stop(Exception):
 
 
 @torch.inference_mode()
-def naive(teacher: Teacher, images: torch.Tensor, ids: torch.Tensor, prompts: tuple[str, ...], *,
-          resolution: int, timestep: int, blocks: tuple[int, ...], ensemble: int, seed: int) -> dict[int, torch.Tensor]:
+def naive(
+    teacher: Teacher,
+    images: torch.Tensor,
+    ids: torch.Tensor,
+    prompts: tuple[str, ...],
+    *,
+    resolution: int,
+    timestep: int,
+    blocks: tuple[int, ...],
+    ensemble: int,
+    seed: int,
+) -> dict[int, torch.Tensor]:
     """One UNet call per (image, prompt, draw); VAE and text encoder re-run every call; the UNet
     stops after the last needed up-block (as the public ``MyUNet2DConditionModel`` does)."""
     t = teacher
@@ -149,9 +196,7 @@ def naive(teacher: Teacher, images: torch.Tensor, ids: torch.Tensor, prompts: tu
     try:
         for i in range(len(images)):
             for p, prompt in enumerate(prompts):
-                tok = t.tokenizer([prompt], padding="max_length", max_length=t.tokenizer.model_max_length,
-                                  truncation=True, return_tensors="pt").input_ids.to(t.device)
-                emb = t.text_encoder(tok)[0].to(t.dtype)
+                emb = encode_prompts(t.tokenizer, t.text_encoder, (prompt,)).to(t.dtype)
                 x = to_unit_range(images[i : i + 1].to(t.device), resolution).to(t.dtype)
                 l0 = t.vae.encode(x).latent_dist.mean.float() * float(t.vae.config.scaling_factor)
                 for draw in range(ensemble):
@@ -170,8 +215,9 @@ def naive(teacher: Teacher, images: torch.Tensor, ids: torch.Tensor, prompts: tu
     return out
 
 
-def ours(feat: Featurizer, images: torch.Tensor, ids: torch.Tensor, prompts: tuple[str, ...],
-         batch: int) -> dict[int, torch.Tensor]:
+def ours(
+    feat: Featurizer, images: torch.Tensor, ids: torch.Tensor, prompts: tuple[str, ...], batch: int
+) -> dict[int, torch.Tensor]:
     parts: dict[int, list[torch.Tensor]] = {b: [] for b in feat.blocks}
     for s in range(0, len(images), batch):
         got = feat(images[s : s + batch], ids[s : s + batch], prompts)
@@ -188,11 +234,6 @@ def timed(fn, device: torch.device):
     return out, time.perf_counter() - t0
 
 
-def median_time(fn, device: torch.device, reps: int) -> float:
-    fn()
-    return statistics.median(timed(fn, device)[1] for _ in range(reps))
-
-
 def compare(a: dict[int, torch.Tensor], r: dict[int, torch.Tensor], fp32: bool) -> tuple[bool, float, float]:
     """(agree, max |a - r|, relative L2 error) over all blocks. Batch size changes the float
     reduction order (one row vs B x P rows), so: a tolerance, elementwise and overall."""
@@ -200,14 +241,27 @@ def compare(a: dict[int, torch.Tensor], r: dict[int, torch.Tensor], fp32: bool) 
     max_rel = 1e-3 if fp32 else 3e-2
     ok, worst, worst_rel = True, 0.0, 0.0
     for b in r:
-        diff, rel = float((a[b] - r[b]).abs().max()), float((a[b] - r[b]).norm() / r[b].norm().clamp_min(1e-12))
+        diff, rel = (
+            float((a[b] - r[b]).abs().max()),
+            float((a[b] - r[b]).norm() / r[b].norm().clamp_min(1e-12)),
+        )
         worst, worst_rel = max(worst, diff), max(worst_rel, rel)
         ok = ok and torch.allclose(a[b], r[b], **tol) and rel <= max_rel
     return ok, worst, worst_rel
 
 
-def breakdown(teacher: Teacher, feat: Featurizer, images, ids, prompts, args, device,
-              t_row_plain: float, t_row_fast: float, ratios: dict[str, list[float]]) -> None:
+def breakdown(
+    teacher: Teacher,
+    feat: Featurizer,
+    images,
+    ids,
+    prompts,
+    args,
+    device,
+    t_row_plain: float,
+    t_row_fast: float,
+    ratios: dict[str, list[float]],
+) -> None:
     """Where the time of one naive (image, prompt) call goes, against one row of our batched call.
     The three parts are timed in turn, rep after rep (interleaved), and their medians reported."""
     t = teacher
@@ -215,14 +269,9 @@ def breakdown(teacher: Teacher, feat: Featurizer, images, ids, prompts, args, de
     prompt = prompts[1]
     kw = dict(resolution=res, timestep=feat.timestep, blocks=feat.blocks, ensemble=1, seed=feat.seed)
     with torch.inference_mode():
-        def text():
-            tok = t.tokenizer([prompt], padding="max_length", max_length=t.tokenizer.model_max_length,
-                              truncation=True, return_tensors="pt").input_ids.to(t.device)
-            return t.text_encoder(tok)[0].to(t.dtype)
-
         x = to_unit_range(images[:1].to(t.device), res).to(t.dtype)
         parts = {
-            "text": text,
+            "text": lambda: encode_prompts(t.tokenizer, t.text_encoder, (prompt,)).to(t.dtype),
             "vae": lambda: t.vae.encode(x).latent_dist.mean,
             "call": lambda: naive(t, images[:1], ids[:1], (prompt,), **kw),
         }
@@ -236,25 +285,33 @@ def breakdown(teacher: Teacher, feat: Featurizer, images, ids, prompts, args, de
     t_unet1 = max(t_call - t_text - t_vae, 0.0)
     P = len(prompts) * args.ensemble
     print(f"cost breakdown ({reps} interleaved reps, medians):")
-    print(f"  naive, one (image, prompt) call: {t_call * 1e3:8.2f} ms = text encoder {t_text * 1e3:.2f} + "
-          f"VAE {t_vae * 1e3:.2f} + UNet on ONE row {t_unet1 * 1e3:.2f}")
-    print(f"  ours,  one row of a {args.batch_size} x {P} = {args.batch_size * P}-row call (all-in): "
-          f"plain {t_row_plain * 1e3:.2f} ms, with shortcuts {t_row_fast * 1e3:.2f} ms")
-    print(f"  one-row UNet call - one batched row (stock modules) = {(t_unet1 - t_row_plain) * 1e3:.2f} ms: "
-          f"per-call overhead and small-batch inefficiency that batching removes")
-    print(f"  => ceiling for ours/naive = naive call / our row = {t_call / t_row_fast:.1f}x "
-          f"(plain: {t_call / t_row_plain:.1f}x); measured {statistics.median(ratios['fast']):.1f}x "
-          f"(plain: {statistics.median(ratios['plain']):.1f}x)")
+    print(
+        f"  naive, one (image, prompt) call: {t_call * 1e3:8.2f} ms = text encoder {t_text * 1e3:.2f} + "
+        f"VAE {t_vae * 1e3:.2f} + UNet on ONE row {t_unet1 * 1e3:.2f}"
+    )
+    print(
+        f"  ours,  one row of a {args.batch_size} x {P} = {args.batch_size * P}-row call (all-in): "
+        f"plain {t_row_plain * 1e3:.2f} ms, with shortcuts {t_row_fast * 1e3:.2f} ms"
+    )
+    print(
+        f"  one-row UNet call - one batched row (stock modules) = {(t_unet1 - t_row_plain) * 1e3:.2f} ms: "
+        f"per-call overhead and small-batch inefficiency that batching removes"
+    )
+    print(
+        f"  => ceiling for ours/naive = naive call / our row = {t_call / t_row_fast:.1f}x "
+        f"(plain: {t_call / t_row_plain:.1f}x); measured {statistics.median(ratios['fast']):.1f}x "
+        f"(plain: {statistics.median(ratios['plain']):.1f}x)"
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny",
-                    help="tiny | sd21-random | a local diffusers folder | a hub id (cached)")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny | sd21-random | a local diffusers folder | a hub id"
+    )
     ap.add_argument("--resolution", type=int, default=None, help="SD input size (default: 16 tiny, 224 else)")
     ap.add_argument("--images", type=int, default=64)
-    ap.add_argument("--naive-images", type=int, default=None,
-                    help="images for the naive pass (default: all); throughput is per image either way")
+    ap.add_argument("--naive-images", type=int, default=None, help="images for the naive pass (default: all)")
     ap.add_argument("--batch-size", type=int, default=16, help="images per UNet call (ours)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -265,70 +322,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="~/.cache/feddifrc", help="where 'tiny' is built / found")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the images (timings pooled)")
-    ap.add_argument("--warm-cache", action="store_true", help="also time reads from the on-disk feature cache")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--warm-cache", action="store_true", help="also time reads from the on-disk feature cache"
+    )
+    return ap.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    res = args.resolution or (16 if args.model.startswith("tiny") else 224)
-    blocks = tuple(int(b) for b in args.blocks.split(","))
-    prompts = tuple(f"a photo of a {c}" for c in DIGITS) + ("",)
-    images = digits_images(args.images)
-    ids = torch.arange(len(images), dtype=torch.int64)
-    n_naive = min(args.naive_images or len(images), len(images))
-    cache_dir = Path(args.cache_dir).expanduser()
 
-    t0 = time.perf_counter()
-    if args.model == "sd21-random":
-        teacher = sd21_random_teacher(cache_dir, device, dtype)
-    else:
-        teacher = load_teacher(args.model, cache_dir, device, dtype)
-    print(f"teacher {teacher.model_id} (weights {teacher.weights_hash[:12]}"
-          f"{', RANDOM' if teacher.random_weights else ''}) on {device} {str(dtype).removeprefix('torch.')}, "
-          f"loaded in {time.perf_counter() - t0:.1f}s; up_blocks channels {teacher.block_channels}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(images)} images x {len(prompts)} "
-          f"prompts at {res} px, t={args.timestep}, blocks {blocks}, ensemble {args.ensemble}, "
-          f"batch {args.batch_size} images = {args.batch_size * len(prompts)} UNet rows")
-    try:
-        print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    except (AttributeError, OSError):  # pragma: no cover
-        pass
-
-    kw = dict(resolution=res, timestep=args.timestep, blocks=blocks, ensemble=args.ensemble, seed=args.seed)
-    feat = Featurizer(teacher, **kw)
-    plain = Featurizer(teacher, fast=False, **kw)
-    print(f"shortcuts: {', '.join(k for k, v in feat.shortcuts.items() if v) or 'none'}")
-    B = args.batch_size
-    # warm-up every path (allocator, oneDNN/cuDNN kernel selection) outside the clock
-    naive(teacher, images[:1], ids[:1], prompts[:2], **kw)
-    ours(plain, images[:B], ids[:B], prompts, B)
-    ours(feat, images[:B], ids[:B], prompts, B)
-
-    # Rotate the order of the three, one batch of images at a time, so that load from other
-    # processes on a shared machine hits all alike; ratios are also reported per batch.
-    names = ("naive", "plain", "fast")
+def interleaved(paths: dict, n_images: int, n_naive: int, B: int, repeats: int, device, blocks) -> tuple:
+    """Time the three paths one batch of images at a time, in rotating order, so that load from
+    other processes on a shared machine hits all alike. ``paths[name](start, stop)`` -> features.
+    Returns (features of the first pass, seconds per path, per-batch ratios to naive, naive images/s)."""
+    names = tuple(paths)
     parts: dict[str, dict[int, list[torch.Tensor]]] = {n: {b: [] for b in blocks} for n in names}
     secs = dict.fromkeys(names, 0.0)
     per_batch: dict[str, list[float]] = {"plain": [], "fast": []}
     naive_ips: list[float] = []
     k = 0
-    for rep in range(args.repeats):
-        for s in range(0, len(images), B):
-            sl = slice(s, s + B)
-            n_b = len(images[sl])
-            m = max(0, min(B, n_naive - s))
-            runs = {
-                "naive": (lambda: naive(teacher, images[s : s + m], ids[s : s + m], prompts, **kw)) if m else None,
-                "plain": lambda: ours(plain, images[sl], ids[sl], prompts, B),
-                "fast": lambda: ours(feat, images[sl], ids[sl], prompts, B),
-            }
+    for rep in range(repeats):
+        for s in range(0, n_images, B):
+            n_b, m = min(B, n_images - s), max(0, min(B, n_naive - s))
             took = {}
-            for n in names[k % 3:] + names[: k % 3]:
-                if runs[n] is None:
+            for n in names[k % 3 :] + names[: k % 3]:
+                if n == "naive" and not m:
                     continue
-                out, took[n] = timed(runs[n], device)
+                out, took[n] = timed(partial(paths[n], s, s + (m if n == "naive" else B)), device)
                 secs[n] += took[n]
                 if rep == 0:
                     for b in blocks:
@@ -339,56 +356,141 @@ def main(argv: list[str] | None = None) -> int:
                 for n in ("plain", "fast"):
                     per_batch[n].append((took["naive"] / m) / (took[n] / n_b))
     got = {n: {b: torch.cat(v) for b, v in parts[n].items()} for n in names}
+    return got, secs, per_batch, naive_ips
 
-    fp32 = dtype == torch.float32
-    ref = got["naive"]
-    for n in ("plain", "fast"):
-        ok, worst, rel = compare({b: v[:n_naive] for b, v in got[n].items()}, ref, fp32)
-        print(f"{n:5s} vs naive over {n_naive} images: max |diff| = {worst:.2e}, relative L2 error {rel:.1e}"
-              f"{'' if ok else '  MISMATCH'}")
+
+def agree(got: dict, n_naive: int, n_images: int, fp32: bool) -> bool:
+    """Print how far plain and fast are from naive, and fast from plain; False on a mismatch."""
+    pairs = [("plain", "naive", n_naive), ("fast", "naive", n_naive), ("fast", "plain", n_images)]
+    for a, r, n in pairs:
+        ok, worst, rel = compare({b: v[:n] for b, v in got[a].items()}, got[r], fp32)
+        print(
+            f"{a:5s} vs {r} over {n} images: max |diff| = {worst:.2e}, relative L2 error {rel:.1e}"
+            f"{'' if ok else '  MISMATCH'}"
+        )
         if not ok:
-            return 1
-    ok, worst, rel = compare(got["fast"], got["plain"], fp32)
-    print(f"fast  vs plain over {len(images)} images: max |diff| = {worst:.2e}, relative L2 error {rel:.1e}"
-          f"{'' if ok else '  MISMATCH'}")
-    if not ok:
-        return 1
-    R = args.repeats
-    ips = {"naive": R * n_naive / secs["naive"], "plain": R * len(images) / secs["plain"],
-           "fast": R * len(images) / secs["fast"]}
-    print(f"(a) naive  per (image, prompt) call:     {ips['naive']:9.2f} images/s  "
-          f"({secs['naive']:.2f}s for {R} x {n_naive})")
-    print(f"(b) ours   batched, stock modules:       {ips['plain']:9.2f} images/s  "
-          f"({secs['plain']:.2f}s for {R} x {len(images)})")
-    print(f"(c) ours   batched + exact shortcuts:    {ips['fast']:9.2f} images/s  "
-          f"({secs['fast']:.2f}s for {R} x {len(images)})")
+            return False
+    return True
+
+
+def report_rates(secs: dict, per_batch: dict, R: int, n_naive: int, n_images: int, B: int) -> None:
+    ips = {"naive": R * n_naive / secs["naive"], "plain": R * n_images / secs["plain"]}
+    ips["fast"] = R * n_images / secs["fast"]
+    for key, label, n in (
+        ("naive", "(a) naive  per (image, prompt) call:  ", n_naive),
+        ("plain", "(b) ours   batched, stock modules:    ", n_images),
+        ("fast", "(c) ours   batched + exact shortcuts: ", n_images),
+    ):
+        print(f"{label}   {ips[key]:9.2f} images/s  ({secs[key]:.2f}s for {R} x {n})")
     # Headline: the MEDIAN of the per-batch ratios (each batch times the three back to back), robust
     # to a burst of load from other processes that hits one batch; the ratio of totals follows.
     for n, label in (("plain", "plain"), ("fast", "ours")):
         r = per_batch[n]
-        print(f"ratio {label:5s} / naive: {statistics.median(r):.1f}x  (median of {len(r)} interleaved batches of "
-              f"{B}; min {min(r):.1f}x, max {max(r):.1f}x; ratio of totals {ips[n] / ips['naive']:.1f}x)")
+        print(
+            f"ratio {label:5s} / naive: {statistics.median(r):.1f}x  "
+            f"(median of {len(r)} interleaved batches of {B}; min {min(r):.1f}x, max {max(r):.1f}x; "
+            f"ratio of totals {ips[n] / ips['naive']:.1f}x)"
+        )
     if max(per_batch["fast"]) > 1.5 * min(per_batch["fast"]):
-        print("  note: the per-batch ratios spread widely: other processes loaded this machine during the run "
-              "(the naive path's many tiny ops suffer most); --threads 1 is steadier on a shared machine")
-    # all-in cost of one UNet row of ours (VAE and call overhead amortised over the batch)
-    t_row_plain = secs["plain"] / R / len(images) / len(prompts) / args.ensemble
-    t_row_fast = secs["fast"] / R / len(images) / len(prompts) / args.ensemble
-    breakdown(teacher, feat, images, ids, prompts, args, device, t_row_plain, t_row_fast, per_batch)
+        print(
+            "  note: the per-batch ratios spread widely: other processes loaded this machine during the run "
+            "(the naive path's many tiny ops suffer most); --threads 1 is steadier on a shared machine"
+        )
 
+
+def load_bench_teacher(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Teacher:
+    cache_dir = Path(args.cache_dir).expanduser()
+    t0 = time.perf_counter()
+    if args.model == "sd21-random":
+        teacher = sd21_random_teacher(cache_dir, device, dtype)
+    else:
+        teacher = load_teacher(args.model, cache_dir, device, dtype)
+    print(
+        f"teacher {teacher.model_id} (weights {teacher.weights_hash[:12]}"
+        f"{', RANDOM' if teacher.random_weights else ''}) on {device} {str(dtype).removeprefix('torch.')}, "
+        f"loaded in {time.perf_counter() - t0:.1f}s; up_blocks channels {teacher.block_channels}"
+    )
+    return teacher
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    res = args.resolution or (16 if args.model.startswith("tiny") else 224)
+    blocks = tuple(int(b) for b in args.blocks.split(","))
+    prompts = tuple(f"a photo of a {c}" for c in DIGITS) + ("",)
+    images = digits_images(args.images)
+    ids = torch.arange(len(images), dtype=torch.int64)
+    n_naive = min(args.naive_images or len(images), len(images))
+    teacher = load_bench_teacher(args, device, dtype)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{len(images)} images x {len(prompts)} prompts at {res} px, t={args.timestep}, blocks {blocks}, "
+        f"ensemble {args.ensemble}, batch {args.batch_size} images = "
+        f"{args.batch_size * len(prompts)} UNet rows"
+    )
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"machine load (1/5/15 min): {load} on {os.cpu_count()} CPUs")
+    except (AttributeError, OSError):  # pragma: no cover
+        pass
+
+    kw = dict(resolution=res, timestep=args.timestep, blocks=blocks, ensemble=args.ensemble, seed=args.seed)
+    feat = Featurizer(teacher, **kw)
+    plain = Featurizer(teacher, fast=False, **kw)
+    print(f"shortcuts: {', '.join(k for k, v in feat.shortcuts.items() if v) or 'none'}")
+    B = args.batch_size
+    paths = {
+        "naive": lambda a, b: naive(teacher, images[a:b], ids[a:b], prompts, **kw),
+        "plain": lambda a, b: ours(plain, images[a:b], ids[a:b], prompts, B),
+        "fast": lambda a, b: ours(feat, images[a:b], ids[a:b], prompts, B),
+    }
+    # warm-up every path (allocator, oneDNN/cuDNN kernel selection) outside the clock
+    naive(teacher, images[:1], ids[:1], prompts[:2], **kw)
+    paths["plain"](0, B)
+    paths["fast"](0, B)
+    got, secs, per_batch, naive_ips = interleaved(
+        paths, len(images), n_naive, B, args.repeats, device, blocks
+    )
+    if not agree(got, n_naive, len(images), dtype == torch.float32):
+        return 1
+    report_rates(secs, per_batch, args.repeats, n_naive, len(images), B)
+    # all-in cost of one UNet row of ours (VAE and call overhead amortised over the batch)
+    t_row_plain = secs["plain"] / args.repeats / len(images) / len(prompts) / args.ensemble
+    t_row_fast = secs["fast"] / args.repeats / len(images) / len(prompts) / args.ensemble
+    breakdown(teacher, feat, images, ids, prompts, args, device, t_row_plain, t_row_fast, per_batch)
     if args.warm_cache:
-        warm_cache(args, teacher, feat, images, ids, prompts, got["fast"], statistics.median(naive_ips), device)
+        median_naive = statistics.median(naive_ips)
+        warm_cache(args, teacher, feat, images, ids, prompts, got["fast"], median_naive, device)
     return 0
 
 
-def warm_cache(args, teacher: Teacher, feat: Featurizer, images, ids, prompts, got, ips_naive, device) -> None:
-    from feddifrc_app.diffusion.cache import FeatureStore, LazyExtractor, cached_pooled_features, key_fields
-    from feddifrc_app.diffusion.cache import key_from_fields
+def warm_cache(
+    args, teacher: Teacher, feat: Featurizer, images, ids, prompts, got, ips_naive, device
+) -> None:
+    from feddifrc_app.diffusion.cache import (
+        FeatureStore,
+        LazyExtractor,
+        cached_pooled_features,
+        key_fields,
+        key_from_fields,
+    )
 
-    fields = key_fields(model_id=teacher.model_id, weights_hash=teacher.weights_hash, resolution=feat.resolution,
-                        timestep=feat.timestep, blocks=feat.blocks, prompts=prompts, seed=feat.seed,
-                        ensemble=feat.ensemble, dataset_fingerprint=f"sklearn-digits-first-{len(images)}",
-                        dtype=str(teacher.dtype))
+    fields = key_fields(
+        model_id=teacher.model_id,
+        weights_hash=teacher.weights_hash,
+        resolution=feat.resolution,
+        timestep=feat.timestep,
+        blocks=feat.blocks,
+        prompts=prompts,
+        seed=feat.seed,
+        ensemble=feat.ensemble,
+        dataset_fingerprint=f"sklearn-digits-first-{len(images)}",
+        dtype=str(teacher.dtype),
+    )
     key = key_from_fields(fields)
     with tempfile.TemporaryDirectory() as tmp:
         store = FeatureStore(Path(tmp) / "features")
@@ -405,8 +507,10 @@ def warm_cache(args, teacher: Teacher, feat: Featurizer, images, ids, prompts, g
         worst = max(float((torch.from_numpy(warm[b]) - got[b]).abs().max()) for b in feat.blocks)
         ips_warm = len(images) / t_warm
         print(f"(d) cache  cold fill (extract + write):    {len(images) / t_cold:9.2f} images/s")
-        print(f"(d) cache  warm read (teacher not loaded): {ips_warm:9.2f} images/s; "
-              f"max |cached - ours| = {worst:.2e} (float16 storage)")
+        print(
+            f"(d) cache  warm read (teacher not loaded): {ips_warm:9.2f} images/s; "
+            f"max |cached - ours| = {worst:.2e} (float16 storage)"
+        )
         print(f"ratio warm cache / naive: {ips_warm / ips_naive:.0f}x  (naive: median of its batches)")
 
 

@@ -64,7 +64,7 @@ def cells(seeds: int, alphas: list[float]) -> list[Cell]:
     for seed in range(seeds):
         for alpha in alphas:
             for m in METHODS:
-                for teacher in (("trained", "control") if m in TEACHER_METHODS else ("-",)):
+                for teacher in ("trained", "control") if m in TEACHER_METHODS else ("-",):
                     out.append(Cell(m, alpha, seed, teacher))
     return out
 
@@ -75,16 +75,30 @@ class Flower:
     def __init__(self, home: Path) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                    "FLWR_TELEMETRY_ENABLED": "0", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+            "NO_COLOR": "1",
+        }
 
     def json(self, *args: str, timeout: float = 300) -> dict:
-        cp = subprocess.run(["flwr", *args, "--format", "json"], cwd=ROOT, env=self.env, capture_output=True,
-                            text=True, timeout=timeout)
+        cp = subprocess.run(
+            ["flwr", *args, "--format", "json"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         starts = [i for i, line in enumerate(cp.stdout.splitlines()) if line.startswith("{")]
         if not starts:
-            raise RuntimeError(f"`flwr {' '.join(args)}` printed no JSON: {cp.stdout[-2000:]} {cp.stderr[-2000:]}")
-        return json.loads("\n".join(cp.stdout.splitlines()[starts[0]:]))
+            raise RuntimeError(
+                f"`flwr {' '.join(args)}` printed no JSON: {cp.stdout[-2000:]} {cp.stderr[-2000:]}"
+            )
+        return json.loads("\n".join(cp.stdout.splitlines()[starts[0] :]))
 
     def run(self, run_config: str, timeout: float) -> tuple[str, str]:
         """Submit, wait, return (status, log tail)."""
@@ -103,8 +117,14 @@ class Flower:
         else:
             subprocess.run(["flwr", "stop", run_id, "local"], cwd=ROOT, env=self.env, capture_output=True)
             status = "timeout"
-        log = subprocess.run(["flwr", "log", run_id, "local", "--show"], cwd=ROOT, env=self.env,
-                             capture_output=True, text=True, timeout=120)
+        log = subprocess.run(
+            ["flwr", "log", run_id, "local", "--show"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return status, (log.stdout + log.stderr)[-3000:]
 
     def close(self) -> None:
@@ -131,9 +151,16 @@ class Flower:
 def run_config(cell: Cell, args: argparse.Namespace, runs: Path, cache: Path, control: Path) -> str:
     pairs = [
         METHODS[cell.method],
-        f"seed={cell.seed}", "partition.name='dirichlet'", f"partition.alpha={cell.alpha}",
-        f"num-server-rounds={args.rounds}", f"train.local-epochs={args.epochs}", "fraction-train=0.5",
-        "min-nodes=10", f"outputs-dir='{runs}'", f"run-name='{cell.name}'", f"diffusion.cache-dir='{cache}'",
+        f"seed={cell.seed}",
+        "partition.name='dirichlet'",
+        f"partition.alpha={cell.alpha}",
+        f"num-server-rounds={args.rounds}",
+        f"train.local-epochs={args.epochs}",
+        "fraction-train=0.5",
+        "min-nodes=10",
+        f"outputs-dir='{runs}'",
+        f"run-name='{cell.name}'",
+        f"diffusion.cache-dir='{cache}'",
         "keep-checkpoints=1",
     ]
     if cell.teacher == "control":
@@ -153,14 +180,18 @@ def finished(run_dir: Path, rounds: int) -> dict | None:
     return r if complete and not any(row.get("failures") for row in r["rounds"]) else None
 
 
-def stale(run_dir: Path, cell: "Cell", args: argparse.Namespace) -> str:
+def stale(run_dir: Path, cell: Cell, args: argparse.Namespace) -> str:
     """Why an existing run directory does not belong to this cell's settings ("" if it does)."""
     try:
         c = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
         return ""
-    want = {"num-server-rounds": args.rounds, "train.local-epochs": args.epochs, "seed": cell.seed,
-            "partition.alpha": cell.alpha}
+    want = {
+        "num-server-rounds": args.rounds,
+        "train.local-epochs": args.epochs,
+        "seed": cell.seed,
+        "partition.alpha": cell.alpha,
+    }
     diff = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
     return f"{run_dir} was made with other settings {diff}: delete it or use another --out" if diff else ""
 
@@ -172,11 +203,18 @@ def summarise(results: dict[str, dict], all_cells: list[Cell]) -> tuple[str, dic
         r = results.get(c.name)
         if r is not None:
             groups.setdefault((c.alpha, c.method, c.teacher), []).append(r)
-    lines = ["| alpha | method | teacher | seeds | final | best | mean of last 5 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| alpha | method | teacher | seeds | final | best | mean of last 5 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     table = {}
-    for (alpha, method, teacher), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], list(METHODS).index(kv[0][1]), kv[0][2])):
+    for (alpha, method, teacher), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], list(METHODS).index(kv[0][1]), kv[0][2])
+    ):
         vals = {k: np.array([r["summary"][k] for r in rs]) * 100 for k in keys}
-        cells_ = " | ".join(f"{v.mean():.1f} ± {v.std(ddof=1) if len(v) > 1 else 0:.1f}" for v in vals.values())
+        cells_ = " | ".join(
+            f"{v.mean():.1f} ± {v.std(ddof=1) if len(v) > 1 else 0:.1f}" for v in vals.values()
+        )
         name = {"trained": "tiny-mnist", "control": "untrained control", "-": "none"}[teacher]
         lines.append(f"| {alpha:g} | {method} | {name} | {len(rs)} | {cells_} |")
         table[f"{alpha:g}/{method}/{teacher}"] = {k: [float(x) for x in v] for k, v in vals.items()}
@@ -190,19 +228,27 @@ def plot(results: dict[str, dict], all_cells: list[Cell], alphas: list[float], p
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4.2), squeeze=False)
-    colours = dict(zip(METHODS, ("tab:grey", "tab:brown", "tab:blue", "tab:green", "tab:red")))
-    for ax, alpha in zip(axes[0], alphas):
+    colours = dict(zip(METHODS, ("tab:grey", "tab:brown", "tab:blue", "tab:green", "tab:red"), strict=False))
+    for ax, alpha in zip(axes[0], alphas, strict=False):
         for method in METHODS:
-            for teacher in (("trained", "control") if method in TEACHER_METHODS else ("-",)):
-                rs = [results[c.name] for c in all_cells
-                      if (c.method, c.alpha, c.teacher) == (method, alpha, teacher) and c.name in results]
+            for teacher in ("trained", "control") if method in TEACHER_METHODS else ("-",):
+                rs = [
+                    results[c.name]
+                    for c in all_cells
+                    if (c.method, c.alpha, c.teacher) == (method, alpha, teacher) and c.name in results
+                ]
                 if not rs:
                     continue
                 acc = np.array([[row["test-accuracy"] for row in r["rounds"]] for r in rs]) * 100
                 label = method + ("" if teacher != "control" else " (untrained teacher)")
-                ax.plot(acc.mean(0), color=colours[method], ls="--" if teacher == "control" else "-", label=label)
-        ax.set(title=f"mnist-5k, Dirichlet alpha = {alpha:g}, mean over seeds", xlabel="round",
-               ylabel="test accuracy (%)")
+                ax.plot(
+                    acc.mean(0), color=colours[method], ls="--" if teacher == "control" else "-", label=label
+                )
+        ax.set(
+            title=f"mnist-5k, Dirichlet alpha = {alpha:g}, mean over seeds",
+            xlabel="round",
+            ylabel="test accuracy (%)",
+        )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -219,7 +265,9 @@ def main() -> int:
     ap.add_argument("--cell-timeout", type=float, default=1800)
     ap.add_argument("--only", default="", help="comma-separated method names (default: all)")
     ap.add_argument("--teachers", default="trained,control", help="teachers for the teacher methods")
-    ap.add_argument("--overrides", default="", help="extra run-config pairs for every cell (use another --out)")
+    ap.add_argument(
+        "--overrides", default="", help="extra run-config pairs for every cell (use another --out)"
+    )
     args = ap.parse_args()
     out = Path(args.out).resolve()
     runs, cache = out / "runs", out / "cache"
@@ -265,25 +313,47 @@ def main() -> int:
                     failures[cell.name] = f"{status}: {log[-600:]}"
                     print(f"[{i}/{len(todo)}] {cell.name}: FAILED ({status})", flush=True)
                     continue
-                eta = (time.monotonic() - t0) / ran * sum(1 for c in todo[i:] if finished(runs / c.name, args.rounds) is None)
-                print(f"[{i}/{len(todo)}] {cell.name}: final {done['summary']['final-accuracy']:.4f} "
-                      f"({time.monotonic() - t_cell:.0f}s, ETA {eta / 60:.0f} min)", flush=True)
+                eta = (
+                    (time.monotonic() - t0)
+                    / ran
+                    * sum(1 for c in todo[i:] if finished(runs / c.name, args.rounds) is None)
+                )
+                print(
+                    f"[{i}/{len(todo)}] {cell.name}: final {done['summary']['final-accuracy']:.4f} "
+                    f"({time.monotonic() - t_cell:.0f}s, ETA {eta / 60:.0f} min)",
+                    flush=True,
+                )
             results[cell.name] = done
     finally:
         flower.close()
     table, numbers = summarise(results, todo)
-    header = (f"mnist-5k, 10 clients (5 per round), {args.rounds} rounds x {args.epochs} local epochs, "
-              f"ResNet-10 width 16, seeds 0..{args.seeds - 1}{', ' + args.overrides if args.overrides else ''}; "
-              f"accuracy in % on the 1,000-image test split, mean ± std over seeds")
+    header = (
+        f"mnist-5k, 10 clients (5 per round), {args.rounds} rounds x {args.epochs} local epochs, "
+        f"ResNet-10 width 16, seeds 0..{args.seeds - 1}{', ' + args.overrides if args.overrides else ''}; "
+        f"accuracy in % on the 1,000-image test split, mean ± std over seeds"
+    )
     text = header + "\n\n" + table + "\n"
     if failures:
-        text += "\nFailed cells:\n" + "\n".join(f"- {k}: {v.splitlines()[0] if v else ''}" for k, v in failures.items()) + "\n"
+        text += (
+            "\nFailed cells:\n"
+            + "\n".join(f"- {k}: {v.splitlines()[0] if v else ''}" for k, v in failures.items())
+            + "\n"
+        )
     print("\n" + text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "method_effect.md").write_text(text)
-    (out / "method_effect.json").write_text(json.dumps(
-        {"settings": vars(args), "table": numbers, "failures": failures,
-         "wall-seconds": time.monotonic() - t0}, indent=2) + "\n")
+    (out / "method_effect.json").write_text(
+        json.dumps(
+            {
+                "settings": vars(args),
+                "table": numbers,
+                "failures": failures,
+                "wall-seconds": time.monotonic() - t0,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     plot(results, todo, alphas, out / "method_effect.png")
     return 1 if failures else 0
 

@@ -50,7 +50,8 @@ if str(ROOT) not in sys.path:
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from feddifrc_app.config import load_config, load_node_config, read_app_defaults  # noqa: E402
+from feddifrc_app.cli import app_defaults  # noqa: E402
+from feddifrc_app.config import load_config, load_node_config  # noqa: E402
 from feddifrc_app.dataset import client_split  # noqa: E402
 from feddifrc_app.diffusion.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays  # noqa: E402
 from feddifrc_app.model import build_model  # noqa: E402
@@ -60,7 +61,7 @@ METHODS = ("fedavg", "feddifrc")
 
 def run_config(**overrides: Any) -> dict[str, Any]:
     """pyproject.toml's [tool.flwr.app.config] with dotted-key overrides."""
-    rc = read_app_defaults(ROOT / "pyproject.toml")
+    rc = app_defaults(ROOT)
     for k, v in overrides.items():
         if k not in rc:
             raise KeyError(f"unknown run-config key {k!r}")
@@ -74,8 +75,12 @@ def blas_threads() -> str:
     try:
         from threadpoolctl import threadpool_info
 
-        libs = [f"{i.get('internal_api')} x{i.get('num_threads')}" for i in threadpool_info()
-                if i.get("user_api") == "blas" and "numpy" in str(i.get("filepath", "")) + str(i.get("prefix", ""))]
+        libs = [
+            f"{i.get('internal_api')} x{i.get('num_threads')}"
+            for i in threadpool_info()
+            if i.get("user_api") == "blas"
+            and "numpy" in str(i.get("filepath", "")) + str(i.get("prefix", ""))
+        ]
         return ", ".join(libs) or "unknown"
     except Exception:  # threadpoolctl missing or confused: informational only
         return "unknown"
@@ -92,25 +97,31 @@ def handle(msg: Message, ctx: Context) -> Message:
 
 def setup(ctxs: list[Context], cfg) -> ArrayRecord:
     """The ServerApp's setup exchange: per-node PCA statistics (cache filled) -> shared basis."""
-    from feddifrc_app.server_app import basis_to_record
+    from feddifrc_app.records import arrays_to_record
 
     stats = []
     for pid, ctx in enumerate(ctxs):
-        m = Message(RecordDict({"config": ConfigRecord({"want-stats": True})}), message_type="query.setup",
-                    dst_node_id=pid + 1)
+        m = Message(
+            RecordDict({"config": ConfigRecord({"want-stats": True})}),
+            message_type="query.setup",
+            dst_node_id=pid + 1,
+        )
         r = handle(m, ctx)
         info = r.content["info"]
-        print(f"  setup partition {pid}: {info['num-examples']} images, teacher "
-              f"{info.get('teacher-seconds', 0.0):.1f}s, {info.get('teacher-cache-misses', 0)} cache misses")
+        print(
+            f"  setup partition {pid}: {info['num-examples']} images, teacher "
+            f"{info.get('teacher-seconds', 0.0):.1f}s, {info.get('teacher-cache-misses', 0)} cache misses"
+        )
         stats.append(stats_from_arrays({k: v.numpy() for k, v in r.content["pca-stats"].items()}))
     merged = merge_client_stats(stats)
     blocks = cfg.diffusion.blocks
     widths = clip_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks])
-    return basis_to_record(fit_basis(merged, widths, blocks, mode="federated-pca"))
+    return arrays_to_record(fit_basis(merged, widths, blocks, mode="federated-pca").to_arrays())
 
 
-def train_round(ctxs: list[Context], pids: list[int], arrays: ArrayRecord, rnd: int,
-                basis: ArrayRecord | None) -> tuple[float, dict[str, float]]:
+def train_round(
+    ctxs: list[Context], pids: list[int], arrays: ArrayRecord, rnd: int, basis: ArrayRecord | None
+) -> tuple[float, dict[str, float]]:
     """One round: the train handler of every chosen partition in turn. (seconds, summed metrics)."""
     total, sums = 0.0, {}
     for pid in pids:
@@ -145,15 +156,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-size", type=int, default=None, help="dataset.image-size")
     ap.add_argument("--train-limit", type=int, default=None, help="dataset.train-limit (0 = all)")
     ap.add_argument("--partitions", type=int, default=10, help="num-partitions (clients)")
-    ap.add_argument("--clients", type=int, default=None,
-                    help="partitions trained per round (default: all); the first N partition ids")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="partitions trained per round (default: all); the first N partition ids",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per method")
-    ap.add_argument("--local-epochs", type=int, default=None, help="train.local-epochs (default: app default)")
+    ap.add_argument(
+        "--local-epochs", type=int, default=None, help="train.local-epochs (default: app default)"
+    )
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--cache-dir", default=None, help="feature cache (default: a fresh temporary folder)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="any other run-config override, e.g. --set loss.num-negatives=4 (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other run-config override, e.g. --set loss.num-negatives=4 (repeatable)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile one more FedDifRC round")
     ap.add_argument("--max-ratio", type=float, default=1.3, help="the acceptance bound to report against")
     args = ap.parse_args(argv)
@@ -187,16 +209,32 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfgs["feddifrc"]
     n = args.partitions
     pids = list(range(min(args.clients or n, n)))
-    ctxs = {m: [Context(run_id=1, node_id=p + 1, node_config={"partition-id": p, "num-partitions": n},
-                        state=RecordDict(), run_config=rcs[m]) for p in range(n)] for m in METHODS}
+    ctxs = {
+        m: [
+            Context(
+                run_id=1,
+                node_id=p + 1,
+                node_config={"partition-id": p, "num-partitions": n},
+                state=RecordDict(),
+                run_config=rcs[m],
+            )
+            for p in range(n)
+        ]
+        for m in METHODS
+    }
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy BLAS {blas_threads()}; "
-          f"machine load (1/5/15 min) {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    print(f"config: dataset {cfg.dataset.name} {cfg.dataset.image_size}px (train-limit {cfg.dataset.train_limit}), "
-          f"{n} partitions ({cfg.partition.name}), {len(pids)} trained per round, local-epochs "
-          f"{cfg.train.local_epochs}, batch {cfg.train.batch_size}, model {cfg.model_name}, seed {cfg.seed}; "
-          f"teacher {cfg.diffusion.model} {cfg.diffusion.resolution}px, projection {cfg.diffusion.projection}, "
-          f"TDCL {cfg.loss.tdcl_weight} NDCR {cfg.loss.ndcr_weight}; cache {cache_dir}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy BLAS {blas_threads()}; "
+        f"machine load (1/5/15 min) {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"config: dataset {cfg.dataset.name} {cfg.dataset.image_size}px "
+        f"(train-limit {cfg.dataset.train_limit}), "
+        f"{n} partitions ({cfg.partition.name}), {len(pids)} trained per round, local-epochs "
+        f"{cfg.train.local_epochs}, batch {cfg.train.batch_size}, model {cfg.model.name}, seed {cfg.seed}; "
+        f"teacher {cfg.diffusion.model} {cfg.diffusion.resolution}px, projection {cfg.diffusion.projection}, "
+        f"TDCL {cfg.loss.tdcl_weight} NDCR {cfg.loss.ndcr_weight}; cache {cache_dir}"
+    )
 
     t0 = time.perf_counter()
     print("warm-up: setup query with want-stats on every partition (fills the feature cache)")
@@ -204,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  warm-up took {time.perf_counter() - t0:.1f}s")
 
     torch.manual_seed(cfg.seed)
-    from feddifrc_app.server_app import state_to_record
+    from feddifrc_app.records import state_to_record
 
-    data, _ = client_split(cfg, load_node_config(ctxs["feddifrc"][0].node_config))  # memoised: the handlers' data
-    arrays = state_to_record(build_model(cfg.model_name, data.num_classes, cfg.model_width).state_dict())
+    data, _ = client_split(
+        cfg, load_node_config(ctxs["feddifrc"][0].node_config)
+    )  # memoised: the handlers' data
+    arrays = state_to_record(build_model(cfg.model.name, data.num_classes, cfg.model.width).state_dict())
     bases = {"fedavg": None, "feddifrc": basis}
     # one untimed round each: dataset/partition caches, allocator, first-call costs
     for m in METHODS:
@@ -236,21 +276,30 @@ def main(argv: list[str] | None = None) -> int:
     for m in METHODS:
         tr = statistics.median(x.get("train-seconds", 0.0) for x in mets[m])
         te = statistics.median(x.get("teacher-seconds", 0.0) for x in mets[m])
-        print(f"{m:9s} round: median {med[m]:.3f}s over {args.rounds} rounds "
-              f"(min {min(secs[m]):.3f}, max {max(secs[m]):.3f}); of which local training {tr:.3f}s, "
-              f"teacher targets {te:.3f}s, other handler work {med[m] - tr - te:.3f}s")
+        print(
+            f"{m:9s} round: median {med[m]:.3f}s over {args.rounds} rounds "
+            f"(min {min(secs[m]):.3f}, max {max(secs[m]):.3f}); of which local training {tr:.3f}s, "
+            f"teacher targets {te:.3f}s, other handler work {med[m] - tr - te:.3f}s"
+        )
     print(f"{imgs:.0f} training images per round x {cfg.train.local_epochs} epoch(s)")
-    print(f"ratio FedDifRC / FedAvg round (warm cache): {ratio:.2f}x  (per round: min {min(per_round):.2f}, "
-          f"median {statistics.median(per_round):.2f}, max {max(per_round):.2f}); "
-          f"bound {args.max_ratio:.2f}x: {'met' if ratio <= args.max_ratio else 'NOT met'}")
+    print(
+        f"ratio FedDifRC / FedAvg round (warm cache): {ratio:.2f}x  (per round: min {min(per_round):.2f}, "
+        f"median {statistics.median(per_round):.2f}, max {max(per_round):.2f}); "
+        f"bound {args.max_ratio:.2f}x: {'met' if ratio <= args.max_ratio else 'NOT met'}"
+    )
     if any(max(v) > 1.5 * min(v) for v in secs.values()):
-        print("note: round times spread widely: other processes loaded this machine during the run (2 torch "
-              "threads on a shared 2-core machine stall on each other); rerun, or use --threads 1")
+        print(
+            "note: round times spread widely: other processes loaded this machine during the run (2 torch "
+            "threads on a shared 2-core machine stall on each other); rerun, or use --threads 1"
+        )
     tr = {m: statistics.median(x.get("train-seconds", 0.0) for x in mets[m]) for m in METHODS}
     if tr["fedavg"] > 0 and tr["feddifrc"] / tr["fedavg"] > 1.10:
-        print(f"note: FedDifRC's local epochs take {tr['feddifrc'] / tr['fedavg']:.2f}x FedAvg's, though the TDCL and "
-              "NDCR terms add only a few % to a step when timed alone: numpy's BLAS threads, woken by the "
-              "targets' numpy matmul, keep spinning and compete with torch's (compare OPENBLAS_NUM_THREADS=1)")
+        print(
+            f"note: FedDifRC's local epochs take {tr['feddifrc'] / tr['fedavg']:.2f}x FedAvg's, "
+            "though the TDCL and "
+            "NDCR terms add only a few % to a step when timed alone: numpy's BLAS threads, woken by the "
+            "targets' numpy matmul, keep spinning and compete with torch's (compare OPENBLAS_NUM_THREADS=1)"
+        )
     if args.profile or ratio > args.max_ratio:
         profile_round(ctxs["feddifrc"], pids, arrays, args.rounds + 2, basis, top=40)
     if tmp is not None:

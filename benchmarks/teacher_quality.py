@@ -26,6 +26,7 @@ Targets: probe >= 0.85 for the trained teacher and <= 0.5 for the control; promp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -39,8 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from feddifrc_app.cli import load_app_config  # noqa: E402
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset  # noqa: E402
-from feddifrc_app.diffusion.cache import teacher_prompts  # noqa: E402
 from feddifrc_app.diffusion.projection import client_stats, clip_widths, fit_basis, fuse, merge_client_stats  # noqa: E402
+from feddifrc_app.diffusion.prompts import teacher_prompts  # noqa: E402
+from feddifrc_app.files import write_json  # noqa: E402
 from feddifrc_app.losses import tdcl_paper  # noqa: E402
 from feddifrc_app.targets import pooled_features  # noqa: E402
 
@@ -55,10 +57,17 @@ def control_teacher(cfg, folder: Path) -> Path:
     built = json.loads(marker.read_text())["recipe"]["resolution"] if marker.is_file() else None
     if built != cfg.diffusion.resolution:
         data = load_dataset(cfg.dataset, PUBLIC_SPLIT)
-        prompts = teacher_prompts(cfg, data.class_names)[:data.num_classes]
-        pretrain_teacher(data.images, data.labels, prompts, folder,
-                         PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
-                         name="tiny-mnist-untrained", data_note="untrained control", progress=False)
+        prompts = teacher_prompts(cfg, data.class_names)[: data.num_classes]
+        pretrain_teacher(
+            data.images,
+            data.labels,
+            prompts,
+            folder,
+            PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
+            name="tiny-mnist-untrained",
+            data_note="untrained control",
+            progress=False,
+        )
     return folder
 
 
@@ -72,8 +81,9 @@ def teacher_features(cfg, cache_dir: Path, data) -> tuple[np.ndarray, np.ndarray
     ids = np.arange(len(data))
     pooled, _ = pooled_features(cfg, cache_dir, data, ids, prompts, progress=True)
     blocks = cfg.diffusion.blocks
-    raw = np.concatenate([pooled[b] / np.linalg.norm(pooled[b], axis=-1, keepdims=True).clip(1e-12)
-                          for b in blocks], axis=-1)
+    raw = np.concatenate(
+        [pooled[b] / np.linalg.norm(pooled[b], axis=-1, keepdims=True).clip(1e-12) for b in blocks], axis=-1
+    )
     stats = merge_client_stats([client_stats(pooled)])
     widths = clip_widths(cfg.diffusion.channels, [stats[b].channels for b in blocks])
     basis = fit_basis(stats, widths, blocks, mode="federated-pca")
@@ -100,8 +110,9 @@ def prompt_effect(reps: np.ndarray) -> float:
     return float((1.0 - cos[:, off]).mean())
 
 
-def student_tdcl(pixels: np.ndarray, reps: np.ndarray, y: np.ndarray, folds: int, temperature: float,
-                 steps: int = 400) -> float:
+def student_tdcl(
+    pixels: np.ndarray, reps: np.ndarray, y: np.ndarray, folds: int, temperature: float, steps: int = 400
+) -> float:
     """Held-out TDCL loss of a linear pixel -> D student trained on TDCL alone, mean over folds."""
     from sklearn.model_selection import StratifiedKFold
 
@@ -136,6 +147,24 @@ def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
     }
 
 
+def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int) -> None:
+    print(
+        f"\nmnist-5k federated test split ({n_images} images), t = {d.timestep}, {d.resolution} px, "
+        f"blocks {','.join(map(str, d.blocks))} -> PCA {','.join(map(str, d.channels))}, "
+        f"NDCR prompt {d.ndcr_prompt!r}, {folds}-fold\n"
+    )
+    print(
+        "| teacher | linear probe of NDCR features (chance 0.10) | prompt effect | "
+        f"student TDCL, teacher space | student TDCL, fused space (chance ln 10 = {math.log(10):.2f}) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for label, m in rows.items():
+        print(
+            f"| {label} | {m['probe']:.3f} | {m['prompt-effect']:.4f} | {m['student-tdcl-raw']:.3f} | "
+            f"{m['student-tdcl-fused']:.3f} |"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "teacher_quality"))
@@ -145,28 +174,18 @@ def main() -> int:
     torch.set_num_threads(2)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cache_dir = out / "cache"
     cfg = load_app_config(ROOT, args.run_config)
     if cfg.dataset.name != "mnist-5k":
         raise SystemExit("teacher_quality: needs dataset.name = 'mnist-5k' (the teacher's public split)")
-    import dataclasses
 
     control = control_teacher(cfg, out / "tiny-mnist-untrained")
     test = load_dataset(cfg.dataset, "test")
     rows = {}
     for label, model in ((cfg.diffusion.model, cfg.diffusion.model), ("untrained control", str(control))):
         c = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=model))
-        rows[label] = measure(c, cache_dir, test, args.folds)
+        rows[label] = measure(c, out / "cache", test, args.folds)
     d = cfg.diffusion
-    print(f"\nmnist-5k federated test split ({len(test)} images), t = {d.timestep}, {d.resolution} px, "
-          f"blocks {','.join(map(str, d.blocks))} -> PCA {','.join(map(str, d.channels))}, "
-          f"NDCR prompt {d.ndcr_prompt!r}, {args.folds}-fold\n")
-    print(f"| teacher | linear probe of NDCR features (chance 0.10) | prompt effect | student TDCL, teacher space | "
-          f"student TDCL, fused space (chance ln 10 = {math.log(10):.2f}) |")
-    print("| --- | --- | --- | --- | --- |")
-    for label, m in rows.items():
-        print(f"| {label} | {m['probe']:.3f} | {m['prompt-effect']:.4f} | {m['student-tdcl-raw']:.3f} | "
-              f"{m['student-tdcl-fused']:.3f} |")
+    print_table(rows, d, len(test), args.folds)
     trained, ctrl = rows[cfg.diffusion.model], rows["untrained control"]
     checks = {
         "trained probe >= 0.85": trained["probe"] >= TARGETS["probe"][0],
@@ -175,9 +194,16 @@ def main() -> int:
         "control prompt effect <= 0.01": ctrl["prompt-effect"] <= TARGETS["prompt-effect"][1],
     }
     print("\n" + "\n".join(f"{'PASS' if ok else 'MISS'}  {name}" for name, ok in checks.items()))
-    (out / "teacher_quality.json").write_text(json.dumps(
-        {"rows": rows, "checks": checks, "timestep": d.timestep, "resolution": d.resolution,
-         "blocks": list(d.blocks), "channels": list(d.channels), "images": len(test)}, indent=2) + "\n")
+    summary = {
+        "rows": rows,
+        "checks": checks,
+        "timestep": d.timestep,
+        "resolution": d.resolution,
+        "blocks": list(d.blocks),
+        "channels": list(d.channels),
+        "images": len(test),
+    }
+    write_json(out / "teacher_quality.json", summary)
     return 0
 
 

@@ -26,20 +26,11 @@ import logging
 import re
 import sys
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import (
-    DEFAULT_CACHE_DIR,
-    Config,
-    ConfigError,
-    load_config,
-    read_app_defaults,
-    read_override_file,
-)
-
-log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
+from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, load_config
 
 EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
 
@@ -51,76 +42,44 @@ class CLIError(Exception):
 # --------------------------------------------------------------------------- run config
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = ""):
-    for k, v in table.items():
-        if isinstance(v, Mapping):
-            yield from _flatten(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
+def parse_run_config(values: Sequence[str] | None) -> dict[str, Any]:
+    """Overrides exactly as ``flwr run --run-config`` parses them (Flower's own parser), flat.
 
-
-_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
-
-
-def parse_run_config(values: Sequence[str] | None, app_dir: str | Path = ".") -> dict[str, Any]:
-    """Overrides as ``flwr run --run-config`` takes them, flattened to dotted keys.
-
-    ``values``: one ``.toml`` file (a path relative to the current folder or to
-    the app), or any number of strings of space-separated ``key=value`` pairs
-    whose values are TOML (``seed=3 method="fedavg" train.lr=0.1``). Unlike
-    flwr, a bare word that is not valid TOML (``method=fedavg``) is taken as a
-    string. Later pairs win.
+    One ``.toml`` file, or strings of space-separated TOML ``key=value`` pairs (strings
+    quoted: ``method="fedavg"``); never both. Later pairs win.
     """
-    out: dict[str, Any] = {}
+    import click
+    from flwr.common.config import parse_config_args
+
     values = [v for v in (values or []) if v and v.strip()]
-    if not values:
-        return out
-    if any(v.strip().endswith(".toml") for v in values):
-        if len(values) != 1:
-            raise CLIError("--run-config: a .toml file cannot be combined with other --run-config values")
-        raw = Path(values[0].strip()).expanduser()
-        candidates = [raw] if raw.is_absolute() else [raw, Path(app_dir) / raw]
-        for path in candidates:
-            if path.is_file():
-                try:
-                    return read_override_file(path)
-                except tomllib.TOMLDecodeError as e:
-                    raise CLIError(f"--run-config: {path} is not valid TOML ({e})") from None
-        looked = ", ".join(map(str, candidates))
-        raise CLIError(f"--run-config: override file {values[0]!r} not found (looked in {looked})")
+    if values and values[0].strip().endswith(".toml") and not Path(values[0]).expanduser().is_file():
+        raise CLIError(f"--run-config: override file {values[0]!r} not found")
     for line in values:
-        rest = _PAIR.sub("", line).strip()
-        if rest:
-            raise CLIError(f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs")
-        for key, val in _PAIR.findall(line):
-            try:
-                parsed = tomllib.loads(f"{key} = {val}")
-            except tomllib.TOMLDecodeError:
-                try:  # a bare string: quote it
-                    parsed = tomllib.loads(f"{key} = {_toml_str(val)}")
-                except tomllib.TOMLDecodeError:
-                    raise CLIError(f"--run-config: bad key {key!r} in {line!r}") from None
-            out.update(_flatten(parsed))
-    return out
+        rest = re.sub(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)", "", line).strip()
+        if rest and not line.strip().endswith(".toml"):
+            raise CLIError(
+                f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs"
+            )
+    try:
+        return parse_config_args(values or None)
+    except (ValueError, click.ClickException, tomllib.TOMLDecodeError) as e:
+        msg = e.message if isinstance(e, click.ClickException) else str(e)
+        raise CLIError(f"--run-config {' '.join(values)!r}: {msg}") from None
 
 
-def _toml_str(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def app_defaults(app: str | Path) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of the Flower app folder ``app``, flat (as Flower reads it)."""
+    from flwr.common.config import flatten_dict, get_project_config
 
-
-def app_run_config(app: str | Path, overrides: Sequence[str] | None) -> dict[str, Any]:
-    """``[tool.flwr.app.config]`` of ``app``/pyproject.toml updated with the overrides (flat)."""
-    pyproject = Path(app).expanduser() / "pyproject.toml"
-    if not pyproject.is_file():
+    if not (Path(app).expanduser() / "pyproject.toml").is_file():
         raise CLIError(f"--app {app}: no pyproject.toml there (pass the Flower app folder)")
-    run_config = read_app_defaults(pyproject)
-    run_config.update(parse_run_config(overrides, app))
-    return run_config
+    return flatten_dict(get_project_config(Path(app).expanduser())["tool"]["flwr"]["app"]["config"])
 
 
 def load_app_config(app: str | Path, overrides: Sequence[str] | None) -> Config:
+    """The app's defaults updated with ``--run-config`` overrides, validated (unknown keys named)."""
     try:
-        return load_config(app_run_config(app, overrides))
+        return load_config({**app_defaults(app), **parse_run_config(overrides)})
     except ConfigError as e:
         raise CLIError(str(e)) from None
 
@@ -153,13 +112,20 @@ def _splits(s: str) -> list[str]:
 
 def _add_extract(p: argparse.ArgumentParser) -> None:
     p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
-    p.add_argument("--run-config", action="append", metavar="FILE_OR_PAIRS",
-                   help='overrides, like flwr run: conf/X.toml or "key=value key2=value2" (repeatable)')
+    p.add_argument(
+        "--run-config",
+        action="append",
+        metavar="FILE_OR_PAIRS",
+        help='overrides, like flwr run: conf/X.toml or "key=value key2=value2" (repeatable)',
+    )
     p.add_argument("--num-partitions", type=int, default=10, help="clients the training set is split into")
     p.add_argument("--partitions", default=None, help="only these partition ids, e.g. 0,3 (default: all)")
     p.add_argument("--split", default="train", help="train, test or train,test (test = the whole test set)")
-    p.add_argument("--cache-dir", default=None,
-                   help="node cache folder (default: diffusion.cache-dir or ~/.cache/feddifrc)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="node cache folder (default: diffusion.cache-dir or ~/.cache/feddifrc)",
+    )
     p.add_argument("--chunk", type=int, default=EXTRACT_CHUNK, help="images computed between cache writes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -174,19 +140,21 @@ def _split_ids(cfg: Config, data: Any, split: str, num_partitions: int, wanted: 
     from feddifrc_app.partition import partition_indices
 
     parts = partition_indices(
-        np.asarray(data.labels), num_partitions, name=cfg.partition.name, alpha=cfg.partition.alpha,
-        classes_per_client=cfg.partition.classes_per_client, imb_factor=cfg.partition.imb_factor, seed=cfg.seed,
+        np.asarray(data.labels),
+        num_partitions,
+        name=cfg.partition.name,
+        alpha=cfg.partition.alpha,
+        classes_per_client=cfg.partition.classes_per_client,
+        imb_factor=cfg.partition.imb_factor,
+        seed=cfg.seed,
     )
     chosen = list(range(num_partitions)) if wanted is None else wanted
     ids = np.unique(np.concatenate([np.asarray(parts[i], dtype=np.int64) for i in chosen]))
     return ids, ",".join(map(str, chosen)) if wanted is not None else f"all {num_partitions}"
 
 
-def cmd_extract(args: argparse.Namespace) -> int:
-    cfg = load_app_config(args.app, args.run_config)
-    if not cfg.uses_diffusion:
-        print(f"method '{cfg.method}' uses no diffusion teacher: nothing to extract")
-        return 0
+def _extract_partitions(args: argparse.Namespace) -> list[int] | None:
+    """The validated ``--num-partitions`` / ``--partitions`` / ``--chunk`` choice (None = all)."""
     if args.num_partitions < 1:
         raise CLIError(f"--num-partitions {args.num_partitions}: expected >= 1")
     wanted = _int_list("--partitions", args.partitions)
@@ -194,44 +162,61 @@ def cmd_extract(args: argparse.Namespace) -> int:
         raise CLIError(f"--partitions {args.partitions}: ids must be in 0..{args.num_partitions - 1}")
     if args.chunk < 1:
         raise CLIError("--chunk: expected >= 1")
-    splits = _splits(args.split)
+    return wanted
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    cfg = load_app_config(args.app, args.run_config)
+    if not cfg.uses_diffusion:
+        print(f"method '{cfg.method}' uses no diffusion teacher: nothing to extract")
+        return 0
+    wanted, splits = _extract_partitions(args), _splits(args.split)
     cache_dir = resolve_cache_dir(cfg, args.cache_dir)
     d = cfg.diffusion
     if d.condition != "none":
-        print(f"note: diffusion.condition = '{d.condition}' conditions features on the global model each round; "
-              "extracting the static (unconditioned) features only")
+        print(
+            f"note: diffusion.condition = '{d.condition}' conditions features on the global model each "
+            "round; extracting the static (unconditioned) features only"
+        )
 
     from feddifrc_app.dataset import load_dataset
-    from feddifrc_app.diffusion.cache import teacher_prompts
-    from feddifrc_app.diffusion.pipeline import TeacherLoadError, resolve_device, resolve_dtype, teacher_identity
+    from feddifrc_app.device import DeviceError, resolve_device, resolve_dtype
+    from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
+    from feddifrc_app.diffusion.prompts import teacher_prompts
     from feddifrc_app.targets import pooled_features, teacher_key
 
     try:
-        device = resolve_device(d.device)
-        dtype = resolve_dtype(d.dtype, device)
+        device = resolve_device(d.device, "diffusion.device")
+        dtype = resolve_dtype(d.dtype, device, "diffusion.dtype")
         ident = teacher_identity(d.model, cache_dir)  # no network is built for this
-    except TeacherLoadError as e:
+    except (DeviceError, TeacherLoadError) as e:
         raise CLIError(str(e)) from None
-    print(f"teacher {ident.model_id} (weights {ident.weights_hash[:12]})"
-          f"{' RANDOM weights: plumbing only' if ident.random_weights else ''}"
-          f" on {device} / {str(dtype).removeprefix('torch.')}; cache {cache_dir / 'features'}")
+    print(
+        f"teacher {ident.model_id} (weights {ident.weights_hash[:12]})"
+        f"{' RANDOM weights: plumbing only' if ident.random_weights else ''}"
+        f" on {device} / {str(dtype).removeprefix('torch.')}; cache {cache_dir / 'features'}"
+    )
     for split in splits:
         data = load_dataset(cfg.dataset, split, seed=cfg.seed)
         prompts = teacher_prompts(cfg, data.class_names)
         ids, which = _split_ids(cfg, data, split, args.num_partitions, wanted)
         try:
             # The same keyed, lazily-loading path the ClientApp uses: identical cache keys.
-            _, st = pooled_features(cfg, cache_dir, data, ids, prompts, keep=False,
-                                    progress=not args.no_progress, chunk=args.chunk)
+            progress = not args.no_progress
+            _, st = pooled_features(
+                cfg, cache_dir, data, ids, prompts, keep=False, progress=progress, chunk=args.chunk
+            )
         except TeacherLoadError as e:
             raise CLIError(str(e)) from None
         key, _ = teacher_key(cfg, cache_dir, data, prompts)
         rate = st.misses / st.extract_seconds if st.extract_seconds > 0 else float("nan")
-        print(f"{data.name}/{split} partitions {which}: {len(ids)} images x {len(prompts)} prompts; "
-              f"already cached {st.hits}, computed {st.misses}"
-              + (f" ({rate:.1f} images/s)" if st.misses else "")
-              + (f", {st.corrupt} invalid shard(s) rebuilt" if st.corrupt else "")
-              + f"; key {key[:16]}")
+        print(
+            f"{data.name}/{split} partitions {which}: {len(ids)} images x {len(prompts)} prompts; "
+            f"already cached {st.hits}, computed {st.misses}"
+            + (f" ({rate:.1f} images/s)" if st.misses else "")
+            + (f", {st.corrupt} invalid shard(s) rebuilt" if st.corrupt else "")
+            + f"; key {key[:16]}"
+        )
     return 0
 
 
@@ -244,14 +229,18 @@ def _add_make_tiny(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from feddifrc_app.diffusion.pipeline import build_tiny_pipeline, weights_hash
+    from feddifrc_app.diffusion.pipeline import weights_hash
+    from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 
     cache_dir = Path(args.cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
     name = "tiny" if args.seed == 0 else f"tiny-seed{args.seed}"
     path = build_tiny_pipeline(cache_dir / "models" / f"tiny-seed{args.seed}", seed=args.seed)
     print(path)
-    print(f"embedded tiny teacher (RANDOM weights, plumbing only), weights {weights_hash(path)[:12]}; "
-          f"used by diffusion.model = \"{name}\" with cache-dir {cache_dir}", file=sys.stderr)
+    print(
+        f"embedded tiny teacher (RANDOM weights, plumbing only), weights {weights_hash(path)[:12]}; "
+        f'used by diffusion.model = "{name}" with cache-dir {cache_dir}',
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -262,13 +251,21 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
     from feddifrc_app.diffusion.pretrain import PretrainRecipe
 
     d = PretrainRecipe()
-    p.add_argument("--out", required=True, help="folder to write the diffusers pipeline to (replaced atomically)")
+    p.add_argument(
+        "--out", required=True, help="folder to write the diffusers pipeline to (replaced atomically)"
+    )
     p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
-    p.add_argument("--run-config", action="append", metavar="FILE_OR_PAIRS",
-                   help="overrides as for `flwr run --run-config` (dataset, prompt template, resolution)")
+    p.add_argument(
+        "--run-config",
+        action="append",
+        metavar="FILE_OR_PAIRS",
+        help="overrides as for `flwr run --run-config` (dataset, prompt template, resolution)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="weights, batches and noise")
     p.add_argument("--vae-steps", type=int, default=d.vae_steps)
-    p.add_argument("--unet-steps", type=int, default=d.unet_steps, help="0 with --vae-steps 0: the untrained control")
+    p.add_argument(
+        "--unet-steps", type=int, default=d.unet_steps, help="0 with --vae-steps 0: the untrained control"
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -276,31 +273,46 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
-    from feddifrc_app.diffusion.cache import teacher_prompts
     from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+    from feddifrc_app.diffusion.prompts import teacher_prompts
 
     cfg = load_app_config(args.app, args.run_config)
     if cfg.dataset.name != "mnist-5k":
-        raise CLIError(f"dataset.name = {cfg.dataset.name!r} has no public split to pretrain on: the teacher "
-                       "must never see the federated data; use dataset.name = 'mnist-5k'")
+        raise CLIError(
+            f"dataset.name = {cfg.dataset.name!r} has no public split to pretrain on: the teacher "
+            "must never see the federated data; use dataset.name = 'mnist-5k'"
+        )
     try:
-        recipe = PretrainRecipe(seed=args.seed, resolution=cfg.diffusion.resolution, batch_size=args.batch_size,
-                                vae_steps=args.vae_steps, unet_steps=args.unet_steps)
+        recipe = PretrainRecipe(
+            seed=args.seed,
+            resolution=cfg.diffusion.resolution,
+            batch_size=args.batch_size,
+            vae_steps=args.vae_steps,
+            unet_steps=args.unet_steps,
+        )
     except ValueError as e:
         raise CLIError(str(e)) from None
     data = load_dataset(cfg.dataset, PUBLIC_SPLIT)
-    prompts = teacher_prompts(dataclasses.replace(cfg, method="feddifrc"), data.class_names)[:data.num_classes]
-    out = pretrain_teacher(data.images, data.labels, prompts, Path(args.out), recipe, name=args.name,
-                           data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
-                                     "the federated train and test splits.",
-                           progress=not args.no_progress)
+    prompts = teacher_prompts(dataclasses.replace(cfg, method="feddifrc"), data.class_names)[
+        : data.num_classes
+    ]
+    out = pretrain_teacher(
+        data.images,
+        data.labels,
+        prompts,
+        Path(args.out),
+        recipe,
+        name=args.name,
+        data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
+        "the federated train and test splits.",
+        progress=not args.no_progress,
+    )
     print(out)
     return 0
 
 
 # --------------------------------------------------------------------------- entry point
 
-# name -> (help, add arguments, run). The lead adds `report` and `status` here.
 # --------------------------------------------------------------------------- report / status
 
 
@@ -314,7 +326,9 @@ def _read_results(run_dir: Path) -> dict[str, Any]:
 
     path = run_dir / "results.json"
     if not path.is_file():
-        raise CLIError(f"{path} does not exist (is {run_dir} a feddifrc run directory? has round 0 finished?)")
+        raise CLIError(
+            f"{path} does not exist (is {run_dir} a feddifrc run directory? has round 0 finished?)"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -330,29 +344,38 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
     teacher = results.get("teacher", {})
-    print(f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
-          f"({results.get('partition')})"
-          + (f"; teacher {teacher.get('model')}" if teacher else "")
-          + ("  [RANDOM-weight teacher: not evidence that FedDifRC helps]" if teacher.get("random-weights") else ""))
+    print(
+        f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
+        f"({results.get('partition')})"
+        + (f"; teacher {teacher.get('model')}" if teacher else "")
+        + (
+            "  [RANDOM-weight teacher: not evidence that FedDifRC helps]"
+            if teacher.get("random-weights")
+            else ""
+        )
+    )
     print(format_table(results))
     for name in ("accuracy.png", "label_distribution.png", "config.json"):
         if (run_dir / name).is_file():
             print(f"{name}: {run_dir / name}")
     ckpts = sorted((run_dir / "checkpoints").glob("round-*.pt"))
     if ckpts:
-        print(f"checkpoints: {len(ckpts)} (last {ckpts[-1].name}); resume with --run-config \"resume-from='{run_dir}'\"")
+        print(
+            f"checkpoints: {len(ckpts)} (last {ckpts[-1].name}); "
+            f"resume with --run-config \"resume-from='{run_dir}'\""
+        )
     return 0
 
 
 def _add_status(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--outputs-dir", default="~/feddifrc-runs", help="the run config's outputs-dir")
+    p.add_argument("--outputs-dir", default=DEFAULT_OUTPUTS_DIR, help="the run config's outputs-dir")
     p.add_argument("--last", type=int, default=10, help="show the newest N runs")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
     root = Path(args.outputs_dir).expanduser().resolve()
-    runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last:]
+    runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last :]
     if not runs:
         print(f"no runs under {root}")
         return 0
@@ -371,20 +394,38 @@ def cmd_status(args: argparse.Namespace) -> int:
             cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
         s = r.get("summary", {})
         fails = sum(len(x.get("failures", [])) for x in rounds)
-        acc = (f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
-               if rounds and s.get("best-accuracy") is not None else "no round finished yet")
-        print(f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
-              f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}")
+        acc = (
+            f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
+            if rounds and s.get("best-accuracy") is not None
+            else "no round finished yet"
+        )
+        print(
+            f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+            f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}"
+        )
     print("live Flower status: `flwr ls <connection>`; logs: `flwr log <run-id> <connection>`")
     return 0
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+COMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
     "extract": ("fill the teacher-feature cache for a run config (resumable)", _add_extract, cmd_extract),
-    "pretrain-teacher": ("train the tiny text-to-image teacher on the public split and write an SD folder",
-                         _add_pretrain, cmd_pretrain),
-    "make-tiny": ("build the embedded tiny random-weight teacher and print its folder", _add_make_tiny, cmd_make_tiny),
-    "report": ("print a run's per-round table and summary (final, best, mean of last 5)", _add_report, cmd_report),
+    "pretrain-teacher": (
+        "train the tiny text-to-image teacher on the public split and write an SD folder",
+        _add_pretrain,
+        cmd_pretrain,
+    ),
+    "make-tiny": (
+        "build the embedded tiny random-weight teacher and print its folder",
+        _add_make_tiny,
+        cmd_make_tiny,
+    ),
+    "report": (
+        "print a run's per-round table and summary (final, best, mean of last 5)",
+        _add_report,
+        cmd_report,
+    ),
     "status": ("list the newest runs under outputs-dir with their progress", _add_status, cmd_status),
 }
 
@@ -402,8 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args) or 0)
     except CLIError as e:

@@ -9,26 +9,28 @@ Message types:
 
 from __future__ import annotations
 
-import logging
 import time
 import zlib
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
-from feddifrc_app.dataset import client_split, make_loader
-from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
-from feddifrc_app.model import build_model, load_weights
-from feddifrc_app.diffusion.cache import CacheStats, teacher_prompts
+from feddifrc_app.dataset import ImageData, client_split, make_loader
+from feddifrc_app.device import resolve_device
+from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.pipeline import teacher_identity
+from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
+from feddifrc_app.diffusion.prompts import teacher_prompts
+from feddifrc_app.files import ensure_writable_dir
+from feddifrc_app.model import build_model, load_weights
+from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
 from feddifrc_app.targets import build_targets, client_basis, conditioned_targets, pooled_features
 from feddifrc_app.train import evaluate as evaluate_model
-from feddifrc_app.train import resolve_device, train_local
+from feddifrc_app.train import train_local
 
-log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
 app = ClientApp()
 
 
@@ -43,7 +45,9 @@ def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:
     return (cfg.seed * 1_000_003 + rnd * 9_176 + who) % (2**31)
 
 
-def _pooled(cfg: Config, node: NodeConfig, data, ids) -> tuple[dict[int, np.ndarray], tuple[str, ...], CacheStats]:
+def _pooled(
+    cfg: Config, node: NodeConfig, data, ids
+) -> tuple[dict[int, np.ndarray], tuple[str, ...], CacheStats]:
     prompts = teacher_prompts(cfg, data.class_names)
     pooled, stats = pooled_features(cfg, node.resolve_cache_dir(cfg), data, ids, prompts)
     return pooled, prompts, stats
@@ -54,21 +58,25 @@ def setup(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     counts = np.bincount(data.labels[ids], minlength=data.num_classes)
-    info = ConfigRecord({
-        "partition-id": -1 if node.partition_id is None else node.partition_id,
-        "num-partitions": 0 if node.num_partitions is None else node.num_partitions,
-        "num-examples": int(len(ids)),
-        "label-counts": [int(c) for c in counts],
-    })
+    info = ConfigRecord(
+        {
+            "partition-id": -1 if node.partition_id is None else node.partition_id,
+            "num-partitions": 0 if node.num_partitions is None else node.num_partitions,
+            "num-examples": int(len(ids)),
+            "label-counts": [int(c) for c in counts],
+            "class-names": list(data.class_names),
+        }
+    )
     content = RecordDict({"info": info})
     if cfg.uses_diffusion:
+        ensure_writable_dir(node.resolve_cache_dir(cfg), "cache-dir (node-config, else diffusion.cache-dir)")
         t = teacher_identity(cfg.diffusion.model, node.resolve_cache_dir(cfg))  # no SD load
         info["teacher-model"] = t.model_id
         info["teacher-random-weights"] = bool(t.random_weights)
     if bool(msg.content["config"]["want-stats"]):
         pooled, _, stats = _pooled(cfg, node, data, ids)
         arrays = stats_to_arrays(client_stats(pooled))
-        content["pca-stats"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        content["pca-stats"] = arrays_to_record(arrays)
         info["teacher-seconds"] = float(stats.seconds)
         info["teacher-cache-misses"] = int(stats.misses)
     return Message(content, reply_to=msg)
@@ -84,54 +92,76 @@ def train(msg: Message, context: Context) -> Message:
         raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
     seed = _seed(cfg, rnd, node)
     torch.manual_seed(seed)
-    device = resolve_device(cfg.train.device)
-
-    model = build_model(cfg.model_name, data.num_classes, cfg.model_width)
-    load_weights(model, msg.content["arrays"].to_torch_state_dict())
+    device = resolve_device(cfg.train.device, "train.device")
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.width)
+    load_weights(model, record_to_state(msg.content["arrays"]))
 
     metrics: dict[str, float] = {}
-    targets = None
-    if cfg.uses_diffusion:
-        t0 = time.perf_counter()
-        pooled, prompts, stats = _pooled(cfg, node, data, ids)
-        server_basis = (Basis.from_arrays({k: v.numpy() for k, v in msg.content["basis"].items()})
-                        if "basis" in msg.content else None)
-        basis = client_basis(cfg, pooled, server_basis)
-        k = data.num_classes if cfg.method == "feddifrc" else len(prompts) - 1
-        targets = build_targets(cfg, pooled, ids, basis, k)
-        if cfg.diffusion.condition == "global-model":
-            targets, cost = conditioned_targets(cfg, node.resolve_cache_dir(cfg), model, data, ids, prompts,
-                                                basis, targets, device)
-            metrics["condition-seconds"] = cost
-        metrics["teacher-seconds"] = time.perf_counter() - t0
-        metrics["teacher-cache-misses"] = float(stats.misses)
-
+    targets = _targets(cfg, node, data, ids, msg, model, device, metrics) if cfg.uses_diffusion else None
     momentum = None
     if cfg.train.keep_momentum and "momentum" in context.state:
-        momentum = context.state["momentum"].to_torch_state_dict()
-    loader = make_loader(data, ids, train=True, batch_size=cfg.train.batch_size, seed=seed,
-                         num_workers=cfg.dataset.num_workers, augment=cfg.train.augment)
+        momentum = record_to_state(context.state["momentum"])
+    loader = make_loader(
+        data,
+        ids,
+        train=True,
+        batch_size=cfg.train.batch_size,
+        seed=seed,
+        num_workers=cfg.dataset.num_workers,
+        augment=cfg.train.augment,
+    )
     mu = float(msg.content["config"].get("proximal-mu", 0.0))
-    train_metrics, buffers = train_local(model, loader, cfg, device, targets=targets, proximal_mu=mu,
-                                         momentum_state=momentum, seed=seed)
-    metrics.update(train_metrics)
+    train_metrics, buffers = train_local(
+        model, loader, cfg, device, targets=targets, proximal_mu=mu, momentum_state=momentum, seed=seed
+    )
+    metrics.update(train_metrics, **{"num-examples": float(len(ids))})
     if cfg.train.keep_momentum and buffers:
         context.state["momentum"] = ArrayRecord(buffers)
-
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
-    metrics["num-examples"] = float(len(ids))
-    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
+
+
+def _targets(
+    cfg: Config,
+    node: NodeConfig,
+    data: ImageData,
+    ids: np.ndarray,
+    msg: Message,
+    model: torch.nn.Module,
+    device: torch.device,
+    metrics: dict[str, float],
+):
+    """This node's teacher targets under the server's basis (cached features, no SD call on a hit)."""
+    t0 = time.perf_counter()
+    pooled, prompts, stats = _pooled(cfg, node, data, ids)
+    server_basis = (
+        Basis.from_arrays(record_to_arrays(msg.content["basis"])) if "basis" in msg.content else None
+    )
+    basis = client_basis(cfg, pooled, server_basis)
+    k = data.num_classes if cfg.method == "feddifrc" else len(prompts) - 1
+    targets = build_targets(cfg, pooled, ids, basis, k)
+    if cfg.diffusion.condition == "global-model":
+        targets, metrics["condition-seconds"] = conditioned_targets(
+            cfg, node.resolve_cache_dir(cfg), model, data, ids, prompts, basis, targets, device
+        )
+    metrics["teacher-seconds"] = time.perf_counter() - t0
+    metrics["teacher-cache-misses"] = float(stats.misses)
+    return targets
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
-    model = build_model(cfg.model_name, data.num_classes, cfg.model_width)
-    load_weights(model, msg.content["arrays"].to_torch_state_dict())
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.width)
+    load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
-    m = evaluate_model(model, loader, resolve_device(cfg.train.device))
-    content = RecordDict({"metrics": MetricRecord({"eval-loss": m["loss"], "eval-accuracy": m["accuracy"],
-                                                    "num-examples": float(len(ids))})})
+    m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))
+    content = RecordDict(
+        {
+            "metrics": MetricRecord(
+                {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"], "num-examples": float(len(ids))}
+            )
+        }
+    )
     return Message(content, reply_to=msg)

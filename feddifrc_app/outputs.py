@@ -7,49 +7,30 @@ Layout of ``<outputs-dir>/<run-name>/``::
     accuracy.png                test accuracy per round
     label_distribution.png      per-client label counts
     checkpoints/round-0003.pt   global model + strategy state + basis after round 3
+    checkpoints/round-0003.pt.sha256   its digest, checked before it is loaded
 
-Every file is written atomically (temp file in the same folder + ``os.replace``), so
-a killed server never leaves a half-written results.json or checkpoint behind.
+Every file is written atomically (``files.atomic_write``), so a killed server never
+leaves a half-written results.json or checkpoint behind.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-import logging
-import os
+import math
 import re
-import tempfile
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from feddifrc_app import log
 from feddifrc_app.config import Config
-
-log = logging.getLogger(__name__)
+from feddifrc_app.files import atomic_write, write_json
 
 _CKPT = re.compile(r"^round-(\d{4,})\.pt$")
-
-
-def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Write via ``write(fileobj)`` to a temp file next to ``path``, fsync, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2, sort_keys=False), mode="w")
 
 
 def summarize(accuracies: list[float]) -> dict[str, float | None]:
@@ -64,22 +45,93 @@ def summarize(accuracies: list[float]) -> dict[str, float | None]:
     }
 
 
+# Keys a resumed run may change: where and how long it runs, not what it computes.
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "resume-from",
+        "run-name",
+        "outputs-dir",
+        "num-server-rounds",
+        "keep-checkpoints",
+        "min-nodes",
+        "strategy.round-timeout",
+        "train.device",
+        "train.eval-batch-size",
+        "dataset.num-workers",
+        "diffusion.device",
+        "diffusion.batch-size",
+        "diffusion.cache-dir",
+    }
+)
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every NaN / inf float replaced by None, so results.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
 class RunDir:
+    """``<outputs-dir>/<run-name>/``: it belongs to one run; only ``resume-from`` may continue it."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.ckpt_dir = path / "checkpoints"
 
     @classmethod
     def for_config(cls, cfg: Config, run_id: int) -> RunDir:
+        """A fresh run directory, or the one ``resume-from`` names (whose config must match)."""
         if cfg.resume_from:
-            path = Path(cfg.resume_from)
-            if not path.is_dir():
+            run = cls(Path(cfg.resume_from))
+            if not run.path.is_dir():
                 raise FileNotFoundError(f"resume-from = {cfg.resume_from!r}: no such run directory")
+            run.check_resume_config(cfg.to_flat())
         else:
-            name = cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-run{run_id}"
-            path = Path(cfg.outputs_dir) / name
-        path.mkdir(parents=True, exist_ok=True)
-        return cls(path)
+            run = cls(Path(cfg.outputs_dir) / (cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-run{run_id}"))
+            if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
+                raise FileExistsError(
+                    f"run directory {run.path} already holds another run: pick a new run-name, or continue "
+                    f"that run with resume-from = '{run.path}'"
+                )
+        try:
+            run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(
+                f"outputs-dir = {cfg.outputs_dir!r}: cannot create the run directory {run.path} ({e})"
+            ) from e
+        run.remove_partial_files()
+        return run
+
+    def check_resume_config(self, flat: dict[str, Any]) -> None:
+        """Refuse to continue a run under a config that computes something else; say what changed."""
+        path = self.path / "config.json"
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"resume-from: {path} is missing or unreadable ({e}); cannot check the config"
+            ) from None
+        changed = [
+            f"{k}: {old.get(k)!r} -> {v!r}"
+            for k, v in flat.items()
+            if k not in RESUME_MAY_CHANGE and old.get(k) != v
+        ]
+        if changed:
+            raise ValueError(
+                f"resume-from = {str(self.path)!r}: the config differs from the run's own "
+                f"({'; '.join(changed)}); resume with the original values or start a new run"
+            )
+
+    def remove_partial_files(self) -> None:
+        """Temp files of a write that was killed (files.atomic_write names them ``.<name>.tmp-*``)."""
+        for folder in (self.path, self.ckpt_dir):
+            for p in folder.glob(".*.tmp-*"):
+                p.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- results
     @property
@@ -89,27 +141,41 @@ class RunDir:
     def load_results(self) -> dict[str, Any] | None:
         if not self.results_path.exists():
             return None
-        with open(self.results_path) as f:
-            return json.load(f)
+        try:
+            return json.loads(self.results_path.read_text())
+        except ValueError as e:
+            raise ValueError(
+                f"{self.results_path} is not valid JSON ({e}); restore it or start a new run"
+            ) from None
 
     def save_results(self, results: dict[str, Any]) -> None:
         accs = [r["test-accuracy"] for r in results["rounds"] if r.get("test-accuracy") is not None]
         # Round 0 (the initial model) is not a training result: summarise rounds >= 1.
-        accs_trained = [r["test-accuracy"] for r in results["rounds"]
-                        if r["round"] >= 1 and r.get("test-accuracy") is not None]
+        accs_trained = [
+            r["test-accuracy"]
+            for r in results["rounds"]
+            if r["round"] >= 1 and r.get("test-accuracy") is not None
+        ]
         results["summary"] = summarize(accs_trained if accs_trained else accs)
-        write_json(self.results_path, results)
+        write_json(self.results_path, finite_or_none(results))
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_path(self, rnd: int) -> Path:
         return self.ckpt_dir / f"round-{rnd:04d}.pt"
 
     def save_checkpoint(self, rnd: int, payload: dict[str, Any], keep: int = 0) -> Path:
+        """Tensors, numbers and strings only (loaded with ``weights_only=True``), plus a sha256 sidecar."""
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = buf.getvalue()
         path = self.checkpoint_path(rnd)
-        atomic_write(path, lambda f: torch.save(payload, f))
+        atomic_write(path, lambda f: f.write(data))
+        # Written second: a checkpoint without its digest is never loaded.
+        atomic_write(_digest_path(path), lambda f: f.write(hashlib.sha256(data).hexdigest()), mode="w")
         if keep > 0:
             for old in self.checkpoints()[:-keep]:
                 old.unlink(missing_ok=True)
+                _digest_path(old).unlink(missing_ok=True)
         return path
 
     def checkpoints(self) -> list[Path]:
@@ -119,12 +185,19 @@ class RunDir:
         return [p for _, p in sorted(found)]
 
     def load_last_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest readable checkpoint; an unreadable newest one is reported and skipped."""
+        """The newest checkpoint whose digest matches; a corrupt or unverified one is reported and skipped."""
         for path in reversed(self.checkpoints()):
             try:
-                payload = torch.load(path, map_location="cpu", weights_only=False)
+                data = path.read_bytes()
+                if _digest_path(path).read_text().strip() != hashlib.sha256(data).hexdigest():
+                    raise ValueError("sha256 does not match its .sha256 file")
+                payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - a corrupt file must not end the resume
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
+                log.warning("checkpoint %s is not loaded (%s); trying the previous one", path, e)
                 continue
             return int(payload["round"]), payload
         return None
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # no display on servers / in Ray workers
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from feddifrc_app.outputs import atomic_write  # noqa: E402
+from feddifrc_app.files import atomic_write  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -30,8 +30,10 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("test accuracy (%)")
     title = f"{results.get('method', '')} / {results.get('strategy', '')} on {results.get('dataset', '')}"
     if s.get("final-accuracy") is not None:
-        title += (f"\nfinal {100 * s['final-accuracy']:.2f}  best {100 * s['best-accuracy']:.2f}  "
-                  f"mean-last-5 {100 * s['mean-last-5-accuracy']:.2f}")
+        title += (
+            f"\nfinal {100 * s['final-accuracy']:.2f}  best {100 * s['best-accuracy']:.2f}  "
+            f"mean-last-5 {100 * s['mean-last-5-accuracy']:.2f}"
+        )
     if results.get("teacher", {}).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
@@ -46,8 +48,8 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
     bottom = np.zeros(m)
     cmap = plt.get_cmap("tab20", max(c, 1))
     for k in range(c):
-        ax.bar(np.arange(m), counts[:, k], bottom=bottom, color=cmap(k),
-               label=class_names[k] if c <= 20 else None)
+        label = class_names[k] if c <= 20 else None
+        ax.bar(np.arange(m), counts[:, k], bottom=bottom, color=cmap(k), label=label)
         bottom += counts[:, k]
     ax.set_xticks(np.arange(m))
     ax.set_xlabel("client (partition id)")
@@ -60,8 +62,7 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
 
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text per-round table plus the summary line."""
-    keys = ["round", "test-accuracy", "test-loss", "train-ce", "train-tdcl", "train-ndcr",
-            "nodes", "failures", "seconds"]
+    keys = "round test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds".split()
     lines = ["  ".join(f"{k:>13}" for k in keys)]
     for r in results["rounds"]:
         row = []

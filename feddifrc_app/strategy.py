@@ -8,7 +8,11 @@ connected partitions so that a run never waits forever for nodes that do not exi
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import (
     FedAdagrad,
     FedAdam,
@@ -48,7 +52,9 @@ def build_strategy(cfg: Config) -> Strategy:
     if name == "fedprox":
         return FedProx(**common, proximal_mu=s.proximal_mu)
     if name == "fedavgm":
-        return FedAvgM(**common, server_learning_rate=s.server_learning_rate, server_momentum=s.server_momentum)
+        return FedAvgM(
+            **common, server_learning_rate=s.server_learning_rate, server_momentum=s.server_momentum
+        )
     fedopt = dict(eta=s.eta, eta_l=s.eta_l, tau=s.tau)
     if name == "fedadam":
         return FedAdam(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
@@ -67,13 +73,31 @@ def build_strategy(cfg: Config) -> Strategy:
 _STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector")
 
 
-def strategy_state(strategy: Strategy) -> dict[str, object]:
-    """The strategy's mutable server state (FedOpt moments, FedAvgM momentum) for checkpoints."""
-    return {a: getattr(strategy, a) for a in _STATE_ATTRS if getattr(strategy, a, None) is not None}
+def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:
+    """The strategy's mutable server state (FedOpt moments, FedAvgM momentum) as plain tensors,
+    so a checkpoint loads with ``torch.load(weights_only=True)``."""
+    out: dict[str, dict[str, Any]] = {}
+    for a in _STATE_ATTRS:
+        v = getattr(strategy, a, None)
+        if isinstance(v, ArrayRecord):
+            out[a] = {"record": v.to_torch_state_dict()}
+        elif isinstance(v, dict):
+            out[a] = {"dict": {k: torch.from_numpy(np.asarray(x)) for k, x in v.items()}}
+        elif isinstance(v, list):
+            out[a] = {"list": [torch.from_numpy(np.asarray(x)) for x in v]}
+        elif v is not None:
+            raise TypeError(f"cannot checkpoint strategy state {a!r} of type {type(v).__name__}")
+    return out
 
 
-def load_strategy_state(strategy: Strategy, state: dict[str, object]) -> None:
-    for a, v in state.items():
+def load_strategy_state(strategy: Strategy, state: dict[str, dict[str, Any]]) -> None:
+    for a, packed in state.items():
         if a not in _STATE_ATTRS:
             raise KeyError(f"unexpected strategy state {a!r} in checkpoint")
-        setattr(strategy, a, v)
+        ((kind, v),) = packed.items()
+        if kind == "record":
+            setattr(strategy, a, ArrayRecord(v))
+        elif kind == "dict":
+            setattr(strategy, a, {k: x.numpy() for k, x in v.items()})
+        else:
+            setattr(strategy, a, [x.numpy() for x in v])

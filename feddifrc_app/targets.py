@@ -16,73 +16,147 @@ no Stable Diffusion load at all.
 
 from __future__ import annotations
 
-import logging
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, eval_transform
+from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import (
     CacheStats,
     FeatureStore,
     LazyExtractor,
     cached_pooled_features,
-    config_key_fields,
+    key_fields,
     key_from_fields,
 )
 from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.diffusion.pipeline import (
-    load_teacher,
-    resolve_device,
-    resolve_dtype,
-    teacher_identity,
-    teacher_resolution,
+from feddifrc_app.diffusion.pipeline import load_teacher, teacher_identity, teacher_resolution
+from feddifrc_app.diffusion.projection import (
+    Basis,
+    clip_widths,
+    fuse,
+    fuse_per_batch,
+    fused_widths,
+    local_pca_basis,
+    random_basis,
 )
-from feddifrc_app.diffusion.projection import Basis, clip_widths, fuse, fused_widths, local_pca_basis, random_basis
-from feddifrc_app.train import TeacherTargets
 
-log = logging.getLogger("flwr.feddifrc")  # shows up in `flwr run --stream`
+
+@dataclass
+class TeacherTargets:
+    """Frozen diffusion targets for one client's training images.
+
+    ``rows[i]`` is the row of dataset index ``i`` (-1 = not in this client's set).
+    Supervised: ``prompt_reps`` (n, K, D) = the image under each class prompt, ``ndcr`` (n, D).
+    Self-supervised: ``prompt_reps`` (n, 1 + K_neg, D) = positive prompt first, then negatives.
+    ``per_batch`` is the public code's behaviour: pooled per-block features are kept and the
+    PCA is refit on every batch by ``fuse_batch`` (comparison only).
+    """
+
+    rows: torch.Tensor  # int64 (max_index + 1,)
+    prompt_reps: torch.Tensor | None  # float32 (n, K, D)
+    ndcr: torch.Tensor | None  # float32 (n, D)
+    # per-batch mode: ({block: pooled (n, P, C_b)}, widths, K) -> PCA refit on each batch
+    per_batch: tuple[dict[int, np.ndarray], tuple[int, ...], int] | None = None
+
+    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        idx = idx.cpu()
+        if bool((idx >= len(self.rows)).any()) or bool(
+            (self.rows[idx.clamp(max=len(self.rows) - 1)] < 0).any()
+        ):
+            raise KeyError("a training image has no teacher target (targets built for other indices)")
+        r = self.rows[idx]
+        if self.per_batch is not None:
+            pooled, widths, k = self.per_batch
+            fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
+            return fused[:, :k], fused[:, -1]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r]
+        ndcr = None if self.ndcr is None else self.ndcr[r]
+        return reps, ndcr
 
 
 @cache
-def _featurizer(model: str, cache_dir: str, device: str, dtype: str, resolution: int, timestep: int,
-                blocks: tuple[int, ...], ensemble: int, seed: int) -> Featurizer:
-    dev = resolve_device(device)
+def _featurizer(
+    model: str,
+    cache_dir: str,
+    device: str,
+    dtype: str,
+    resolution: int,
+    timestep: int,
+    blocks: tuple[int, ...],
+    ensemble: int,
+    seed: int,
+) -> Featurizer:
+    dev = resolve_device(device, key="diffusion.device")
     t0 = time.perf_counter()
-    teacher = load_teacher(model, Path(cache_dir), dev, resolve_dtype(dtype, dev))
-    log.info("loaded diffusion teacher %s on %s in %.1fs%s", teacher.model_id, dev, time.perf_counter() - t0,
-             " (RANDOM weights)" if teacher.random_weights else "")
+    teacher = load_teacher(model, Path(cache_dir), dev, resolve_dtype(dtype, dev, key="diffusion.dtype"))
+    log.info(
+        "loaded diffusion teacher %s on %s in %.1fs%s",
+        teacher.model_id,
+        dev,
+        time.perf_counter() - t0,
+        " (RANDOM weights)" if teacher.random_weights else "",
+    )
     trained_at = teacher_resolution(model, Path(cache_dir))
     if trained_at is not None and trained_at != resolution:
-        log.warning("diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
-                    "this size are out of its training distribution", teacher.model_id, trained_at, resolution)
-    return Featurizer(teacher, resolution=resolution, timestep=timestep, blocks=blocks, ensemble=ensemble, seed=seed)
+        log.warning(
+            "diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
+            "this size are out of its training distribution",
+            teacher.model_id,
+            trained_at,
+            resolution,
+        )
+    return Featurizer(
+        teacher, resolution=resolution, timestep=timestep, blocks=blocks, ensemble=ensemble, seed=seed
+    )
 
 
 def featurizer_for(cfg: Config, cache_dir: Path) -> Featurizer:
     """The frozen teacher + featurizer of this config, loaded once per process."""
     d = cfg.diffusion
-    return _featurizer(d.model, str(cache_dir), d.device, d.dtype, d.resolution, d.timestep, d.blocks,
-                       d.ensemble, cfg.seed)
+    return _featurizer(
+        d.model, str(cache_dir), d.device, d.dtype, d.resolution, d.timestep, d.blocks, d.ensemble, cfg.seed
+    )
 
 
 def teacher_key(cfg: Config, cache_dir: Path, data: ImageData, prompts: tuple[str, ...]) -> tuple[str, dict]:
     """(cache key, key fields) for ``data`` under ``prompts``, WITHOUT loading the teacher."""
     d = cfg.diffusion
     ident = teacher_identity(d.model, cache_dir)
-    dtype = resolve_dtype(d.dtype, resolve_device(d.device))
-    fields = config_key_fields(cfg, model_id=ident.model_id, weights_hash=ident.weights_hash, dtype=str(dtype),
-                               prompts=prompts, dataset_fingerprint=data.fingerprint)
+    dtype = resolve_dtype(d.dtype, resolve_device(d.device, key="diffusion.device"), key="diffusion.dtype")
+    fields = key_fields(
+        model_id=ident.model_id,
+        weights_hash=ident.weights_hash,
+        resolution=d.resolution,
+        timestep=d.timestep,
+        blocks=d.blocks,
+        prompts=prompts,
+        seed=cfg.seed,
+        ensemble=d.ensemble,
+        dataset_fingerprint=data.fingerprint,
+        dtype=str(dtype),
+    )
     return key_from_fields(fields), fields
 
 
-def pooled_features(cfg: Config, cache_dir: Path, data: ImageData, ids: np.ndarray, prompts: tuple[str, ...],
-                    *, keep: bool = True, progress: bool = False,
-                    chunk: int = 256) -> tuple[dict[int, np.ndarray], CacheStats]:
+def pooled_features(
+    cfg: Config,
+    cache_dir: Path,
+    data: ImageData,
+    ids: np.ndarray,
+    prompts: tuple[str, ...],
+    *,
+    keep: bool = True,
+    progress: bool = False,
+    chunk: int = 256,
+) -> tuple[dict[int, np.ndarray], CacheStats]:
     """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
 
     The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
@@ -96,9 +170,19 @@ def pooled_features(cfg: Config, cache_dir: Path, data: ImageData, ids: np.ndarr
         f = featurizer_for(cfg, cache_dir)
         return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
 
-    extractor = LazyExtractor(make, lambda sub: data.images[torch.as_tensor(sub)], prompts, cfg.diffusion.batch_size)
-    return cached_pooled_features(store, key, np.asarray(ids), extractor, keep=keep, progress=progress, chunk=chunk,
-                                  desc=f"{data.name}/{data.split} teacher features")
+    extractor = LazyExtractor(
+        make, lambda sub: data.images[torch.as_tensor(sub)], prompts, cfg.diffusion.batch_size
+    )
+    return cached_pooled_features(
+        store,
+        key,
+        np.asarray(ids),
+        extractor,
+        keep=keep,
+        progress=progress,
+        chunk=chunk,
+        desc=f"{data.name}/{data.split} teacher features",
+    )
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
@@ -117,26 +201,39 @@ def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis
     return None  # per-batch
 
 
-def build_targets(cfg: Config, pooled: dict[int, np.ndarray], ids: np.ndarray, basis: Basis | None,
-                  num_prompts_tdcl: int) -> TeacherTargets:
+def build_targets(
+    cfg: Config, pooled: dict[int, np.ndarray], ids: np.ndarray, basis: Basis | None, num_prompts_tdcl: int
+) -> TeacherTargets:
     """Fuse once with the shared basis (or keep pooled rows for the per-batch comparison mode)."""
     ids = np.asarray(ids, dtype=np.int64)
     rows = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
     rows[torch.as_tensor(ids)] = torch.arange(len(ids))
     if basis is None:
         widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
-        return TeacherTargets(rows=rows, prompt_reps=None, ndcr=None,
-                              per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, num_prompts_tdcl))
+        return TeacherTargets(
+            rows=rows,
+            prompt_reps=None,
+            ndcr=None,
+            per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, num_prompts_tdcl),
+        )
     fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, D)
     reps = fused[:, :num_prompts_tdcl].contiguous() if cfg.loss.tdcl_weight > 0 else None
     ndcr = fused[:, -1].contiguous() if cfg.loss.ndcr_weight > 0 else None
     return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
 
 
-def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, data: ImageData, ids: np.ndarray,
-                        prompts: tuple[str, ...], basis: Basis | None, targets: TeacherTargets,
-                        device: torch.device) -> tuple[TeacherTargets, float]:
-    """``diffusion.condition = "global-model"``: OUR READING of the paper's c_i = h(x_i) [A].
+def conditioned_targets(
+    cfg: Config,
+    cache_dir: Path,
+    model: torch.nn.Module,
+    data: ImageData,
+    ids: np.ndarray,
+    prompts: tuple[str, ...],
+    basis: Basis | None,
+    targets: TeacherTargets,
+    device: torch.device,
+) -> tuple[TeacherTargets, float]:
+    """``diffusion.condition = "global-model"``: our reading of FedDifRC's model-conditioned c_i = h(x_i).
 
     Once per round, embed the client's (un-augmented) images with the received global model,
     map each D-d embedding to the text width with a FIXED seeded Gaussian projection,
@@ -163,7 +260,7 @@ def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, da
     tf = eval_transform(data)
     bs = cfg.diffusion.batch_size
     for s in range(0, len(ids), bs):
-        chunk = np.asarray(ids[s:s + bs])
+        chunk = np.asarray(ids[s : s + bs])
         imgs = data.images[torch.as_tensor(chunk)]
         with torch.no_grad():
             z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))
@@ -171,5 +268,7 @@ def conditioned_targets(cfg: Config, cache_dir: Path, model: torch.nn.Module, da
         off = off / off.norm(dim=-1, keepdim=True).clamp_min(1e-8) * token_norm
         out = feat(imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off)
         reps.append(fuse({b: v.numpy() for b, v in out.items()}, basis))
-    new = TeacherTargets(rows=targets.rows, prompt_reps=torch.from_numpy(np.concatenate(reps)), ndcr=targets.ndcr)
+    new = TeacherTargets(
+        rows=targets.rows, prompt_reps=torch.from_numpy(np.concatenate(reps)), ndcr=targets.ndcr
+    )
     return new, time.perf_counter() - t0

@@ -1,22 +1,16 @@
 """Human names of the 200 Tiny-ImageNet classes, keyed by WordNet id (wnid).
 
-Why this table exists: the Hugging Face copy ``zh-plus/tiny-imagenet`` labels its
-``label`` ClassLabel with bare wnids (``"n01443537"``), sorted, and ships no
-``words.txt``. Prompts ("a photo of a {}") need words. The public FedDifRC code
-took names in ``wnids.txt`` order while labels follow sorted order;
-here names are always looked up BY WNID, so they follow whatever label order the
-dataset has.
+The Hugging Face copy ``zh-plus/tiny-imagenet`` labels classes with bare, sorted wnids
+(``"n01443537"``) and ships no ``words.txt``, while prompts ("a photo of a {}") need words. The
+public FedDifRC code took names in ``wnids.txt`` order while labels follow sorted order; here
+names are looked up BY WNID, so they follow whatever label order the dataset has.
 
-Each value is the FIRST lemma of the synset's line in Tiny-ImageNet's
-``words.txt`` (e.g. ``n01443537  goldfish, Carassius auratus`` -> ``goldfish``),
-unchanged, so a few are terse ImageNet lemmas ("teddy", "monarch", "brass" = a
-memorial plaque). 18 Tiny-ImageNet wnids are homonym synsets of the ImageNet-1k
-class with the same first lemma (e.g. n07646821 "goose" is the food synset,
-ImageNet-1k uses n01855672 "goose"); the lemma is what the images show.
-
-Checked offline (tests/test_dataset.py): 200 unique sorted wnids; for the 182
-wnids that are ImageNet-1k classes the names occur in torchvision's ImageNet-1k
-category list in the same (sorted-wnid) order.
+Each value is the FIRST lemma of the synset's line in Tiny-ImageNet's ``words.txt``
+(``n01443537  goldfish, Carassius auratus`` -> ``goldfish``), unchanged, so a few are terse
+ImageNet lemmas ("teddy", "monarch", "brass" = a memorial plaque). 18 wnids are homonym synsets
+of an ImageNet-1k class with the same lemma (n07646821 "goose" is the food synset); the lemma
+is what the images show. tests/test_dataset.py checks the table against torchvision's
+ImageNet-1k categories.
 """
 
 from __future__ import annotations
@@ -222,29 +216,6 @@ TINY_IMAGENET_WORDS: dict[str, str] = {
     "n13652994": "chain",
     "n13719102": "slug",
     "n14991210": "orange",
-}
-
-# The 18 Tiny-ImageNet wnids that are NOT ImageNet-1k synsets -> the ImageNet-1k
-# synset with the same first lemma (used only by the offline consistency test).
-TINY_TO_IMAGENET1K: dict[str, str] = {
-    "n02666347": "n02666196",
-    "n03373237": "n02190166",
-    "n04465666": "n04465501",
-    "n04598010": "n04597913",
-    "n07056680": "n04067472",
-    "n07646821": "n01855672",
-    "n07647870": "n03250847",
-    "n07657664": "n07579787",
-    "n07975909": "n02206856",
-    "n08496334": "n02730930",
-    "n08620881": "n03976657",
-    "n08742578": "n02085620",
-    "n12520864": "n02906734",
-    "n13001041": "n07734744",
-    "n13652335": "n03804744",
-    "n13652994": "n02999410",
-    "n13719102": "n01945685",
-    "n14991210": "n07747607",
 }
 
 # Names in sorted-wnid order: the label order of zh-plus/tiny-imagenet and of a

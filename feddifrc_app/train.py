@@ -6,9 +6,10 @@ torch objects used here.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,50 +19,20 @@ from torch.utils.data import DataLoader
 
 from feddifrc_app import losses
 from feddifrc_app.config import Config, LossConfig
-from feddifrc_app.diffusion.projection import fuse_per_batch
+
+if TYPE_CHECKING:  # only the type: training never touches the teacher itself
+    from feddifrc_app.targets import TeacherTargets
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when present; ``cuda`` without a GPU is an error, never a silent CPU run."""
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "train.device = 'cuda' but no CUDA device is visible (in simulation give ClientApps "
-            "GPUs with --federation-config 'client-resources-num-gpus=0.25'); use 'auto' or 'cpu'"
+class DivergedError(FloatingPointError):
+    """Local training produced a non-finite loss or weights; nothing is sent back."""
+
+    TAG = "diverged:"  # how the server recognises this failure in a node's error reply
+
+    def __init__(self, what: str, lr: float) -> None:
+        super().__init__(
+            f"{self.TAG} {what} became non-finite; lower train.lr (= {lr:g}) or the loss weights"
         )
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass
-class TeacherTargets:
-    """Frozen diffusion targets for one client's training images.
-
-    ``rows[i]`` is the row of dataset index ``i`` (-1 = not in this client's set).
-    Supervised: ``prompt_reps`` (n, K, D) = the image under each class prompt, ``ndcr`` (n, D).
-    Self-supervised: ``prompt_reps`` (n, 1 + K_neg, D) = positive prompt first, then negatives.
-    ``per_batch`` is the public code's behaviour: pooled per-block features are kept and the
-    PCA is refit on every batch by ``fuse_batch`` (comparison only).
-    """
-
-    rows: torch.Tensor  # int64 (max_index + 1,)
-    prompt_reps: torch.Tensor | None  # float32 (n, K, D)
-    ndcr: torch.Tensor | None  # float32 (n, D)
-    # per-batch mode: ({block: pooled (n, P, C_b)}, widths, K) -> PCA refit on each batch
-    per_batch: tuple[dict[int, np.ndarray], tuple[int, ...], int] | None = None
-
-    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        idx = idx.cpu()
-        if bool((idx >= len(self.rows)).any()) or bool((self.rows[idx.clamp(max=len(self.rows) - 1)] < 0).any()):
-            raise KeyError("a training image has no teacher target (targets built for other indices)")
-        r = self.rows[idx]
-        if self.per_batch is not None:
-            pooled, widths, k = self.per_batch
-            fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
-            return fused[:, :k], fused[:, -1]
-        reps = None if self.prompt_reps is None else self.prompt_reps[r]
-        ndcr = None if self.ndcr is None else self.ndcr[r]
-        return reps, ndcr
 
 
 def _proximal_term(model: nn.Module, global_params: list[torch.Tensor]) -> torch.Tensor:
@@ -92,10 +63,9 @@ def train_local(
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    names = [n for n, _ in model.named_parameters()]
     if momentum_state and tc.momentum > 0:
         # Momentum kept across rounds (train.keep-momentum): restore the buffers by name.
-        for n, p in zip(names, model.parameters(), strict=True):
+        for n, p in model.named_parameters():
             if n in momentum_state:
                 opt.state[p]["momentum_buffer"] = momentum_state[n].to(device).clone()
     global_params = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
@@ -123,25 +93,23 @@ def train_local(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if use_teacher and ndcr is not None:
+                parts["ndcr-cosine"] = losses.cosine_alignment(z.detach(), ndcr)
             b = y.shape[0]
             seen += b
             correct += int((logits.argmax(1) == y).sum()) if not ssl else 0
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) * b
-            if use_teacher and ndcr is not None:
-                cos = float(losses.cosine_alignment(z.detach(), ndcr))
-                sums["ndcr-cosine"] = sums.get("ndcr-cosine", 0.0) + cos * b
+        if not math.isfinite(sums.get("total", 0.0)):
+            raise DivergedError("the training loss", tc.lr)
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise DivergedError("the model weights", tc.lr)
     metrics = {f"train-{k}": v / max(seen, 1) for k, v in sums.items()}
     if not ssl:
         metrics["train-accuracy"] = correct / max(seen, 1)
     metrics["train-seconds"] = time.perf_counter() - t0
-    state = {}
-    if tc.momentum > 0:
-        for n, p in zip(names, model.parameters(), strict=True):
-            buf = opt.state.get(p, {}).get("momentum_buffer")
-            if buf is not None:
-                state[n] = buf.detach().cpu()
-    return metrics, state
+    buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
+    return metrics, {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
 
 
 def _loss_parts(
@@ -195,7 +163,9 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
 
 
 @torch.no_grad()
-def embed(model: nn.Module, loader: Iterable, device: torch.device) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def embed(
+    model: nn.Module, loader: Iterable, device: torch.device
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(features (N, D), labels (N,), dataset indices (N,)) of ``model`` over ``loader``."""
     model.to(device).eval()
     feats, labels, ids = [], [], []
@@ -208,8 +178,13 @@ def embed(model: nn.Module, loader: Iterable, device: torch.device) -> tuple[np.
 
 
 def linear_probe(
-    train_feats: np.ndarray, train_labels: np.ndarray, test_feats: np.ndarray, test_labels: np.ndarray,
-    *, epochs: int, seed: int,
+    train_feats: np.ndarray,
+    train_labels: np.ndarray,
+    test_feats: np.ndarray,
+    test_labels: np.ndarray,
+    *,
+    epochs: int,
+    seed: int,
 ) -> float:
     """Accuracy of a logistic-regression probe fit on frozen features (self-supervised evaluation)."""
     from sklearn.linear_model import LogisticRegression

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from feddifrc_app.config import Config, load_config, read_app_defaults
+from feddifrc_app.cli import app_defaults
+from feddifrc_app.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def default_run_config(plumbing: bool = True, **overrides: Any) -> dict[str, Any
 
     Keyword names use '__' for '.' and '_' for '-': dataset__train_limit=64.
     """
-    cfg = read_app_defaults(ROOT / "pyproject.toml")
+    cfg = app_defaults(ROOT)
     if plumbing:
         cfg.update(PLUMBING)
     for k, v in overrides.items():

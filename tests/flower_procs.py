@@ -485,9 +485,7 @@ class FlowerProcs:
             raise RuntimeError(f"flwr ls knows no run {run_id}: {answer}")
         return runs[0]
 
-    def wait_for_run(
-        self, run_id: int, connection: str, timeout: float, poll: float = 2.0
-    ) -> dict[str, Any]:
+    def wait_for_run(self, run_id: int, connection: str, timeout: float, poll: float = 2.0) -> dict[str, Any]:
         """Poll until the run's status starts with ``finished:``; return its record."""
         deadline = time.monotonic() + timeout
         info: dict[str, Any] = {}

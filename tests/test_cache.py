@@ -12,24 +12,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_config
 
 from feddifrc_app.diffusion.cache import (
     FeatureStore,
     LazyExtractor,
     cached_pooled_features,
-    feature_key,
     key_fields,
-    teacher_prompts,
+    key_from_fields,
 )
-from conftest import make_config
+from feddifrc_app.diffusion.prompts import teacher_prompts
 
 P = 3
 CH = {1: 5, 2: 4}
 
 BASE = dict(
-    model_id="tiny", weights_hash="ab" * 32, resolution=16, timestep=300, blocks=(1, 2),
-    prompts=("a photo of a zero", "a photo of a one", ""), seed=7, ensemble=1,
-    dataset_fingerprint="f00d", conditioning="none", dtype="float32",
+    model_id="tiny",
+    weights_hash="ab" * 32,
+    resolution=16,
+    timestep=300,
+    blocks=(1, 2),
+    prompts=("a photo of a zero", "a photo of a one", ""),
+    seed=7,
+    ensemble=1,
+    dataset_fingerprint="f00d",
+    conditioning="none",
+    dtype="float32",
 )
 
 
@@ -65,29 +73,41 @@ def store(tmp_cache: Path) -> FeatureStore:
     return FeatureStore(tmp_cache / "features", shard_size=8)
 
 
-KEY = feature_key(**BASE)
+def key_for(**kwargs) -> str:
+    return key_from_fields(key_fields(**kwargs))
+
+
+KEY = key_for(**BASE)
 
 
 def test_key_changes_with_every_field():
-    assert KEY == feature_key(**dict(BASE))  # deterministic
+    assert KEY == key_for(**dict(BASE))  # deterministic
     assert len(KEY) == 64 and int(KEY, 16) >= 0
     changed = dict(
-        model_id="sd-2-1", weights_hash="cd" * 32, resolution=32, timestep=299, blocks=(1, 3),
-        prompts=("a photo of a zero", "a photo of a one", "x"), seed=8, ensemble=2,
-        dataset_fingerprint="beef", conditioning="global-model:abc", dtype="float16",
+        model_id="sd-2-1",
+        weights_hash="cd" * 32,
+        resolution=32,
+        timestep=299,
+        blocks=(1, 3),
+        prompts=("a photo of a zero", "a photo of a one", "x"),
+        seed=8,
+        ensemble=2,
+        dataset_fingerprint="beef",
+        conditioning="global-model:abc",
+        dtype="float16",
     )
     assert set(changed) == set(BASE)
-    keys = {feature_key(**{**BASE, k: v}) for k, v in changed.items()}
+    keys = {key_for(**{**BASE, k: v}) for k, v in changed.items()}
     assert len(keys) == len(changed) and KEY not in keys
     # Prompt ORDER is part of the key (prompt index = label).
-    assert feature_key(**{**BASE, "prompts": tuple(reversed(BASE["prompts"]))}) != KEY
-    assert feature_key(**{**BASE, "dtype": "torch.float32"}) == KEY  # torch dtype str normalised
+    assert key_for(**{**BASE, "prompts": tuple(reversed(BASE["prompts"]))}) != KEY
+    assert key_for(**{**BASE, "dtype": "torch.float32"}) == KEY  # torch dtype str normalised
 
 
 def test_changed_key_misses(store):
     ids = np.arange(10)
     cached_pooled_features(store, KEY, ids, Counter())
-    other = feature_key(**{**BASE, "timestep": 299})
+    other = key_for(**{**BASE, "timestep": 299})
     ex = Counter()
     _, st = cached_pooled_features(store, other, ids, ex)
     assert st.hits == 0 and st.misses == 10 and ex.computed.tolist() == list(range(10))
@@ -118,7 +138,9 @@ def test_extract_called_only_for_missing_ids(store):
     assert all(len(c) <= 4 for c in ex.calls)
     assert (st.hits, st.misses) == (10, 10)
     for b in CH:
-        np.testing.assert_array_equal(out[b], feats_of(np.arange(20))[b].astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(
+            out[b], feats_of(np.arange(20))[b].astype(np.float16).astype(np.float32)
+        )
 
 
 def test_load_reports_found_and_missing(store):
@@ -181,12 +203,12 @@ def test_damaged_shard_detected_logged_and_rebuilt(store, damage, caplog):
         with open(path, "wb") as f:
             np.savez(f, **arrays)
     elif damage == "wrong-key":  # a valid shard of another key copied into this folder
-        other = feature_key(**{**BASE, "seed": 8})
+        other = key_for(**{**BASE, "seed": 8})
         store.save(other, np.arange(8, 16), feats_of(np.arange(8, 16)))
         path.write_bytes(store.shard_path(other, 1).read_bytes())
 
     ex = Counter()
-    with caplog.at_level(logging.WARNING, logger="feddifrc_app.diffusion.cache"):
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
         out, st = cached_pooled_features(store, KEY, ids, ex)
     assert "is invalid" in caplog.text and str(path) in caplog.text
     assert ex.computed.tolist() == list(range(8, 16))  # only the damaged shard's ids
@@ -227,19 +249,26 @@ def test_save_validates(store):
 def test_extractor_shape_mismatch_under_same_key_is_an_error(store):
     cached_pooled_features(store, KEY, np.arange(4), Counter())
     with pytest.raises(RuntimeError, match="misses a field"):
-        cached_pooled_features(store, KEY, np.arange(6),
-                               lambda i: {b: np.zeros((len(i), P + 1, c), np.float32) for b, c in CH.items()})
+        cached_pooled_features(
+            store,
+            KEY,
+            np.arange(6),
+            lambda i: {b: np.zeros((len(i), P + 1, c), np.float32) for b, c in CH.items()},
+        )
 
 
-def test_describe_and_cached_ids(store):
+def test_describe_and_shard_layout(store):
     fields = key_fields(**BASE)
     store.describe(KEY, fields)
     assert (store.key_dir(KEY) / "key.json").exists()
     with pytest.raises(ValueError):
         store.describe(KEY, {**fields, "seed": 9})
     cached_pooled_features(store, KEY, np.array([1, 20, 3]), Counter())
-    assert store.cached_ids(KEY).tolist() == [1, 3, 20]
-    assert store.shards(KEY) == [0, 2]
+    assert store.missing(KEY, np.arange(21)).tolist() == [i for i in range(21) if i not in (1, 3, 20)]
+    assert sorted(p.name for p in store.key_dir(KEY).glob("shard-*.npz")) == [
+        "shard-000000.npz",
+        "shard-000002.npz",
+    ]
 
 
 def test_lazy_extractor_builds_teacher_only_on_a_miss(store):
@@ -279,7 +308,11 @@ def test_teacher_prompts():
     assert len(default) == 5
     explicit = make_config(method="feddifrc-ssl", ssl__negatives="cat,dog")
     assert teacher_prompts(explicit, []) == (
-        "a photo of a similar object", "a photo of a cat", "a photo of a dog", "a photo of a visual object")
+        "a photo of a similar object",
+        "a photo of a cat",
+        "a photo of a dog",
+        "a photo of a visual object",
+    )
 
 
 def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):
@@ -305,7 +338,7 @@ def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):
         t.join()
     assert not errors
     store = FeatureStore(root, shard_size=64)
-    assert store.cached_ids(KEY).tolist() == list(range(64))
+    assert store.missing(KEY, np.arange(64)).size == 0
     feats, missing = store.load(KEY, np.arange(64))
     assert missing.size == 0
     np.testing.assert_array_equal(feats[1], feats_of(np.arange(64))[1].astype(np.float16))

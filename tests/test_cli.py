@@ -4,18 +4,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import ROOT
 
 from feddifrc_app import cli
-from feddifrc_app.config import load_config
-from conftest import ROOT
 
 
 def test_parser_has_subcommand_table():
     assert {"extract", "make-tiny"} <= set(cli.COMMANDS)
     p = cli.build_parser()
-    a = p.parse_args(["extract", "--app", ".", "--run-config", "seed=3", "--partitions", "0,3",
-                      "--split", "train,test", "--cache-dir", "/tmp/x", "--num-partitions", "4"])
+    a = p.parse_args(
+        [
+            "extract",
+            "--app",
+            ".",
+            "--run-config",
+            "seed=3",
+            "--partitions",
+            "0,3",
+            "--split",
+            "train,test",
+            "--cache-dir",
+            "/tmp/x",
+            "--num-partitions",
+            "4",
+        ]
+    )
     assert a.func is cli.cmd_extract and a.run_config == ["seed=3"] and a.num_partitions == 4
     assert a.partitions == "0,3" and a.split == "train,test" and a.cache_dir == "/tmp/x"
     d = p.parse_args(["extract"])
@@ -25,42 +40,51 @@ def test_parser_has_subcommand_table():
         p.parse_args([])
 
 
-def test_parse_run_config_pairs_like_flwr():
-    got = cli.parse_run_config(['seed=3 method="fedavg" train.lr=0.1 diffusion.blocks="1,2"',
-                                "train.augment=false dataset.name='cifar10'"])
-    assert got == {"seed": 3, "method": "fedavg", "train.lr": 0.1, "diffusion.blocks": "1,2",
-                   "train.augment": False, "dataset.name": "cifar10"}
-    # Lenient where flwr is strict: a bare word is a string.
-    assert cli.parse_run_config(["method=feddifrc-ssl diffusion.model=tiny"]) == {
-        "method": "feddifrc-ssl", "diffusion.model": "tiny"}
+def test_parse_run_config_pairs_exactly_like_flwr():
+    from flwr.common.config import parse_config_args
+
+    line = (
+        'seed=3 method="fedavg" train.lr=0.1 diffusion.blocks="1,2" '
+        "train.augment=false dataset.name='cifar10'"
+    )
+    got = cli.parse_run_config([line])
+    assert got == {
+        "seed": 3,
+        "method": "fedavg",
+        "train.lr": 0.1,
+        "diffusion.blocks": "1,2",
+        "train.augment": False,
+        "dataset.name": "cifar10",
+    }
+    assert got == parse_config_args([line])  # Flower's own parser, so `flwr run` agrees
     assert cli.parse_run_config(['diffusion.ndcr-prompt="a photo"']) == {"diffusion.ndcr-prompt": "a photo"}
     assert cli.parse_run_config(["seed=1", "seed=2"]) == {"seed": 2}  # later wins
     assert cli.parse_run_config(None) == {} and cli.parse_run_config([""]) == {}
+    # As strict as flwr: a bare word is not TOML, so it is an error, not a guess.
+    with pytest.raises(cli.CLIError, match="invalid format"):
+        cli.parse_run_config(["method=feddifrc-ssl"])
     with pytest.raises(cli.CLIError, match="cannot parse"):
         cli.parse_run_config(["seed 3"])
 
 
 def test_parse_run_config_toml_file(tmp_path, monkeypatch):
     f = tmp_path / "x.toml"
-    f.write_text('seed = 5\n[diffusion]\ntimestep = 200\n[partition]\nalpha = 0.05\n')
+    f.write_text("seed = 5\n[diffusion]\ntimestep = 200\n[partition]\nalpha = 0.05\n")
     assert cli.parse_run_config([str(f)]) == {"seed": 5, "diffusion.timestep": 200, "partition.alpha": 0.05}
-    # Relative to the app folder when not found from the current folder.
-    monkeypatch.chdir(tmp_path.parent)
-    assert cli.parse_run_config(["x.toml"], app_dir=tmp_path)["seed"] == 5
+    monkeypatch.chdir(tmp_path)  # relative to the current folder, as flwr run reads it
+    assert cli.parse_run_config(["x.toml"])["seed"] == 5
     with pytest.raises(cli.CLIError, match="not found"):
-        cli.parse_run_config(["nope.toml"], app_dir=tmp_path)
-    with pytest.raises(cli.CLIError, match="cannot be combined"):
+        cli.parse_run_config(["nope.toml"])
+    with pytest.raises(cli.CLIError, match="TOML files cannot be passed alongside"):
         cli.parse_run_config([str(f), "seed=1"])
 
 
 def test_app_config_defaults_plus_overrides():
-    cfg = cli.load_app_config(ROOT, ["diffusion.timestep=200 method=fedavg"])
+    cfg = cli.load_app_config(ROOT, ['diffusion.timestep=200 method="fedavg"'])
     assert cfg.diffusion.timestep == 200 and cfg.method == "fedavg" and cfg.seed == 7
-    conf = sorted((ROOT / "conf").glob("*.toml"))
-    if conf:  # every shipped override file loads through the same path
-        for f in conf:
-            load_config(cli.app_run_config(ROOT, [str(f)]))
-    with pytest.raises(cli.CLIError, match="unknown config key"):
+    for f in sorted((ROOT / "conf").glob("*.toml")):  # every shipped override file loads the same way
+        cli.load_app_config(ROOT, [str(f)])
+    with pytest.raises(cli.CLIError, match="unknown config key.*diffusion.timesteps"):
         cli.load_app_config(ROOT, ["diffusion.timesteps=200"])
     with pytest.raises(cli.CLIError, match="no pyproject.toml"):
         cli.load_app_config(ROOT / "tests", None)
@@ -76,7 +100,7 @@ def test_cli_errors_are_one_line_exit_2(capsys):
 
 
 def test_extract_fedavg_needs_no_teacher(capsys):
-    assert cli.main(["extract", "--app", str(ROOT), "--run-config", "method=fedavg"]) == 0
+    assert cli.main(["extract", "--app", str(ROOT), "--run-config", 'method="fedavg"']) == 0
     assert "nothing to extract" in capsys.readouterr().out
 
 
@@ -90,12 +114,22 @@ def test_resolve_cache_dir(tmp_path):
 
 def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys):
     from feddifrc_app import targets
-    from feddifrc_app.diffusion.cache import FeatureStore
 
     targets._featurizer.cache_clear()
-    argv = ["extract", "--app", str(ROOT), "--cache-dir", str(tmp_cache), "--num-partitions", "2",
-            "--no-progress", "--chunk", "4",
-            "--run-config", "dataset.name=digits dataset.train-limit=10 partition.name=iid diffusion.model=tiny"]
+    argv = [
+        "extract",
+        "--app",
+        str(ROOT),
+        "--cache-dir",
+        str(tmp_cache),
+        "--num-partitions",
+        "2",
+        "--no-progress",
+        "--chunk",
+        "4",
+        "--run-config",
+        'dataset.name="digits" dataset.train-limit=10 partition.name="iid" diffusion.model="tiny"',
+    ]
     assert cli.main(argv) == 0
     out1 = capsys.readouterr()
     assert "computed 10" in out1.out, out1
@@ -112,24 +146,42 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert {p: p.read_bytes() for p in sorted((tmp_cache / "features").glob("*/shard-*.npz"))} == before
 
     key_dir = shards[0].parent
-    store = FeatureStore(tmp_cache / "features")
-    assert store.cached_ids(key_dir.name).size == 10
+    assert sum(len(np.load(p)["ids"]) for p in shards) == 10
     assert (key_dir / "key.json").is_file()
 
 
 def _fake_run(run_dir: Path) -> None:
-    from feddifrc_app.outputs import RunDir, write_json
+    from feddifrc_app.files import write_json
+    from feddifrc_app.outputs import RunDir
 
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True)
     write_json(run_dir / "config.json", {"num-server-rounds": 3})
-    run.save_results({"method": "feddifrc", "strategy": "fedavg", "dataset": "digits", "partition": "dirichlet",
-                      "teacher": {"model": "tiny-seed0", "random-weights": True},
-                      "rounds": [{"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-                                 {"round": 1, "test-accuracy": 0.4, "test-loss": 1.9, "failures": [],
-                                  "train-metrics": {"train-tdcl": 2.2}},
-                                 {"round": 2, "test-accuracy": 0.3, "test-loss": 1.7,
-                                  "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}]}]})
+    run.save_results(
+        {
+            "method": "feddifrc",
+            "strategy": "fedavg",
+            "dataset": "digits",
+            "partition": "dirichlet",
+            "teacher": {"model": "tiny-seed0", "random-weights": True},
+            "rounds": [
+                {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+                {
+                    "round": 1,
+                    "test-accuracy": 0.4,
+                    "test-loss": 1.9,
+                    "failures": [],
+                    "train-metrics": {"train-tdcl": 2.2},
+                },
+                {
+                    "round": 2,
+                    "test-accuracy": 0.3,
+                    "test-loss": 1.7,
+                    "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
+                },
+            ],
+        }
+    )
 
 
 def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):

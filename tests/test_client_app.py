@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import default_run_config
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from conftest import default_run_config
 from feddifrc_app import client_app
 from feddifrc_app import dataset as ds
 from feddifrc_app import targets as tg
 from feddifrc_app.config import ConfigError, load_config, load_node_config
-from feddifrc_app.diffusion.cache import teacher_prompts
 from feddifrc_app.diffusion.projection import fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
-from feddifrc_app.server_app import basis_to_record, state_to_record
+from feddifrc_app.records import arrays_to_record, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 
 N_PARTS = 4
@@ -32,15 +32,24 @@ N_PROMPTS = 11  # 10 class prompts + the NDCR prompt
 
 
 def run_config(teacher_cache: Path, **over) -> dict:
-    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(teacher_cache), train__device="cpu",
-                diffusion__device="cpu")  # batch 64: one SGD step over the 10 images
+    base = dict(
+        dataset__train_limit=40,
+        diffusion__cache_dir=str(teacher_cache),
+        train__device="cpu",
+        diffusion__device="cpu",
+    )  # batch 64: one SGD step over the 10 images
     base.update(over)
     return default_run_config(**base)
 
 
 def context(rc: dict, pid: int = 0, state: RecordDict | None = None) -> Context:
-    return Context(run_id=1, node_id=pid + 1, node_config={"partition-id": pid, "num-partitions": N_PARTS},
-                   state=state if state is not None else RecordDict(), run_config=rc)
+    return Context(
+        run_id=1,
+        node_id=pid + 1,
+        node_config={"partition-id": pid, "num-partitions": N_PARTS},
+        state=state if state is not None else RecordDict(),
+        run_config=rc,
+    )
 
 
 def call(kind: str, content: RecordDict, ctx: Context) -> Message:
@@ -60,10 +69,14 @@ def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def train_msg(rnd: int = 1, basis=None, seed: int = 0, **config) -> RecordDict:
-    c = RecordDict({"arrays": state_to_record(model_state(seed)),
-                    "config": ConfigRecord({"server-round": rnd, **config})})
+    c = RecordDict(
+        {
+            "arrays": state_to_record(model_state(seed)),
+            "config": ConfigRecord({"server-round": rnd, **config}),
+        }
+    )
     if basis is not None:
-        c["basis"] = basis_to_record(basis)
+        c["basis"] = arrays_to_record(basis.to_arrays())
     return c
 
 
@@ -93,7 +106,9 @@ def setup_replies(teacher_cache: Path) -> list[Message]:
 @pytest.fixture(scope="module")
 def basis(setup_replies: list[Message]):
     """The federated PCA basis the server would fit from the two clients' statistics."""
-    stats = [stats_from_arrays({k: v.numpy() for k, v in r.content["pca-stats"].items()}) for r in setup_replies]
+    stats = [
+        stats_from_arrays({k: v.numpy() for k, v in r.content["pca-stats"].items()}) for r in setup_replies
+    ]
     return fit_basis(merge_client_stats(stats), (256, 128, 128), (1, 2, 3))
 
 
@@ -103,13 +118,14 @@ def basis(setup_replies: list[Message]):
 def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: Path, setup_replies) -> None:
     rc = run_config(teacher_cache)
     cfg = load_config(rc)
-    for pid, reply in zip((0, 1), setup_replies):
+    for pid, reply in zip((0, 1), setup_replies, strict=False):
         info = dict(reply.content["info"])
         data, ids = ds.client_split(cfg, load_node_config({"partition-id": pid, "num-partitions": N_PARTS}))
         assert info["partition-id"] == pid and info["num-partitions"] == N_PARTS
         assert info["num-examples"] == len(ids) == N_IMAGES
         assert list(info["label-counts"]) == np.bincount(data.labels[ids], minlength=10).tolist()
         assert sum(info["label-counts"]) == info["num-examples"]
+        assert list(info["class-names"]) == data.class_names  # the server checks every node's list
         assert info["teacher-model"] == "tiny-seed0"
         assert info["teacher-random-weights"] is True
         assert info["teacher-seconds"] >= 0
@@ -215,8 +231,11 @@ def test_keep_momentum_stores_buffers_in_context_state(tmp_path: Path) -> None:
 
 def test_evaluate_reports_accuracy_of_the_sent_model(teacher_cache: Path) -> None:
     rc = run_config(teacher_cache)
-    reply = call("evaluate", RecordDict({"arrays": state_to_record(model_state(5)),
-                                        "config": ConfigRecord({"server-round": 1})}), context(rc, 0))
+    reply = call(
+        "evaluate",
+        RecordDict({"arrays": state_to_record(model_state(5)), "config": ConfigRecord({"server-round": 1})}),
+        context(rc, 0),
+    )
     m = dict(reply.content["metrics"])
     assert 0.0 <= m["eval-accuracy"] <= 1.0
     assert m["num-examples"] == N_IMAGES
@@ -226,8 +245,9 @@ def test_evaluate_reports_accuracy_of_the_sent_model(teacher_cache: Path) -> Non
     data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
     model = build_model("resnet10", 10)
     model.load_state_dict(model_state(5))
-    direct = evaluate_model(model, ds.make_loader(data, ids, train=False, batch_size=256, seed=0),
-                            torch.device("cpu"))
+    direct = evaluate_model(
+        model, ds.make_loader(data, ids, train=False, batch_size=256, seed=0), torch.device("cpu")
+    )
     assert m["eval-accuracy"] == pytest.approx(direct["accuracy"])
     assert m["eval-loss"] == pytest.approx(direct["loss"], rel=1e-5)
 
@@ -253,8 +273,9 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     for seed in (0, 1):
         model = build_model("resnet10", 10)
         model.load_state_dict(model_state(seed))
-        out[seed], cost = tg.conditioned_targets(cfg, teacher_cache, model, data, ids, prompts, basis, static,
-                                                 torch.device("cpu"))
+        out[seed], cost = tg.conditioned_targets(
+            cfg, teacher_cache, model, data, ids, prompts, basis, static, torch.device("cpu")
+        )
         assert cost > 0
     a, b = out[0], out[1]
     assert a.prompt_reps.shape == static.prompt_reps.shape == (4, 10, 512)
@@ -276,8 +297,9 @@ def _data_calls() -> int:
 
 
 @pytest.mark.parametrize("kind", ["query.setup", "train", "evaluate"])
-@pytest.mark.parametrize("key,value", [("train.lr", -1.0), ("dataset.train-limit", "forty"),
-                                       ("diffusion.projection", "pca")])
+@pytest.mark.parametrize(
+    "key,value", [("train.lr", -1.0), ("dataset.train-limit", "forty"), ("diffusion.projection", "pca")]
+)
 def test_bad_run_config_fails_naming_the_key_before_touching_data(tmp_path: Path, kind, key, value) -> None:
     rc = run_config(tmp_path)
     rc[key] = value
@@ -290,12 +312,40 @@ def test_bad_run_config_fails_naming_the_key_before_touching_data(tmp_path: Path
 
 
 def test_bad_node_config_fails_naming_the_key(tmp_path: Path) -> None:
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 4, "num-partitions": 4}, state=RecordDict(),
-                  run_config=run_config(tmp_path))
+    ctx = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 4, "num-partitions": 4},
+        state=RecordDict(),
+        run_config=run_config(tmp_path),
+    )
     before = _data_calls()
     with pytest.raises(ConfigError, match="partition-id"):
         client_app.app(Message(content=train_msg(1), message_type="train", dst_node_id=1), ctx)
     assert _data_calls() == before
+
+
+@pytest.mark.parametrize(
+    ("node_config", "fragment"),
+    [
+        (
+            {"partition-id": 0, "num-partitions": 4, "data_dir": "/x"},
+            r"unknown node config key\(s\) \['data_dir'\]",
+        ),
+        (
+            {"partition-id": 0, "num-partitions": 4, "cache-dir": "FILE"},
+            "cache-dir .*= '.*FILE' is not a folder",
+        ),
+    ],
+)
+def test_node_setup_refuses_typos_and_unusable_cache_dirs(tmp_path: Path, node_config, fragment) -> None:
+    (tmp_path / "FILE").write_text("x")
+    node_config = {k: str(tmp_path / v) if v == "FILE" else v for k, v in node_config.items()}
+    ctx = Context(
+        run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config(tmp_path)
+    )
+    with pytest.raises((ConfigError, OSError), match=fragment):
+        client_app.app(Message(content=setup_msg(False), message_type="query.setup", dst_node_id=1), ctx)
 
 
 def test_federated_pca_without_a_basis_fails_clearly(teacher_cache: Path, setup_replies) -> None:

@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, default_run_config, make_config
 
+from feddifrc_app.cli import parse_run_config
 from feddifrc_app.config import (
     STRATEGIES,
     ConfigError,
     load_config,
     load_node_config,
-    read_override_file,
 )
-
-from conftest import ROOT, default_run_config, make_config
 
 
 def test_defaults_load_and_round_trip():
@@ -33,21 +32,28 @@ def test_pyproject_defaults_are_the_quickstart():
     # width-16 ResNet-10 whose 128-d embedding the fused 64+32+32 teacher feature matches.
     cfg = make_config(plumbing=False)
     assert (cfg.dataset.name, cfg.dataset.image_size, cfg.diffusion.model) == ("mnist-5k", 28, "tiny-mnist")
-    assert (cfg.model_width, cfg.embedding_dim, cfg.diffusion.channels) == (16, 128, (64, 32, 32))
+    assert (cfg.model.width, cfg.embedding_dim, cfg.diffusion.channels) == (16, 128, (64, 32, 32))
     assert cfg.diffusion.resolution == 32 and cfg.method == "feddifrc"
     assert load_config(cfg.to_flat()) == cfg
 
 
 def test_channels_must_match_the_model_width():
     assert make_config(model__width=32, diffusion__channels="128,64,64").embedding_dim == 256
-    with pytest.raises(ConfigError, match=r"sum to 128, the ResNet-10 embedding width \(8 \* model.width = 8 \* 16\)"):
+    with pytest.raises(
+        ConfigError, match=r"sum to 128, the ResNet-10 embedding width \(8 \* model.width = 8 \* 16\)"
+    ):
         make_config(model__width=16)  # the plumbing base keeps the paper's 256,128,128
 
 
 def test_casts_flower_scalars():
     # Flower does not type-check overrides: 2.0 in an int key, "0.3" in a float key, "true" in a bool.
-    cfg = make_config(num_server_rounds=2.0, partition__alpha="0.3", train__keep_momentum="true",
-                      diffusion__blocks="2, 3", diffusion__channels="256,256")
+    cfg = make_config(
+        num_server_rounds=2.0,
+        partition__alpha="0.3",
+        train__keep_momentum="true",
+        diffusion__blocks="2, 3",
+        diffusion__channels="256,256",
+    )
     assert cfg.num_server_rounds == 2 and isinstance(cfg.num_server_rounds, int)
     assert cfg.partition.alpha == pytest.approx(0.3)
     assert cfg.train.keep_momentum is True
@@ -72,6 +78,16 @@ def test_casts_flower_scalars():
         ({"diffusion.prompt-template": "a photo"}, "'{}'"),
         ({"dataset.name": "image-folder"}, "dataset.data-dir"),
         ({"loss.variant": "code", "loss.num-negatives": 3}, "loss.num-negatives"),
+        (
+            {"partition.alpha": 1e308},
+            "'partition.alpha' = 1e+308 is invalid: expected a value in [0.001, 1e+06]",
+        ),
+        ({"partition.alpha": 1e-6}, "[0.001, 1e+06]"),
+        ({"seed": 2**32}, "'seed' = 4294967296 is invalid: expected a value in [0, 4.29497e+09]"),
+        ({"run-name": "../x"}, "'run-name' = '../x' is invalid: expected a plain folder name"),
+        ({"run-name": "/abs"}, "'run-name' = '/abs'"),
+        ({"run-name": "."}, "'run-name' = '.'"),
+        ({"run-name": "a\\b"}, "plain folder name"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override, fragment):
@@ -119,7 +135,7 @@ def test_strings_are_case_insensitive_for_names():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.toml")), ids=lambda p: p.name)
 def test_every_conf_file_loads(path):
-    overrides = read_override_file(path)
+    overrides = parse_run_config([str(path)])
     raw = default_run_config(plumbing=False)
     unknown = set(overrides) - set(raw)
     assert not unknown, f"{path.name} overrides unknown keys {unknown}"

@@ -1,4 +1,4 @@
-"""Datasets, transforms, loaders and the flwr-datasets adapter; offline, on tiny local data.
+"""Datasets, transforms and loaders; offline, on tiny local data.
 
 Hub datasets are exercised through the REAL ``datasets.load_dataset`` path: the
 tests write a few images in the Hugging Face datasets on-disk cache layout
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_config
 from PIL import Image
 
 from feddifrc_app.config import DatasetConfig, load_node_config
@@ -25,7 +26,6 @@ from feddifrc_app.dataset import (
     ImageData,
     ImageTransform,
     IndexedDataset,
-    IndexPartitioner,
     client_split,
     eval_transform,
     image_folder_classes,
@@ -34,12 +34,7 @@ from feddifrc_app.dataset import (
     stratified_subset,
     train_transform,
 )
-from feddifrc_app.tiny_imagenet_names import (
-    TINY_IMAGENET_CLASS_NAMES,
-    TINY_IMAGENET_WORDS,
-    TINY_TO_IMAGENET1K,
-)
-from conftest import make_config
+from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES, TINY_IMAGENET_WORDS
 
 
 def dcfg(**kw: object) -> DatasetConfig:
@@ -81,7 +76,7 @@ def test_digits_upsampling_is_bilinear_from_the_sklearn_pixels() -> None:
     want = np.round(raw.images * (255.0 / 16.0)).astype(np.uint8)
     # every test image is one of the raw images, with its label
     lookup = {want[i].tobytes(): raw.target[i] for i in range(len(want))}
-    for img, y in zip(d.images[:, 0].numpy(), d.labels):
+    for img, y in zip(d.images[:, 0].numpy(), d.labels, strict=True):
         assert lookup[img.tobytes()] == y
     big = load_dataset(dcfg(image_size=32), "test")
     # bilinear (not nearest): a 32-px digit has more distinct grey levels than its 8-px source
@@ -159,7 +154,9 @@ def test_train_transform_crop_pad_keeps_size_and_is_a_shifted_window() -> None:
     for _ in range(40):
         out = (t(img, g) * 255).round().to(torch.uint8)
         assert out.shape == img.shape
-        hits = [(i, j) for i in range(9) for j in range(9) if torch.equal(padded[:, i:i + 12, j:j + 12], out)]
+        hits = [
+            (i, j) for i in range(9) for j in range(9) if torch.equal(padded[:, i : i + 12, j : j + 12], out)
+        ]
         assert len(hits) == 1
         offsets.add(hits[0])
     assert len(offsets) > 10  # offsets actually vary
@@ -207,12 +204,12 @@ def test_loader_is_deterministic_in_its_seed(digits_train: ImageData) -> None:
     b = _batches(make_loader(digits_train, indices, train=True, batch_size=32, seed=5))
     c = _batches(make_loader(digits_train, indices, train=True, batch_size=32, seed=6))
     assert [x.shape[0] for x, _, _ in a] == [32, 32, 32, 4]
-    for (xa, ya, ia), (xb, yb, ib) in zip(a, b):
+    for (xa, ya, ia), (xb, yb, ib) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb) and torch.equal(ia, ib)
     seen = torch.cat([i for _, _, i in a])
     assert sorted(seen.tolist()) == indices.tolist()  # every index once per epoch
     assert not torch.equal(seen, torch.cat([i for _, _, i in c]))
-    for x, y, i in a:
+    for _x, y, i in a:
         assert torch.equal(y, torch.from_numpy(digits_train.labels[i.numpy()]))
 
 
@@ -237,7 +234,7 @@ def test_loader_with_workers_is_deterministic(digits_test: ImageData) -> None:
         _batches(make_loader(digits_test, np.arange(64), train=True, batch_size=16, seed=3, num_workers=2))
         for _ in range(2)
     ]
-    for (xa, _, ia), (xb, _, ib) in zip(*run):
+    for (xa, _, ia), (xb, _, ib) in zip(*run, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ia, ib)
 
 
@@ -266,7 +263,7 @@ def test_image_folder_without_split_folders(tmp_path: Path) -> None:
     assert np.bincount(te.labels).tolist() == [1, 1, 1]
     for d in (tr, te):
         assert d.images.shape[1:] == (3, 8, 8)  # non-square 10x6 -> 8x8 (shorter side, centre crop)
-        for img, y in zip(d.images, d.labels):
+        for img, y in zip(d.images, d.labels, strict=True):
             want = torch.tensor(COLOURS[["cat", "dog_house", "zebra"][y]], dtype=torch.uint8)
             assert torch.equal(img[:, 4, 4], want)
     assert load_dataset(cfg, "test").fingerprint == te.fingerprint
@@ -283,13 +280,11 @@ def test_image_folder_with_split_folders(tmp_path: Path) -> None:
     assert te.class_names == tr.class_names and te.labels.tolist() == [2]  # label from train's class list
     assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
     # a node's own folder numbered by the federation's class list (here it lacks "cat" and adds "auk")
-    fed = load_dataset(cfg, "train", classes=["auk", "cat", "dog_house", "zebra"])
+    fed = load_dataset(dataclasses.replace(cfg, classes=("auk", "cat", "dog_house", "zebra")), "train")
     assert fed.class_names == ["auk", "cat", "dog house", "zebra"]
     assert sorted(set(fed.labels.tolist())) == [1, 2, 3]
     with pytest.raises(ValueError, match="'zebra' is not one of the classes"):
-        load_dataset(cfg, "train", classes=["cat", "dog_house"])
-    with pytest.raises(ValueError, match="only for dataset 'image-folder'"):
-        load_dataset(dcfg(), "train", classes=["a"])
+        load_dataset(dataclasses.replace(cfg, classes=("cat", "dog_house")), "train")
     _png(tmp_path / "val" / "unicorn" / "a.png", (1, 2, 3))
     with pytest.raises(ValueError, match="unicorn"):
         load_dataset(cfg, "test")
@@ -316,10 +311,18 @@ def test_image_folder_errors(tmp_path: Path) -> None:
 def test_cifar10_offline_without_cache_fails_fast_with_one_actionable_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import huggingface_hub.constants
+    import datasets
 
-    # A Hub endpoint that refuses at once: the test never downloads, even on a machine with internet.
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    real_load = datasets.load_dataset
+
+    def hub_refuses(*args, **kwargs):
+        # The real cache lookup runs; a download attempt meets a Hub that refuses at once
+        # (the test never downloads, even on a machine with internet).
+        if not datasets.config.HF_HUB_OFFLINE:
+            raise ConnectionError("Couldn't reach 'uoft-cs/cifar10' on the Hub (ConnectError)")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", hub_refuses)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     data_dir = tmp_path / "empty"
@@ -333,7 +336,11 @@ def test_cifar10_offline_without_cache_fails_fast_with_one_actionable_line(
 
 
 def test_offline_env_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE at import: as if it had been set before the process started
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DatasetUnavailableError) as err:
         load_dataset(dcfg(name="tiny-imagenet", data_dir=str(tmp_path)), "test")
     assert "offline mode is set" in str(err.value) and "zh-plus/tiny-imagenet" in str(err.value)
@@ -356,8 +363,9 @@ def _write_hf_cache(root: Path, repo: str, features, splits: dict[str, dict[str,
             w.write_table(table)
             w.finalize()
         infos[split] = datasets.SplitInfo(split, num_examples=table.num_rows, dataset_name=name)
-    datasets.DatasetInfo(features=features, config_name="default", dataset_name=name,
-                         splits=datasets.SplitDict(infos)).write_to_directory(str(d))
+    datasets.DatasetInfo(
+        features=features, config_name="default", dataset_name=name, splits=datasets.SplitDict(infos)
+    ).write_to_directory(str(d))
 
 
 def _solid(value: int, size: int = 32, mode: str = "RGB") -> Image.Image:
@@ -372,10 +380,15 @@ def test_cifar10_from_hf_cache_and_decoded_cache(tmp_path: Path, caplog: pytest.
     from datasets import Image as HFImage
 
     feats = Features({"img": HFImage(), "label": ClassLabel(names=CIFAR10_NAMES)})
-    _write_hf_cache(tmp_path, "uoft-cs/cifar10", feats, {
-        "train": {"img": [_solid(10 * k) for k in range(6)], "label": [0, 1, 2, 9, 1, 0]},
-        "test": {"img": [_solid(3)], "label": [9]},
-    })
+    _write_hf_cache(
+        tmp_path,
+        "uoft-cs/cifar10",
+        feats,
+        {
+            "train": {"img": [_solid(10 * k) for k in range(6)], "label": [0, 1, 2, 9, 1, 0]},
+            "test": {"img": [_solid(3)], "label": [9]},
+        },
+    )
     cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
     tr = load_dataset(cfg, "train")
     assert tr.class_names == CIFAR10_NAMES and tr.labels.tolist() == [0, 1, 2, 9, 1, 0]
@@ -389,7 +402,7 @@ def test_cifar10_from_hf_cache_and_decoded_cache(tmp_path: Path, caplog: pytest.
     assert load_dataset(cfg, "train").fingerprint == tr.fingerprint
     # a corrupted cache is detected and rebuilt, not trusted
     cached[0].write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING, logger="feddifrc_app.dataset"):
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
         assert load_dataset(cfg, "train").fingerprint == tr.fingerprint
     assert "rebuilding" in caplog.text
 
@@ -402,11 +415,17 @@ def test_cifar100_names_fixed_and_spaced(tmp_path: Path) -> None:
     from datasets import Image as HFImage
 
     names = ["apple", "aquarium_fish", "cra", "maple_tree"]
-    feats = Features({"img": HFImage(), "fine_label": ClassLabel(names=names),
-                      "coarse_label": ClassLabel(num_classes=2)})
-    _write_hf_cache(tmp_path, "uoft-cs/cifar100", feats, {
-        "test": {"img": [_solid(1), _solid(2)], "fine_label": [2, 3], "coarse_label": [1, 0]},
-    })
+    feats = Features(
+        {"img": HFImage(), "fine_label": ClassLabel(names=names), "coarse_label": ClassLabel(num_classes=2)}
+    )
+    _write_hf_cache(
+        tmp_path,
+        "uoft-cs/cifar100",
+        feats,
+        {
+            "test": {"img": [_solid(1), _solid(2)], "fine_label": [2, 3], "coarse_label": [1, 0]},
+        },
+    )
     te = load_dataset(dcfg(name="cifar100", data_dir=str(tmp_path)), "test")
     assert te.class_names == ["apple", "aquarium fish", "crab", "maple tree"]
     assert te.labels.tolist() == [2, 3]  # the fine label
@@ -419,16 +438,27 @@ def test_tiny_imagenet_names_follow_label_order_by_wnid(tmp_path: Path) -> None:
     # deliberately NOT sorted: names must be looked up by wnid, not by position
     wnids = ["n02124075", "n01443537", "n07646821"]
     feats = Features({"image": HFImage(), "label": ClassLabel(names=wnids)})
-    _write_hf_cache(tmp_path, "zh-plus/tiny-imagenet", feats, {
-        "valid": {"image": [_solid(50, 64), _solid(9, 64, mode="L")], "label": [0, 2]},
-    })
+    _write_hf_cache(
+        tmp_path,
+        "zh-plus/tiny-imagenet",
+        feats,
+        {
+            "valid": {"image": [_solid(50, 64), _solid(9, 64, mode="L")], "label": [0, 2]},
+        },
+    )
     te = load_dataset(dcfg(name="tiny-imagenet", data_dir=str(tmp_path)), "test")  # "test" = hub "valid"
     assert te.class_names == ["Egyptian cat", "goldfish", "goose"]
     assert te.images.shape == (2, 3, 32, 32)  # 64 -> 32
     assert te.images[1, :, 3, 3].tolist() == [9, 9, 9]  # greyscale -> RGB
 
 
-def _write_torchvision_cifar10(root: Path, per_batch: int = 2) -> np.ndarray:
+def _write_torchvision_cifar10(root: Path, monkeypatch: pytest.MonkeyPatch, per_batch: int = 2) -> np.ndarray:
+    """Random CIFAR-10 python batches; torchvision then checks that the files exist, not their md5."""
+    from torchvision.datasets import CIFAR10
+
+    for attr in ("train_list", "test_list"):
+        monkeypatch.setattr(CIFAR10, attr, [[name, None] for name, _ in getattr(CIFAR10, attr)])
+    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": None})
     d = root / "cifar-10-batches-py"
     d.mkdir(parents=True)
     rng = np.random.RandomState(0)
@@ -437,14 +467,14 @@ def _write_torchvision_cifar10(root: Path, per_batch: int = 2) -> np.ndarray:
         data = rng.randint(0, 256, (per_batch, 3072)).astype(np.uint8)
         everything.append(data)
         with open(d / name, "wb") as f:
-            pickle.dump({b"data": data, b"labels": list(rng.randint(0, 10, per_batch))}, f)
+            pickle.dump({"data": data, "labels": list(rng.randint(0, 10, per_batch))}, f)
     with open(d / "batches.meta", "wb") as f:
-        pickle.dump({b"label_names": [n.encode() for n in CIFAR10_NAMES]}, f)
+        pickle.dump({"label_names": CIFAR10_NAMES}, f)
     return np.concatenate(everything)
 
 
-def test_cifar10_from_torchvision_batches(tmp_path: Path) -> None:
-    raw = _write_torchvision_cifar10(tmp_path)
+def test_cifar10_from_torchvision_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = _write_torchvision_cifar10(tmp_path, monkeypatch)
     cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
     tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
     assert (len(tr), len(te)) == (10, 2) and tr.class_names == CIFAR10_NAMES
@@ -456,6 +486,30 @@ def test_cifar10_from_torchvision_batches(tmp_path: Path) -> None:
         f.unlink()
     with pytest.raises(DatasetUnavailableError, match="data_batch_3"):
         load_dataset(cfg, "train")
+
+
+# The 18 Tiny-ImageNet wnids that are NOT ImageNet-1k synsets -> the ImageNet-1k synset with the same
+# first lemma (e.g. n07646821 "goose" is the food synset; ImageNet-1k's goose is n01855672).
+TINY_TO_IMAGENET1K: dict[str, str] = {
+    "n02666347": "n02666196",
+    "n03373237": "n02190166",
+    "n04465666": "n04465501",
+    "n04598010": "n04597913",
+    "n07056680": "n04067472",
+    "n07646821": "n01855672",
+    "n07647870": "n03250847",
+    "n07657664": "n07579787",
+    "n07975909": "n02206856",
+    "n08496334": "n02730930",
+    "n08620881": "n03976657",
+    "n08742578": "n02085620",
+    "n12520864": "n02906734",
+    "n13001041": "n07734744",
+    "n13652335": "n03804744",
+    "n13652994": "n02999410",
+    "n13719102": "n01945685",
+    "n14991210": "n07747607",
+}
 
 
 def test_tiny_imagenet_words_table_matches_imagenet_order() -> None:
@@ -473,54 +527,6 @@ def test_tiny_imagenet_words_table_matches_imagenet_order() -> None:
         pos = categories.index(name.lower(), pos + 1)  # ValueError = wrong name or order
 
 
-# =========================================================================== flwr-datasets adapter
-
-
-def _hf_table(n: int):
-    import datasets
-
-    return datasets.Dataset.from_dict({"row": list(range(n)), "label": [k % 3 for k in range(n)]})
-
-
-def test_index_partitioner_loads_the_given_rows() -> None:
-    parts = [np.array([4, 0, 7]), np.array([], dtype=np.int64), np.array([1, 2, 3, 5, 6])]
-    p = IndexPartitioner(parts)
-    assert p.num_partitions == 3
-    with pytest.raises(AttributeError):
-        p.load_partition(0)  # no dataset assigned yet
-    p.dataset = _hf_table(8)
-    assert p.load_partition(0)["row"] == [4, 0, 7]
-    assert len(p.load_partition(1)) == 0
-    assert p.load_partition(2)["label"] == [1, 2, 0, 2, 0]
-    assert p.partition_indices(0).tolist() == [4, 0, 7]
-    with pytest.raises(IndexError):
-        p.load_partition(3)
-
-
-def test_index_partitioner_validates() -> None:
-    with pytest.raises(ValueError, match="overlap"):
-        IndexPartitioner([np.array([0, 1]), np.array([1, 2])])
-    with pytest.raises(ValueError, match="negative"):
-        IndexPartitioner([np.array([-1])])
-    with pytest.raises(ValueError, match="integer"):
-        IndexPartitioner([np.array([0.5])])
-    p = IndexPartitioner([np.array([0, 9])])
-    p.dataset = _hf_table(5)
-    with pytest.raises(IndexError, match="index 9"):
-        p.load_partition(0)
-
-
-def test_index_partitioner_with_partition_indices(digits_train: ImageData) -> None:
-    from feddifrc_app.partition import partition_indices
-
-    parts = partition_indices(digits_train.labels, 4, name="iid", alpha=0.5, classes_per_client=2,
-                              imb_factor=1.0, seed=7)
-    p = IndexPartitioner(parts)
-    p.dataset = _hf_table(len(digits_train))
-    rows = sorted(r for k in range(4) for r in p.load_partition(k)["row"])
-    assert rows == list(range(len(digits_train)))
-
-
 # =========================================================================== a node's share
 
 
@@ -533,9 +539,10 @@ def test_client_split_partitions_the_benchmark_train_set() -> None:
         data, ids = client_split(cfg, load_node_config({"partition-id": pid, "num-partitions": 3}))
         assert len(data) == 300 and data.split == "train"
         seen.append(ids)
-    want = partition_indices(data.labels, 3, name="dirichlet", alpha=0.5, classes_per_client=2,
-                             imb_factor=1.0, seed=cfg.seed)
-    assert all(np.array_equal(a, b) for a, b in zip(seen, want))
+    want = partition_indices(
+        data.labels, 3, name="dirichlet", alpha=0.5, classes_per_client=2, imb_factor=1.0, seed=cfg.seed
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(seen, want, strict=True))
     assert sorted(np.concatenate(seen).tolist()) == list(range(300))
     seen[0][:] = -1  # callers get copies: the memoised partition is untouched
     assert client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": 3}))[1].min() >= 0
@@ -565,9 +572,10 @@ def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> No
     assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
     assert np.bincount(labels).tolist() == [500] * 10
     parts = [splits[s] for s in (PUBLIC_SPLIT, "train", "test")]
-    assert [len(p) for p in parts] == [MNIST5K_SIZES[s] for s in (PUBLIC_SPLIT, "train", "test")] == [1500, 2500, 1000]
+    sizes = [MNIST5K_SIZES[s] for s in (PUBLIC_SPLIT, "train", "test")]
+    assert [len(p) for p in parts] == sizes == [1500, 2500, 1000]
     assert sorted(np.concatenate(parts).tolist()) == list(range(5000))  # disjoint and complete
-    for p, per_class in zip(parts, (150, 250, 100)):
+    for p, per_class in zip(parts, (150, 250, 100), strict=True):
         assert np.bincount(labels[p]).tolist() == [per_class] * 10
     # The loaded splits are exactly those rows (the teacher's public data never enters train/test).
     d = load_dataset(mnist_cfg(), "test")

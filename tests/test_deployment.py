@@ -102,13 +102,19 @@ def deploy(workdir: Path, registered: int = 2, total_keys: int = 3) -> Iterator[
                 "superlink",
                 [
                     "flower-superlink",
-                    "--ssl-ca-certfile", str(certs / "ca.crt"),
-                    "--ssl-certfile", str(certs / "superlink" / "server.pem"),
-                    "--ssl-keyfile", str(certs / "superlink" / "server.key"),
+                    "--ssl-ca-certfile",
+                    str(certs / "ca.crt"),
+                    "--ssl-certfile",
+                    str(certs / "superlink" / "server.pem"),
+                    "--ssl-keyfile",
+                    str(certs / "superlink" / "server.key"),
                     "--enable-supernode-auth",
-                    "--host", "127.0.0.1",
-                    "--port", str(port),
-                    "--database", str(workdir / "superlink-state.db"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--database",
+                    str(workdir / "superlink-state.db"),
                     "--disable-runtime-dependency-installation",
                 ],  # fmt: skip
                 ready_port=port,
@@ -188,7 +194,9 @@ def test_supernode_auth_requires_tls(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- a real run
 
-APP_FILES = [ROOT / "feddifrc_app" / "server_app.py", ROOT / "feddifrc_app" / "client_app.py"]
+APP_FILES = [
+    ROOT / "feddifrc_app" / f for f in ("server_app.py", "client_app.py", "rounds.py", "federation.py")
+]
 # Round 1 with both nodes, round 2 loses the killed node (~60 s), then the node is
 # restarted: the rounds in progress when it comes back online do not use it yet, a later
 # round must. Each extra round costs a few seconds with train-limit=200.
@@ -217,8 +225,10 @@ def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int
                 return value
             pytest.fail(f"run finished ({status}) before {what}\n{dep.procs.run_log(run_id, CONN)[-6000:]}")
         time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}\n"
-                f"{dep.procs.run_log(run_id, CONN)[-6000:]}\n{dep.procs.report()}")
+    pytest.fail(
+        f"timed out after {timeout}s waiting for {what}\n"
+        f"{dep.procs.run_log(run_id, CONN)[-6000:]}\n{dep.procs.report()}"
+    )
 
 
 @pytest.mark.skipif(
@@ -229,7 +239,9 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
     out = tmp_path / "outputs"
     run_config = (
         f'method="fedavg" num-server-rounds={ROUNDS} dataset.train-limit=200 '
-        f"train.local-epochs=1 strategy.round-timeout=60 fraction-train=1.0 "
+        # A lost node is detected by the SuperLink's heartbeat (~60 s), not by this timeout, which
+        # only has to outlast a rejoined node's cold ClientApp start on a loaded 2-core machine.
+        f"train.local-epochs=1 strategy.round-timeout=240 fraction-train=1.0 "
         f'outputs-dir="{out}" run-name="x"'
     )
     results_path = out / "x" / "results.json"
@@ -266,7 +278,7 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
                     return int(r["round"])
             return None
 
-        fail_round = _wait_for(failed_round, "the killed node's failure in results.json", 240, dep, run_id)
+        fail_round = _wait_for(failed_round, "the killed node's failure in results.json", 400, dep, run_id)
         t_fail = time.monotonic() - t0
 
         # Restart the same SuperNode (same auth key, same partition-id). The SuperLink only
@@ -303,12 +315,19 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
     assert rounds[fail_round]["failures"], rounds[fail_round]
     # The node that rejoined is used again: a round that started after it was back online
     # (round back_round + 1 may have started just before) trains on its partition again.
-    rejoined = [r["round"] for r in later if r["round"] > fail_round and KILLED - 1 in r["nodes"]]
+    # Used = chosen AND replied: being chosen alone does not show that the node works again.
+    rejoined = [
+        r["round"]
+        for r in later
+        if r["round"] > fail_round
+        and KILLED - 1 in r["nodes"]
+        and all(f["partition-id"] != KILLED - 1 for f in r["failures"])
+    ]
     assert rejoined, (
         f"partition {KILLED - 1} not used after the restart (failed in round {fail_round}, back online "
         f"during round {back_round + 1}; if that is round {ROUNDS}, raise ROUNDS): {later}\n{log[-6000:]}"
     )
-    assert all(not r["failures"] for r in later if r["round"] >= min(rejoined)), later
+    assert all(not r["failures"] for r in later if r["round"] > min(rejoined)), later
     # The run went on with the surviving node, and every round was evaluated.
     assert all(isinstance(r["test-accuracy"], float) for r in rounds.values()), res["rounds"]
     print(
@@ -316,7 +335,9 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
         f"failure recorded (round {fail_round}) {t_fail:.1f}s, node back online (during round "
         f"{back_round + 1}, same node id {killed_id}) {t_back:.1f}s, used again in rounds {rejoined}, "
         f"run finished {t_done:.1f}s (rounds: "
-        + ", ".join(f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed"
-                    for r in res["rounds"][1:])
+        + ", ".join(
+            f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed"
+            for r in res["rounds"][1:]
+        )
         + ")"
     )

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from feddifrc_app.device import DeviceError, resolve_device, resolve_dtype
 from feddifrc_app.diffusion.pipeline import (
     Teacher,
     TeacherLoadError,
-    build_tiny_pipeline,
     load_teacher,
-    resolve_device,
     teacher_identity,
-    resolve_dtype,
     weights_hash,
 )
+from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 
 CPU = torch.device("cpu")
 
@@ -112,7 +111,11 @@ def test_load_teacher_is_memoised_and_hash_is_stable(teacher: Teacher, cache_dir
     assert by_path.weights_hash == teacher.weights_hash
     # the identity (for cache keys) is known without loading, and agrees with the loaded teacher
     ident = teacher_identity("tiny", cache_dir)
-    assert (ident.model_id, ident.weights_hash, ident.random_weights) == ("tiny-seed0", teacher.weights_hash, True)
+    assert (ident.model_id, ident.weights_hash, ident.random_weights) == (
+        "tiny-seed0",
+        teacher.weights_hash,
+        True,
+    )
     assert ident.folder == folder.resolve()
 
 
@@ -161,25 +164,22 @@ def test_resolve_device_and_dtype() -> None:
     assert resolve_dtype("auto", CPU) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
-    with pytest.raises(TeacherLoadError):
+    with pytest.raises(DeviceError):
         resolve_device("tpu")
-    with pytest.raises(TeacherLoadError):
+    with pytest.raises(DeviceError):
         resolve_dtype("int8", CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_is_an_error_not_a_fallback() -> None:
-    with pytest.raises(TeacherLoadError, match="no CUDA"):
+    with pytest.raises(DeviceError, match="no CUDA"):
         resolve_device("cuda")
-    with pytest.raises(TeacherLoadError):
+    with pytest.raises(DeviceError):
         resolve_device("cuda:0")
 
 
 def test_weights_hash_memo_is_reused_and_invalidated_by_changes(tmp_path):
-    import json
     import os
-
-    from feddifrc_app.diffusion.pipeline import build_tiny_pipeline, weights_hash
 
     folder = build_tiny_pipeline(tmp_path / "tiny", seed=0)
     memo = tmp_path / "digests.json"
@@ -223,8 +223,9 @@ def test_packaged_tiny_mnist_is_found_through_the_installed_package_and_verified
     assert t.block_channels == (64, 64, 64, 32)
 
 
-def test_packaged_teacher_with_a_missing_file_names_it_and_how_to_rebuild(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packaged_teacher_with_a_missing_file_names_it_and_how_to_rebuild(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from feddifrc_app.diffusion import pipeline
 
     pkg = tmp_path / "site" / "feddifrc_app"
@@ -232,12 +233,12 @@ def test_packaged_teacher_with_a_missing_file_names_it_and_how_to_rebuild(tmp_pa
     shutil.copytree(src, pkg / "teachers" / "tiny-mnist")
     (pkg / "teachers" / "tiny-mnist" / "unet" / "diffusion_pytorch_model.safetensors").unlink()
     monkeypatch.setattr(pipeline, "_installed_package_dir", lambda: pkg)
-    load_teacher.cache_clear()
+    pipeline._identity.cache_clear()
     try:
         with pytest.raises(TeacherLoadError) as e:
             teacher_identity("tiny-mnist", tmp_path / "cache")
     finally:
-        load_teacher.cache_clear()
+        pipeline._identity.cache_clear()
     msg = str(e.value)
     assert "\n" not in msg and "unet/diffusion_pytorch_model.safetensors is missing" in msg
     assert f"feddifrc pretrain-teacher --out {pkg / 'teachers' / 'tiny-mnist'}" in msg

@@ -40,7 +40,11 @@ REQUIRED_ENV = {
     "NODE_CONFIG": 'partition-id=0 num-partitions=2 cache-dir="/app/.cache/feddifrc"',
 }
 FLWR_VERSION = importlib.metadata.version("flwr")  # the installed flwr (no `import flwr`: slow, noisy)
-IMAGE_BINARY = {"superlink": "flower-superlink", "supernode": "flower-supernode", "superexec": "flower-superexec"}
+IMAGE_BINARY = {
+    "superlink": "flower-superlink",
+    "supernode": "flower-supernode",
+    "superexec": "flower-superexec",
+}
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="make_certs.sh needs openssl")
 
@@ -96,8 +100,14 @@ def help_text(*cmd: str) -> str:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb",
-             "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"},
+        env={
+            **os.environ,
+            "COLUMNS": "200",
+            "NO_COLOR": "1",
+            "TERM": "dumb",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+        },
     )
     assert cp.returncode == 0, f"{cmd} --help failed: {cp.stderr}"
     return re.sub(r"\x1b\[[0-9;]*m", "", cp.stdout + cp.stderr)
@@ -302,7 +312,12 @@ def test_compose_is_tls_and_supernode_auth_by_default() -> None:
             binary = service_binary(name, svc, compose)
             assert "--insecure" not in flags, f"{compose}/{name}"
             if binary == "flower-superlink":
-                assert {"--enable-supernode-auth", "--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"} <= flags
+                assert {
+                    "--enable-supernode-auth",
+                    "--ssl-ca-certfile",
+                    "--ssl-certfile",
+                    "--ssl-keyfile",
+                } <= flags
                 assert "--database" in flags and "--disable-runtime-dependency-installation" in flags
                 assert "--isolation=process" in args
             elif binary == "flower-supernode":
@@ -314,8 +329,12 @@ def test_compose_is_tls_and_supernode_auth_by_default() -> None:
     for name, svc in load_compose("compose.insecure.yml")["services"].items():
         flags = {str(a).partition("=")[0] for a in svc["command"]}
         assert "--insecure" in flags, name
-        assert not flags & {"--enable-supernode-auth", "--root-certificates", "--ssl-certfile",
-                            "--auth-supernode-private-key"}, name
+        assert not flags & {
+            "--enable-supernode-auth",
+            "--root-certificates",
+            "--ssl-certfile",
+            "--auth-supernode-private-key",
+        }, name
         assert not any("/app/certs" in str(v) for v in svc.get("volumes") or []), name
 
 
@@ -344,7 +363,7 @@ def test_compose_container_paths_are_mounted(certs: Path) -> None:
                 if value.startswith("/app/certs/"):
                     target = next((t for t in mounts if value == t or value.startswith(t + "/")), None)
                     assert target, f"{compose}/{name}: {value} is not mounted"
-                    host = certs / (mounts[target] + value[len(target):]).removeprefix("./certs/")
+                    host = certs / (mounts[target] + value[len(target) :]).removeprefix("./certs/")
                     assert host.is_file(), f"{compose}/{name}: {value} -> {host} missing"
                 if value.startswith("/app/state/"):
                     assert "/app/state" in targets, f"{compose}/{name}: --database not on a volume"
@@ -359,8 +378,11 @@ def _pairs(compose: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             continue
         args = [interpolate(str(a)) for a in svc["command"]]
         port = next(a.partition("=")[2] for a in args if a.startswith("--port="))
-        execs = [s for n, s in services.items() if f"--runtime-api-address={name}:{port}"
-                 in [interpolate(str(a)) for a in s.get("command", [])]]
+        execs = [
+            s
+            for n, s in services.items()
+            if f"--runtime-api-address={name}:{port}" in [interpolate(str(a)) for a in s.get("command", [])]
+        ]
         assert len(execs) == 1, f"{compose}/{name}: needs exactly one SuperExec on {name}:{port}"
         pairs.append((svc, execs[0]))
     return pairs
@@ -382,10 +404,11 @@ def test_each_supernode_has_its_partition_gpu_and_cache(compose: str) -> None:
     assert all(int(c["num-partitions"]) == n for c in configs), configs
     gpus = [g for _, ex in pairs for g in _gpu_ids(ex)]
     assert len(gpus) == len(set(gpus)) == len(pairs), f"each node needs its own GPU: {gpus}"
-    for (_, ex), cfg in zip(pairs, configs):
+    for (_, ex), cfg in zip(pairs, configs, strict=False):
         cache = cfg["cache-dir"]
         assert any(cache == t or cache.startswith(t + "/") for t in volume_targets(ex)), (
-            f"cache-dir {cache} is not on a volume of the ClientApp's SuperExec")
+            f"cache-dir {cache} is not on a volume of the ClientApp's SuperExec"
+        )
         assert any(t == "/app/.cache" for t in volume_targets(ex)), "HF_HOME (/app/.cache) not persistent"
         assert "build" in ex and "cu" in interpolate(ex["build"]["args"]["TORCH_INDEX_URL"])
         assert str(ex["build"]["args"]["REQUIRE_CUDA_TORCH"]) == "1"
@@ -403,10 +426,16 @@ def test_superexec_serverapp_points_at_the_superlink() -> None:
 
 
 def test_committed_compose_files_are_the_generator_output() -> None:
-    for args, name in ((["--gpus", "0,1"], "compose.yml"), (["--gpus", "0,1", "--insecure"], "compose.insecure.yml")):
-        cp = subprocess.run([sys.executable, str(MAKE_COMPOSE), *args], capture_output=True, text=True, check=True)
+    for args, name in (
+        (["--gpus", "0,1"], "compose.yml"),
+        (["--gpus", "0,1", "--insecure"], "compose.insecure.yml"),
+    ):
+        cp = subprocess.run(
+            [sys.executable, str(MAKE_COMPOSE), *args], capture_output=True, text=True, check=True
+        )
         assert cp.stdout == (DOCKER / name).read_text(), (
-            f"docker/{name} differs from `python docker/make_compose.py {' '.join(args)}`: regenerate it")
+            f"docker/{name} differs from `python docker/make_compose.py {' '.join(args)}`: regenerate it"
+        )
 
 
 def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
@@ -416,24 +445,39 @@ def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
     nodes = [n for n in data["services"] if n.startswith("supernode-")]
     assert nodes == [f"supernode-{i}" for i in range(1, 5)]
     cfgs = [node_config([str(a) for a in data["services"][n]["command"]]) for n in nodes]
-    assert [c["partition-id"] for c in cfgs] == ["0", "1", "2", "3"] and {c["num-partitions"] for c in cfgs} == {"4"}
-    gpus = [data["services"][f"superexec-clientapp-{i}"]["deploy"]["resources"]["reservations"]["devices"][0]
-            ["device_ids"] for i in range(1, 5)]
+    assert [c["partition-id"] for c in cfgs] == ["0", "1", "2", "3"] and {
+        c["num-partitions"] for c in cfgs
+    } == {"4"}
+    gpus = [
+        data["services"][f"superexec-clientapp-{i}"]["deploy"]["resources"]["reservations"]["devices"][0][
+            "device_ids"
+        ]
+        for i in range(1, 5)
+    ]
     assert gpus == [["0"], ["1"], ["2"], ["3"]]
     bad = subprocess.run([sys.executable, str(MAKE_COMPOSE), "--gpus", "0,0"], capture_output=True, text=True)
     assert bad.returncode != 0 and "distinct" in bad.stderr
 
 
 def test_docker_compose_config_accepts_the_files(certs: Path, tmp_path: Path) -> None:
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True) \
-        if shutil.which("docker") else None
+    probe = (
+        subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if shutil.which("docker")
+        else None
+    )
     if probe is None or probe.returncode != 0:
         pytest.skip("no `docker compose` plugin on this machine")
     env = {**os.environ, **REQUIRED_ENV}
-    for files in (["compose.yml"], ["compose.yml", "compose.insecure.yml"], ["compose.superlink.yml"],
-                  ["compose.supernode.yml"]):
+    for files in (
+        ["compose.yml"],
+        ["compose.yml", "compose.insecure.yml"],
+        ["compose.superlink.yml"],
+        ["compose.supernode.yml"],
+    ):
         args = [a for f in files for a in ("-f", str(DOCKER / f))]
-        cp = subprocess.run(["docker", "compose", *args, "config", "-q"], capture_output=True, text=True, env=env)
+        cp = subprocess.run(
+            ["docker", "compose", *args, "config", "-q"], capture_output=True, text=True, env=env
+        )
         assert cp.returncode == 0, f"{files}: {cp.stderr}"
 
 
@@ -441,22 +485,34 @@ def test_docker_compose_config_accepts_the_files(certs: Path, tmp_path: Path) ->
 
 
 def _sans(cert: Path) -> str:
-    return subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 @needs_openssl
 def test_make_certs_writes_a_verifiable_tls_chain_with_the_sans(certs: Path) -> None:
     sans = _sans(certs / "superlink" / "server.pem")
-    for want in ("DNS:localhost", "IP Address:127.0.0.1", "DNS:superlink", "DNS:superlink.lab.example.org",
-                 "IP Address:10.0.0.5"):
+    for want in (
+        "DNS:localhost",
+        "IP Address:127.0.0.1",
+        "DNS:superlink",
+        "DNS:superlink.lab.example.org",
+        "IP Address:10.0.0.5",
+    ):
         assert want in sans, sans
     for i in (1, 2):
         node_sans = _sans(certs / f"supernode-{i}" / "runtime.pem")
         assert f"DNS:supernode-{i}" in node_sans and "DNS:supernode," in node_sans + ",", node_sans
     for cert in (certs / "superlink" / "server.pem", *certs.glob("supernode-*/runtime.pem")):
-        subprocess.run(["openssl", "verify", "-CAfile", str(certs / "ca.crt"), str(cert)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "verify", "-CAfile", str(certs / "ca.crt"), str(cert)],
+            check=True,
+            capture_output=True,
+        )
 
 
 @needs_openssl
@@ -470,8 +526,12 @@ def test_make_certs_supernode_keys_load_as_flower_loads_them(certs: Path) -> Non
         pub = load_ssh_public_key((d / "auth.key.pub").read_bytes())  # as `flwr supernode register`
         assert isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(pub, ec.EllipticCurvePublicKey)
         assert key.public_key().public_numbers() == pub.public_numbers()
-    private = [certs / "ca.key", certs / "superlink" / "server.key",
-               *certs.glob("supernode-*/auth.key"), *certs.glob("supernode-*/runtime.key")]
+    private = [
+        certs / "ca.key",
+        certs / "superlink" / "server.key",
+        *certs.glob("supernode-*/auth.key"),
+        *certs.glob("supernode-*/runtime.key"),
+    ]
     for p in private:
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     assert stat.S_IMODE((certs / "ca.crt").stat().st_mode) == 0o644
@@ -485,11 +545,16 @@ def test_make_certs_is_incremental_and_force_renews(tmp_path: Path) -> None:
     cp = run_make_certs(out, "-n", "2")
     assert (out / "ca.crt").read_bytes() == ca and (out / "supernode-1" / "auth.key").read_bytes() == key1
     assert (out / "supernode-2" / "auth.key.pub").is_file() and "supernode-2/auth.key" in cp.stdout
-    subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "supernode-2" / "runtime.pem")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "supernode-2" / "runtime.pem")],
+        check=True,
+        capture_output=True,
+    )
     run_make_certs(out, "-n", "2", "--force")
     assert (out / "ca.crt").read_bytes() != ca
-    bad = subprocess.run(["bash", str(MAKE_CERTS), "-o", str(out), "-n", "two"], capture_output=True, text=True)
+    bad = subprocess.run(
+        ["bash", str(MAKE_CERTS), "-o", str(out), "-n", "two"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "non-negative integer" in bad.stderr
 
 
@@ -523,7 +588,7 @@ def test_deploy_doc_commands_use_existing_flags() -> None:
             cmd.append(argv[1])
             if argv[1] in FLWR_GROUPS and len(argv) > 2:
                 cmd.append(argv[2])
-        check_flags(tuple(cmd), argv[len(cmd):], f"docs/deploy.md: {' '.join(argv)}")
+        check_flags(tuple(cmd), argv[len(cmd) :], f"docs/deploy.md: {' '.join(argv)}")
         if cmd == ["flwr", "run"] and "--run-config" in argv:
             value = argv[argv.index("--run-config") + 1]
             if value.endswith(".toml"):

@@ -73,11 +73,10 @@ def test_block_shapes_and_channels(teacher: Teacher, images: torch.Tensor) -> No
     f = make(teacher)
     out = f(images, torch.arange(4), PROMPTS)
     assert set(out) == {1, 2, 3}
-    for b, c in zip((1, 2, 3), (256, 128, 128)):
+    for b, c in zip((1, 2, 3), (256, 128, 128), strict=True):
         assert out[b].shape == (4, 3, c) and out[b].dtype == torch.float32
         assert out[b].device == CPU and torch.isfinite(out[b]).all()
         assert not out[b].is_inference() and not out[b].requires_grad
-    assert f.block_channels == {1: 256, 2: 128, 3: 128}
     # ordinary tensors: usable as targets in a loss that back-propagates into a model
     z = torch.randn(4, 128, requires_grad=True)
     torch.nn.functional.cosine_similarity(z[:, None, :], out[3], dim=-1).sum().backward()
@@ -165,8 +164,12 @@ def test_prompt_major_rows_match_the_image_major_reference(teacher: Teacher, ima
         lt = (f._sqrt_a * l0 + f._sqrt_1ma * eps).repeat_interleave(len(PROMPTS), dim=0)  # row b*P + p
         rows = f.prompt_embeddings(PROMPTS).repeat(3, 1, 1)
         feats = {}
-        hooks = [teacher.unet.up_blocks[b].register_forward_hook(
-            lambda _m, _i, o, b=b: feats.__setitem__(b, o.mean(dim=(2, 3)))) for b in f.blocks]
+        hooks = [
+            teacher.unet.up_blocks[b].register_forward_hook(
+                lambda _m, _i, o, b=b: feats.__setitem__(b, o.mean(dim=(2, 3)))
+            )
+            for b in f.blocks
+        ]
         try:
             teacher.unet(lt, torch.tensor(300), encoder_hidden_states=rows)
         finally:
@@ -177,18 +180,24 @@ def test_prompt_major_rows_match_the_image_major_reference(teacher: Teacher, ima
 
 
 def test_onednn_linear_and_geglu_agree_with_torch() -> None:
-    from feddifrc_app.diffusion.featurizer import _geglu, onednn_linear_available
+    from feddifrc_app.diffusion.speed import _geglu, onednn_linear_available
 
     if not onednn_linear_available():
         pytest.skip("no oneDNN linear in this torch build: the featurizer uses the stock modules")
     g = torch.Generator().manual_seed(3)
-    x, w, b = torch.randn(2, 9, 48, generator=g), torch.randn(64, 48, generator=g), torch.randn(64, generator=g)
+    x, w, b = (
+        torch.randn(2, 9, 48, generator=g),
+        torch.randn(64, 48, generator=g),
+        torch.randn(64, generator=g),
+    )
     h, gate = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
     with torch.inference_mode():
         torch.testing.assert_close(_geglu(x, w, b), h * torch.nn.functional.gelu(gate), atol=1e-4, rtol=1e-4)
         xt = x.transpose(0, 1)  # non-contiguous input
         h, gate = torch.nn.functional.linear(xt, w, None).chunk(2, dim=-1)
-        torch.testing.assert_close(_geglu(xt, w, None), h * torch.nn.functional.gelu(gate), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            _geglu(xt, w, None), h * torch.nn.functional.gelu(gate), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_ensemble_is_the_mean_of_seeded_draws(teacher: Teacher, images: torch.Tensor) -> None:
@@ -218,7 +227,9 @@ def test_unet_stops_after_the_last_needed_block(teacher: Teacher, images: torch.
 
         return pre_hook
 
-    mods = {f"up{i}": blk for i, blk in enumerate(teacher.unet.up_blocks)} | {"conv_out": teacher.unet.conv_out}
+    mods = {f"up{i}": blk for i, blk in enumerate(teacher.unet.up_blocks)} | {
+        "conv_out": teacher.unet.conv_out
+    }
     handles = [m.register_forward_pre_hook(counter(n)) for n, m in mods.items()]
     try:
         make(teacher, blocks=(1,))(images[:2], torch.arange(2), PROMPTS)

@@ -18,9 +18,7 @@ from feddifrc_app.losses import (
     ndcr_code,
     ndcr_paper,
     tdcl_code,
-    tdcl_code_pairing,
     tdcl_paper,
-    tdcl_ssl,
 )
 
 R2 = math.sqrt(2.0)
@@ -82,13 +80,19 @@ def test_tdcl_paper_sampled_negatives_fixed_generator():
     # sample 0: z=(1,0); reps (1,0)[pos], (0,1), (-1,0), (1,1) -> cos 1, 0, -1, 1/sqrt2
     # sample 1: z=(0,1); reps (1,0), (0,-1), (0,1)[pos], (-1,1) -> cos 0, -1, 1, 1/sqrt2
     z = t([[1.0, 0.0], [0.0, 1.0]])
-    reps = t([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0]],
-              [[1.0, 0.0], [0.0, -1.0], [0.0, 1.0], [-1.0, 1.0]]])
+    reps = t(
+        [
+            [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0]],
+            [[1.0, 0.0], [0.0, -1.0], [0.0, 1.0], [-1.0, 1.0]],
+        ]
+    )
     y = torch.tensor([0, 2])
     cos = [[1.0, 0.0, -1.0, 1 / R2], [0.0, -1.0, 1.0, 1 / R2]]
     # per-sample value with the single negative j: log(1 + e^{cos_j} / e^{cos_y})
-    one = [{j: math.log(1 + math.exp(cos[i][j]) / math.exp(cos[i][y[i]])) for j in range(4) if j != y[i]}
-           for i in range(2)]
+    one = [
+        {j: math.log(1 + math.exp(cos[i][j]) / math.exp(cos[i][y[i]])) for j in range(4) if j != y[i]}
+        for i in range(2)
+    ]
     # The documented rule: the num_negatives smallest of torch.rand(B, K, generator) over non-labels.
     seen = set()
     for seed in range(12):
@@ -96,12 +100,14 @@ def test_tdcl_paper_sampled_negatives_fixed_generator():
         scores[0, 0] = scores[1, 2] = float("inf")
         j0, j1 = int(scores[0].argmin()), int(scores[1].argmin())
         seen.add((j0, j1))
-        got = tdcl_paper(z, reps, y, temperature=1.0, num_negatives=1,
-                         generator=torch.Generator().manual_seed(seed)).item()
+        got = tdcl_paper(
+            z, reps, y, temperature=1.0, num_negatives=1, generator=torch.Generator().manual_seed(seed)
+        ).item()
         assert got == pytest.approx((one[0][j0] + one[1][j1]) / 2, rel=1e-6)
         # same seed, same draw
-        again = tdcl_paper(z, reps, y, temperature=1.0, num_negatives=1,
-                           generator=torch.Generator().manual_seed(seed)).item()
+        again = tdcl_paper(
+            z, reps, y, temperature=1.0, num_negatives=1, generator=torch.Generator().manual_seed(seed)
+        ).item()
         assert again == got
     assert len(seen) > 1  # the seed really changes the negatives
     # num_negatives >= K-1 means all of them
@@ -156,7 +162,7 @@ def test_tdcl_paper_decreases_as_z_aligns_with_positive():
     for theta in [math.pi / 2, math.pi / 3, math.pi / 6, math.pi / 12, 0.0]:
         z = t([[math.cos(theta), math.sin(theta)]])
         vals.append(tdcl_paper(z, reps, y, temperature=0.04).item())
-    assert all(a > b for a, b in zip(vals, vals[1:]))
+    assert all(a > b for a, b in zip(vals, vals[1:], strict=False))
     # aligned: log(1 + (e^{0/tau} + e^{-1/tau}) / e^{1/tau}) ~ e^{-25}, its minimum over z
     assert vals[-1] == pytest.approx(math.log1p((1 + math.exp(-25)) * math.exp(-25)), rel=1e-3)
     assert vals[-1] < 1e-10
@@ -186,18 +192,11 @@ def test_ndcr_paper_hand_value_and_zero_when_aligned():
     z = t([[1.0, 2.0], [0.0, 0.0]])
     h = t([[0.0, 0.0], [3.0, 4.0]])
     # ((1 + 4) + (9 + 16)) / 2
-    assert ndcr_paper(z, h).item() == pytest.approx(15.0)
-    assert ndcr_paper(h, h).item() == 0.0
+    assert ndcr_paper(z, h, space="raw").item() == pytest.approx(15.0)
+    assert ndcr_paper(h, h, space="raw").item() == 0.0
 
 
 # ---------------------------------------------------------------- tdcl_code
-
-
-def test_tdcl_code_pairing_indices():
-    # B=2, M=2: negative rows (s0,n0),(s0,n1),(s1,n0),(s1,n1) meet z_0, z_1, z_0, z_1.
-    assert tdcl_code_pairing(2, 2).tolist() == [0, 1, 0, 1]
-    # B=3, M=2: rows meet z_0 z_1 z_2 z_0 z_1 z_2: sample 1's negatives go to z_2 and z_0.
-    assert tdcl_code_pairing(3, 2).tolist() == [0, 1, 2, 0, 1, 2]
 
 
 def test_tdcl_code_cross_sample_pairing_hand_value():
@@ -254,8 +253,8 @@ def test_ndcr_code_hand_value():
     a = 1 / R2
     q = [E / (E + 1), 1 / (E + 1)]
     p = [0.5, 0.5]
-    kl_pq = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
-    kl_qp = sum(qi * math.log(qi / pi) for pi, qi in zip(p, q))
+    kl_pq = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+    kl_qp = sum(qi * math.log(qi / pi) for pi, qi in zip(p, q, strict=True))
     got = ndcr_code(t([[1.0, 0.0]]), t([[a, a]])).item()
     assert got == pytest.approx(kl_pq, rel=1e-6)
     assert abs(got - kl_qp) > 1e-3
@@ -272,18 +271,7 @@ def test_ndcr_code_is_tiny_for_512d_unit_vectors():
     assert ndcr_code(e1, -e1).item() < 0.0045
     assert ndcr_code(z, 3 * z).item() == pytest.approx(0.0, abs=1e-7)
     # ... while the paper's L2 on the same vectors is large
-    assert ndcr_paper(z, h).item() > 100
-
-
-# ---------------------------------------------------------------- tdcl_ssl
-
-
-def test_tdcl_ssl_hand_value():
-    # z=(1,1): cos with positive (1,0) is 1/sqrt2; negatives (0,1) -> 1/sqrt2, (-1,0) -> -1/sqrt2.
-    # tau=1: log(1 + (e^{a} + e^{-a}) / e^{a}) = log(2 + e^{-sqrt2}).
-    z = t([[1.0, 1.0]])
-    got = tdcl_ssl(z, t([[1.0, 0.0]]), t([[[0.0, 1.0], [-1.0, 0.0]]]), temperature=1.0)
-    assert got.item() == pytest.approx(math.log(2 + math.exp(-R2)), rel=1e-6)
+    assert ndcr_paper(z, h, space="raw").item() > 100
 
 
 # ---------------------------------------------------------------- gradients and dtypes
@@ -296,8 +284,18 @@ def test_gradients_reach_z_only(variant):
     reps.requires_grad_(True)
     h = torch.randn(2, 2, requires_grad=True)
     logits = torch.randn(2, 3, requires_grad=True)
-    out = feddifrc_loss(logits, y, z, reps, h, variant=variant, tdcl_weight=1.0, ndcr_weight=1.0,
-                        temperature=0.5)
+    out = feddifrc_loss(
+        logits,
+        y,
+        z,
+        reps,
+        h,
+        variant=variant,
+        tdcl_weight=1.0,
+        ndcr_weight=1.0,
+        temperature=0.5,
+        ndcr_space="raw",
+    )
     out["total"].backward()
     assert z.grad is not None and z.grad.abs().sum() > 0
     assert logits.grad is not None
@@ -309,9 +307,12 @@ def test_each_function_detaches_teachers():
     z.requires_grad_(True)
     reps.requires_grad_(True)
     h = torch.randn(2, 2, requires_grad=True)
-    for out in (tdcl_paper(z, reps, y, temperature=0.5, normaliser="mean-distance"),
-                tdcl_code(z, reps, y, temperature=0.5), ndcr_paper(z, h), ndcr_code(z, h),
-                tdcl_ssl(z, reps[:, 0], reps[:, 1:], temperature=0.5)):
+    for out in (
+        tdcl_paper(z, reps, y, temperature=0.5, normaliser="mean-distance"),
+        tdcl_code(z, reps, y, temperature=0.5),
+        ndcr_paper(z, h, space="raw"),
+        ndcr_code(z, h),
+    ):
         out.backward()
     assert reps.grad is None and h.grad is None and z.grad.abs().sum() > 0
 
@@ -323,17 +324,26 @@ def test_float16_inputs_are_computed_in_float32():
     for fn, args, kw in [
         (tdcl_paper, (zh, rh, y), {"temperature": 0.04}),
         (tdcl_code, (zh, rh, y), {"temperature": 0.04}),
-        (ndcr_paper, (zh, hh), {}),
+        (ndcr_paper, (zh, hh), {"space": "raw"}),
         (ndcr_code, (zh, hh), {}),
-        (tdcl_ssl, (zh, rh[:, 0], rh[:, 1:]), {"temperature": 0.04}),
         (cosine_alignment, (zh, hh), {}),
     ]:
         got = fn(*args, **kw)
         assert got.dtype == torch.float32
         ref = fn(*[a.float() if a.is_floating_point() else a for a in args], **kw)
         assert got.item() == pytest.approx(ref.item(), rel=1e-6, abs=1e-9)
-    out = feddifrc_loss(torch.zeros(2, 3, dtype=torch.float16), y, zh, rh, hh, variant="paper",
-                        tdcl_weight=1.0, ndcr_weight=1.0, temperature=0.04)
+    out = feddifrc_loss(
+        torch.zeros(2, 3, dtype=torch.float16),
+        y,
+        zh,
+        rh,
+        hh,
+        variant="paper",
+        tdcl_weight=1.0,
+        ndcr_weight=1.0,
+        temperature=0.04,
+        ndcr_space="raw",
+    )
     assert all(v.dtype == torch.float32 for v in out.values())
     # with tau = 0.04, s/tau up to 25: the exps would overflow float16 (max 65504) were it used
     assert torch.isfinite(out["total"])
@@ -346,8 +356,18 @@ def test_feddifrc_loss_total_and_parts():
     z, reps, y = case_a()
     logits = t([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     h = t([[1.0, 1.0], [0.0, 0.0]])
-    out = feddifrc_loss(logits, y, z, reps, h, variant="paper", tdcl_weight=0.5, ndcr_weight=2.0,
-                        temperature=0.5)
+    out = feddifrc_loss(
+        logits,
+        y,
+        z,
+        reps,
+        h,
+        variant="paper",
+        tdcl_weight=0.5,
+        ndcr_weight=2.0,
+        temperature=0.5,
+        ndcr_space="raw",
+    )
     assert set(out) == {"ce", "tdcl", "ndcr", "total"}
     ce = (-math.log(E**2 / (E**2 + 2)) + -math.log(1 / 3)) / 2
     tdcl = (math.log(1 + (1 + math.exp(-2)) / E**2) + math.log(1 + (1 + math.exp(R2)) / E**2)) / 2
@@ -369,8 +389,18 @@ def test_zero_weights_switch_terms_off_and_skip_computation(monkeypatch):
     for variant in ("paper", "code"):
         # teachers absent (None) or even malformed: never touched
         for r, h in ((None, None), (torch.zeros(7), torch.zeros(3))):
-            out = feddifrc_loss(logits, y, z, r, h, variant=variant, tdcl_weight=0.0, ndcr_weight=0.0,
-                                temperature=0.04)
+            out = feddifrc_loss(
+                logits,
+                y,
+                z,
+                r,
+                h,
+                variant=variant,
+                tdcl_weight=0.0,
+                ndcr_weight=0.0,
+                temperature=0.04,
+                ndcr_space="raw",
+            )
             assert out["tdcl"].item() == 0.0 and out["ndcr"].item() == 0.0
             assert out["total"].item() == pytest.approx(out["ce"].item())
     out["total"].backward()
@@ -380,18 +410,59 @@ def test_zero_weights_switch_terms_off_and_skip_computation(monkeypatch):
 def test_single_term_weights():
     z, reps, y = case_a()
     h = t([[1.0, 1.0], [0.0, 0.0]])
-    only_ndcr = feddifrc_loss(None, y, z, None, h, variant="paper", tdcl_weight=0.0, ndcr_weight=1.0,
-                              temperature=0.5)
+    only_ndcr = feddifrc_loss(
+        None,
+        y,
+        z,
+        None,
+        h,
+        variant="paper",
+        tdcl_weight=0.0,
+        ndcr_weight=1.0,
+        temperature=0.5,
+        ndcr_space="raw",
+    )
     assert only_ndcr["tdcl"].item() == 0.0 and only_ndcr["total"].item() == pytest.approx(2.5)
-    only_tdcl = feddifrc_loss(None, y, z, reps, None, variant="paper", tdcl_weight=1.0, ndcr_weight=0.0,
-                              temperature=0.5)
+    only_tdcl = feddifrc_loss(
+        None,
+        y,
+        z,
+        reps,
+        None,
+        variant="paper",
+        tdcl_weight=1.0,
+        ndcr_weight=0.0,
+        temperature=0.5,
+        ndcr_space="raw",
+    )
     assert only_tdcl["ndcr"].item() == 0.0
     assert only_tdcl["total"].item() == pytest.approx(tdcl_paper(z, reps, y, temperature=0.5).item())
     with pytest.raises(ValueError, match="reps"):
-        feddifrc_loss(None, y, z, None, h, variant="paper", tdcl_weight=1.0, ndcr_weight=0.0, temperature=0.5)
+        feddifrc_loss(
+            None,
+            y,
+            z,
+            None,
+            h,
+            variant="paper",
+            tdcl_weight=1.0,
+            ndcr_weight=0.0,
+            temperature=0.5,
+            ndcr_space="raw",
+        )
     with pytest.raises(ValueError, match="ndcr_target"):
-        feddifrc_loss(None, y, z, reps, None, variant="paper", tdcl_weight=0.0, ndcr_weight=1.0,
-                      temperature=0.5)
+        feddifrc_loss(
+            None,
+            y,
+            z,
+            reps,
+            None,
+            variant="paper",
+            tdcl_weight=0.0,
+            ndcr_weight=1.0,
+            temperature=0.5,
+            ndcr_space="raw",
+        )
 
 
 def test_feddifrc_loss_without_labels_is_ssl():
@@ -399,22 +470,42 @@ def test_feddifrc_loss_without_labels_is_ssl():
     z = t([[1.0, 1.0]], requires_grad=True)
     reps = t([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]])
     h = t([[1.0, 1.0]])
-    out = feddifrc_loss(None, None, z, reps, h, variant="paper", tdcl_weight=1.0, ndcr_weight=1.0,
-                        temperature=1.0)
+    out = feddifrc_loss(
+        None,
+        None,
+        z,
+        reps,
+        h,
+        variant="paper",
+        tdcl_weight=1.0,
+        ndcr_weight=1.0,
+        temperature=1.0,
+        ndcr_space="raw",
+    )
     assert out["ce"].item() == 0.0
     assert out["tdcl"].item() == pytest.approx(math.log(2 + math.exp(-R2)), rel=1e-6)
     assert out["ndcr"].item() == 0.0
     out["total"].backward()
     assert z.grad is not None
-    code = feddifrc_loss(None, None, z, reps, h, variant="code", tdcl_weight=1.0, ndcr_weight=1.0,
-                         temperature=1.0)
+    code = feddifrc_loss(
+        None,
+        None,
+        z,
+        reps,
+        h,
+        variant="code",
+        tdcl_weight=1.0,
+        ndcr_weight=1.0,
+        temperature=1.0,
+        ndcr_space="raw",
+    )
     # B=1: the code's pairing is trivially right, so TDCL matches; its NDCR is the KL (0 here too).
     assert code["tdcl"].item() == pytest.approx(math.log(2 + math.exp(-R2)), rel=1e-6)
 
 
 def test_feddifrc_loss_rejects_bad_options():
     z, reps, y = case_a()
-    kw = dict(tdcl_weight=1.0, ndcr_weight=0.0, temperature=0.5)
+    kw = dict(tdcl_weight=1.0, ndcr_weight=0.0, temperature=0.5, ndcr_space="raw")
     with pytest.raises(ValueError, match="paper, code"):
         feddifrc_loss(None, y, z, reps, None, variant="nope", **kw)
     with pytest.raises(ValueError, match="num_negatives"):
@@ -427,11 +518,30 @@ def test_feddifrc_loss_rejects_bad_options():
 
 def test_feddifrc_loss_passes_sampling_options():
     z, reps, y = case_a()
-    out = feddifrc_loss(None, y, z, reps, None, variant="paper", tdcl_weight=1.0, ndcr_weight=0.0,
-                        temperature=0.5, num_negatives=1, normaliser="mean-distance",
-                        generator=torch.Generator().manual_seed(3))
-    ref = tdcl_paper(z, reps, y, temperature=0.5, num_negatives=1, normaliser="mean-distance",
-                     generator=torch.Generator().manual_seed(3))
+    out = feddifrc_loss(
+        None,
+        y,
+        z,
+        reps,
+        None,
+        variant="paper",
+        tdcl_weight=1.0,
+        ndcr_weight=0.0,
+        temperature=0.5,
+        ndcr_space="raw",
+        num_negatives=1,
+        normaliser="mean-distance",
+        generator=torch.Generator().manual_seed(3),
+    )
+    ref = tdcl_paper(
+        z,
+        reps,
+        y,
+        temperature=0.5,
+        num_negatives=1,
+        normaliser="mean-distance",
+        generator=torch.Generator().manual_seed(3),
+    )
     assert out["tdcl"].item() == pytest.approx(ref.item())
 
 
@@ -460,8 +570,9 @@ def test_code_variant_matches_a_transcription_of_the_public_code():
     feas = torch.randn(b, d, generator=g)
     reps = torch.randn(b, k, d, generator=g)
     y = torch.randint(0, k, (b,), generator=g)
-    sd_text_feas = torch.stack([torch.cat([reps[i][[c for c in range(k) if c != y[i]]], reps[i, y[i]][None]])
-                                for i in range(b)])
+    sd_text_feas = torch.stack(
+        [torch.cat([reps[i][[c for c in range(k) if c != y[i]]], reps[i, y[i]][None]]) for i in range(b)]
+    )
     f_pos = torch.stack([s[-1] for s in sd_text_feas])
     f_neg = torch.stack([s[:-1] for s in sd_text_feas]).reshape(-1, d)
     f_now = feas.repeat(int((f_pos.size(0) + f_neg.size(0)) / feas.size(0)), 1)

@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_config
+
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
-from feddifrc_app.diffusion.cache import teacher_prompts
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
-from feddifrc_app.targets import build_targets, client_basis, pooled_features
-from feddifrc_app.train import TeacherTargets, train_local
+from feddifrc_app.targets import TeacherTargets, build_targets, client_basis, pooled_features
+from feddifrc_app.train import train_local
 
 CHANCE = math.log(10)
 EPOCHS = 8
@@ -38,7 +38,7 @@ EPOCHS = 8
 
 def _last_epoch_tdcl(cfg, data, ids: np.ndarray, targets: TeacherTargets) -> float:
     torch.manual_seed(0)
-    model = build_model(cfg.model_name, data.num_classes, cfg.model_width)
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.width)
     tdcl = float("nan")
     for epoch in range(EPOCHS):
         loader = make_loader(data, ids, train=True, batch_size=cfg.train.batch_size, seed=epoch)
@@ -69,19 +69,29 @@ def test_tdcl_learns_from_the_trained_teacher_not_from_shuffled_prompts_or_the_c
     cfg, cache, data, ids = setting
     trained = _targets(cfg, cache, data, ids)
     g = torch.Generator().manual_seed(0)
-    shuffled = dataclasses.replace(trained, prompt_reps=torch.stack(
-        [r[torch.randperm(len(r), generator=g)] for r in trained.prompt_reps]))
+    shuffled = dataclasses.replace(
+        trained,
+        prompt_reps=torch.stack([r[torch.randperm(len(r), generator=g)] for r in trained.prompt_reps]),
+    )
 
     public = load_dataset(cfg.dataset, PUBLIC_SPLIT)
-    control_dir = pretrain_teacher(public.images, public.labels,
-                                   teacher_prompts(cfg, public.class_names)[:public.num_classes], cache / "control",
-                                   PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
-                                   progress=False)
-    control_cfg = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=str(control_dir)))
+    control_dir = pretrain_teacher(
+        public.images,
+        public.labels,
+        teacher_prompts(cfg, public.class_names)[: public.num_classes],
+        cache / "control",
+        PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
+        progress=False,
+    )
+    control_cfg = dataclasses.replace(
+        cfg, diffusion=dataclasses.replace(cfg.diffusion, model=str(control_dir))
+    )
     control = _targets(control_cfg, cache, data, ids)
 
-    got = {name: _last_epoch_tdcl(cfg, data, ids, t)
-           for name, t in (("trained", trained), ("shuffled", shuffled), ("control", control))}
+    got = {
+        name: _last_epoch_tdcl(cfg, data, ids, t)
+        for name, t in (("trained", trained), ("shuffled", shuffled), ("control", control))
+    }
     assert got["trained"] < 0.75 * CHANCE, got
     assert got["shuffled"] > 0.95 * CHANCE, got
     assert got["trained"] < got["control"] - 0.2, got
@@ -99,9 +109,11 @@ def test_the_teacher_itself_confirms_that_the_prompt_order_matches_the_labels(se
     cfg, cache, _, _ = setting
     test = load_dataset(cfg.dataset, "test")
     ids = stratified_subset(test.labels, 100, 0)
-    prompts = teacher_prompts(cfg, test.class_names)[:test.num_classes]
+    prompts = teacher_prompts(cfg, test.class_names)[: test.num_classes]
     teacher = load_teacher(cfg.diffusion.model, cache, torch.device("cpu"), torch.float32)
-    feat = Featurizer(teacher, resolution=cfg.diffusion.resolution, timestep=0, blocks=(3,), ensemble=1, seed=0)
+    feat = Featurizer(
+        teacher, resolution=cfg.diffusion.resolution, timestep=0, blocks=(3,), ensemble=1, seed=0
+    )
 
     def errors(order: list[int]) -> torch.Tensor:
         emb = feat.prompt_embeddings(tuple(prompts[i] for i in order))  # (K, L, D)
@@ -113,10 +125,13 @@ def test_the_teacher_itself_confirms_that_the_prompt_order_matches_the_labels(se
             for t in (100, 200, 300, 500):
                 a = float(teacher.alphas_cumprod[t])
                 eps = torch.randn(x0.shape, generator=g)
-                xt = a ** 0.5 * x0 + (1 - a) ** 0.5 * eps
-                v = a ** 0.5 * eps - (1 - a) ** 0.5 * x0
-                pred = teacher.unet(xt.repeat(k, 1, 1, 1), torch.full((k * len(ids),), t),
-                                    encoder_hidden_states=emb.repeat_interleave(len(ids), 0)).sample
+                xt = a**0.5 * x0 + (1 - a) ** 0.5 * eps
+                v = a**0.5 * eps - (1 - a) ** 0.5 * x0
+                pred = teacher.unet(
+                    xt.repeat(k, 1, 1, 1),
+                    torch.full((k * len(ids),), t),
+                    encoder_hidden_states=emb.repeat_interleave(len(ids), 0),
+                ).sample
                 out += ((pred - v.repeat(k, 1, 1, 1)) ** 2).mean(dim=(1, 2, 3)).reshape(k, len(ids)).T
         return out
 

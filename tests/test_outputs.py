@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_config
-from feddifrc_app.outputs import RunDir, atomic_write, summarize
+
+from feddifrc_app.files import atomic_write, write_json
+from feddifrc_app.outputs import RunDir, summarize
 from feddifrc_app.report import format_table, plot_accuracy, plot_label_distribution
 
 
@@ -35,12 +37,33 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     assert list(tmp_path.iterdir()) == [target]
 
 
+def test_a_full_disk_is_named_and_loses_nothing(tmp_path):
+    import errno
+
+    target = tmp_path / "round-0001.pt"
+    target.write_bytes(b"old")
+
+    def full(f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(
+        OSError, match=r"disk full writing .*round-0001.pt; the previous version .* is intact"
+    ):
+        atomic_write(target, full)
+    assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+
+
 def test_run_dir_results_and_checkpoints(tmp_path):
     cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
     run = RunDir.for_config(cfg, run_id=5)
     assert run.path == tmp_path / "r1"
-    results = {"rounds": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5},
-                          {"round": 2, "test-accuracy": 0.4}]}
+    results = {
+        "rounds": [
+            {"round": 0, "test-accuracy": 0.1},
+            {"round": 1, "test-accuracy": 0.5},
+            {"round": 2, "test-accuracy": 0.4},
+        ]
+    }
     run.save_results(results)
     saved = json.loads(run.results_path.read_text())
     # round 0 (the untrained model) is not part of the summary
@@ -62,13 +85,112 @@ def test_resume_from_missing_dir_is_clear(tmp_path):
         RunDir.for_config(cfg, 1)
 
 
+def test_a_run_directory_belongs_to_one_run(tmp_path):
+    cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
+    run = RunDir.for_config(cfg, run_id=1)
+    run.save_results({"rounds": [{"round": 1, "test-accuracy": 0.5}]})
+    run.save_checkpoint(1, {"round": 1, "model": {"w": torch.zeros(1)}})
+    before = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match="already holds another run.*resume-from = '.*r1'"):
+        RunDir.for_config(cfg, run_id=2)
+    assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == before  # nothing lost
+    (tmp_path / "empty").mkdir()  # an empty folder (made by hand) is fine
+    assert RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="empty"), 3).path.name == "empty"
+
+
+def test_resume_checks_the_config_and_names_what_changed(tmp_path):
+    cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
+    run = RunDir.for_config(cfg, run_id=1)
+    write_json(run.path / "config.json", cfg.to_flat())
+    ok = make_config(resume_from=str(run.path), num_server_rounds=20, train__device="cpu")
+    assert RunDir.for_config(ok, 2).path == run.path  # longer, elsewhere: the same computation
+    bad = make_config(resume_from=str(run.path), train__lr=0.5, seed=8)
+    with pytest.raises(ValueError, match=r"seed: 7 -> 8; train.lr: 0.05 -> 0.5"):
+        RunDir.for_config(bad, 2)
+
+
+def test_outputs_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OSError, match="outputs-dir = '.*f': cannot create the run directory"):
+        RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f"), run_name="r"), 1)
+
+
+def test_partial_writes_of_a_killed_run_are_removed(tmp_path):
+    cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
+    run = RunDir.for_config(cfg, 1)
+    write_json(run.path / "config.json", cfg.to_flat())
+    (run.path / ".results.json.tmp-123-abc").write_text("{half")
+    (run.ckpt_dir / ".round-0002.pt.tmp-123-abc").write_bytes(b"half")
+    RunDir.for_config(make_config(resume_from=str(run.path)), 2)
+    assert not list(run.path.rglob(".*tmp-*"))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")  # the crafted file's own protocol
+def test_checkpoints_load_weights_only_and_never_run_code(tmp_path):
+    import hashlib
+    import pickle
+
+    run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    run.save_checkpoint(1, {"round": 1, "model": {"w": torch.ones(2)}})
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    data = pickle.dumps({"round": 2, "model": Evil()})
+    run.checkpoint_path(2).write_bytes(data)
+    (run.ckpt_dir / "round-0002.pt.sha256").write_text(
+        hashlib.sha256(data).hexdigest()
+    )  # even with a valid digest
+    rnd, payload = run.load_last_checkpoint()
+    assert rnd == 1 and not marker.exists()
+    # A flipped byte is caught by the digest, not by luck in the unpickler.
+    raw = bytearray(run.checkpoint_path(1).read_bytes())
+    raw[len(raw) // 2] ^= 1
+    run.checkpoint_path(1).write_bytes(bytes(raw))
+    assert run.load_last_checkpoint() is None
+
+
+def test_results_json_is_strict_json_and_readable_by_others(tmp_path):
+    run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    old = os.umask(0o022)
+    try:
+        run.save_results(
+            {"rounds": [{"round": 1, "test-accuracy": 0.1, "test-loss": float("nan")}], "x": [float("inf")]}
+        )
+    finally:
+        os.umask(old)
+    text = run.results_path.read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard {c}"))["x"] == [None]
+    assert (run.results_path.stat().st_mode & 0o777) == 0o644  # a Docker bind mount's host user can read it
+
+
+def test_corrupt_results_json_is_named_on_resume(tmp_path):
+    run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    run.results_path.write_text("{half")
+    with pytest.raises(ValueError, match="results.json is not valid JSON"):
+        run.load_results()
+
+
 def test_plots_are_png(tmp_path):
-    results = {"method": "feddifrc", "strategy": "fedavg", "dataset": "digits",
-               "teacher": {"random-weights": True},
-               "rounds": [{"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-                          {"round": 1, "test-accuracy": 0.6, "test-loss": 1.2, "failures": [],
-                           "train-metrics": {"train-ce": 1.5}}],
-               "summary": summarize([0.6])}
+    results = {
+        "method": "feddifrc",
+        "strategy": "fedavg",
+        "dataset": "digits",
+        "teacher": {"random-weights": True},
+        "rounds": [
+            {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+            {
+                "round": 1,
+                "test-accuracy": 0.6,
+                "test-loss": 1.2,
+                "failures": [],
+                "train-metrics": {"train-ce": 1.5},
+            },
+        ],
+        "summary": summarize([0.6]),
+    }
     plot_accuracy(results, tmp_path / "acc.png")
     plot_label_distribution(np.array([[3, 0], [1, 2]]), ["a", "b"], tmp_path / "dist.png", "t")
     for p in ("acc.png", "dist.png"):

@@ -27,15 +27,24 @@ def _data(n: int = 24) -> tuple[torch.Tensor, np.ndarray]:
 def few_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     images, labels = _data()
     out = tmp_path_factory.mktemp("pretrain") / "teacher"
-    return pretrain_teacher(images, labels, PROMPTS, out, PretrainRecipe(batch_size=8, vae_steps=2, unet_steps=3,
-                                                                         unet_warmup=1), name="t", progress=False)
+    return pretrain_teacher(
+        images,
+        labels,
+        PROMPTS,
+        out,
+        PretrainRecipe(batch_size=8, vae_steps=2, unet_steps=3, unet_warmup=1),
+        name="t",
+        progress=False,
+    )
 
 
 def test_writes_a_standard_sd_folder_that_the_app_loads(few_steps: Path, tmp_path: Path) -> None:
     marker = json.loads((few_steps / "feddifrc.json").read_text())
     assert marker["kind"] == "feddifrc-pretrained-tiny-sd" and marker["random_weights"] is False
     assert marker["prompts"] == [*PROMPTS, ""] and marker["data"]["per_class"] == [8, 8, 8]
-    assert marker["recipe"]["unet_steps"] == 3 and "unet/diffusion_pytorch_model.safetensors" in marker["files"]
+    assert (
+        marker["recipe"]["unet_steps"] == 3 and "unet/diffusion_pytorch_model.safetensors" in marker["files"]
+    )
     assert not [p for p in few_steps.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
     ident = teacher_identity(str(few_steps), tmp_path)
     assert (ident.model_id, ident.random_weights) == (str(few_steps), False)
@@ -57,24 +66,32 @@ def test_scheduler_is_v_prediction_ddim(few_steps: Path) -> None:
 
 def test_same_seed_same_teacher(few_steps: Path, tmp_path: Path) -> None:
     images, labels = _data()
-    again = pretrain_teacher(images, labels, PROMPTS, tmp_path / "again",
-                             PretrainRecipe(batch_size=8, vae_steps=2, unet_steps=3, unet_warmup=1), name="t",
-                             progress=False)
+    again = pretrain_teacher(
+        images,
+        labels,
+        PROMPTS,
+        tmp_path / "again",
+        PretrainRecipe(batch_size=8, vae_steps=2, unet_steps=3, unet_warmup=1),
+        name="t",
+        progress=False,
+    )
     a, b = (json.loads((p / "feddifrc.json").read_text())["files"] for p in (few_steps, again))
     assert a == b
 
 
 def test_zero_steps_is_the_random_control(tmp_path: Path) -> None:
     images, labels = _data()
-    ctrl = pretrain_teacher(images, labels, PROMPTS, tmp_path / "ctrl", PretrainRecipe(vae_steps=0, unet_steps=0),
-                            progress=False)
+    ctrl = pretrain_teacher(
+        images, labels, PROMPTS, tmp_path / "ctrl", PretrainRecipe(vae_steps=0, unet_steps=0), progress=False
+    )
     assert teacher_identity(str(ctrl), tmp_path).random_weights is True
     assert "UNTRAINED" in (ctrl / "README.md").read_text()
 
 
 @pytest.mark.parametrize("damage", ["flip", "delete"])
-def test_a_corrupt_or_missing_weight_file_is_refused_with_one_line(few_steps: Path, tmp_path: Path,
-                                                                  damage: str) -> None:
+def test_a_corrupt_or_missing_weight_file_is_refused_with_one_line(
+    few_steps: Path, tmp_path: Path, damage: str
+) -> None:
     import shutil
 
     folder = tmp_path / "copy"
@@ -105,7 +122,8 @@ def test_bad_inputs_are_rejected_before_training(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_keeps_the_previous_teacher_and_leaves_no_partial_folder(
-        few_steps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    few_steps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import shutil
 
     from feddifrc_app.diffusion import pretrain
@@ -122,8 +140,14 @@ def test_a_failed_save_keeps_the_previous_teacher_and_leaves_no_partial_folder(
     monkeypatch.setattr(pretrain, "save_tiny_pipeline", broken_save)
     images, labels = _data()
     with pytest.raises(OSError, match="disk full"):
-        pretrain_teacher(images, labels, PROMPTS, out, PretrainRecipe(batch_size=8, vae_steps=1, unet_steps=0),
-                         progress=False)
+        pretrain_teacher(
+            images,
+            labels,
+            PROMPTS,
+            out,
+            PretrainRecipe(batch_size=8, vae_steps=1, unet_steps=0),
+            progress=False,
+        )
     assert json.loads((out / "feddifrc.json").read_text())["files"] == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher"]
 
@@ -143,8 +167,9 @@ def test_an_unreadable_marker_or_unlisted_weights_are_refused(few_steps: Path, t
         teacher_identity(str(folder), tmp_path / "cache")
 
 
-def test_the_training_resolution_is_recorded_and_checked_against_the_config(few_steps: Path, tmp_path: Path,
-                                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_the_training_resolution_is_recorded_and_checked_against_the_config(
+    few_steps: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from feddifrc_app.diffusion.pipeline import teacher_resolution
     from feddifrc_app.targets import _featurizer
 

@@ -9,8 +9,8 @@ from sklearn.decomposition import PCA
 from feddifrc_app.diffusion.projection import (
     Basis,
     block_stats,
-    clip_widths,
     client_stats,
+    clip_widths,
     fit_basis,
     fuse,
     fuse_per_batch,
@@ -62,7 +62,7 @@ def test_federated_pca_equals_pca_of_pooled_union():
     merged = merge_client_stats([client_stats(c) for c in clients])
     basis = fit_basis(merged, widths, BLOCKS)
     assert basis.mode == "federated-pca" and basis.widths == widths
-    for i, (b, k) in enumerate(zip(BLOCKS, widths)):
+    for i, (b, k) in enumerate(zip(BLOCKS, widths, strict=True)):
         rows = _union(clients, b)
         ref = PCA(n_components=k, svd_solver="full").fit(rows)
         np.testing.assert_allclose(basis.means[i], ref.mean_, rtol=1e-5, atol=1e-4)
@@ -82,7 +82,8 @@ def test_federated_pca_fixes_too_few_local_rows():
     basis = fit_basis(merge_client_stats([client_stats(c) for c in clients]), (8, 6, 5), BLOCKS)
     ref = PCA(n_components=8, svd_solver="full").fit(_union(clients, 1))
     np.testing.assert_allclose(
-        np.abs(np.sum(basis.components[0] * ref.components_.T, axis=0)), 1.0, atol=1e-4)
+        np.abs(np.sum(basis.components[0] * ref.components_.T, axis=0)), 1.0, atol=1e-4
+    )
 
 
 def test_stats_are_order_independent_and_sequence_form_matches():
@@ -90,7 +91,7 @@ def test_stats_are_order_independent_and_sequence_form_matches():
     a = fit_basis(merge_client_stats([client_stats(c) for c in clients]), (8, 6, 5), BLOCKS)
     merged = merge_client_stats([client_stats(c) for c in reversed(clients)])
     b = fit_basis([merged[x] for x in BLOCKS], (8, 6, 5), BLOCKS)
-    for ca, cb in zip(a.components, b.components):
+    for ca, cb in zip(a.components, b.components, strict=True):
         np.testing.assert_allclose(ca, cb, atol=1e-5)  # deterministic sign convention
 
 
@@ -120,7 +121,8 @@ def test_shared_basis_same_input_same_vector_in_any_batch():
 def test_fuse_is_per_block_affine_map_in_block_order():
     x = {1: np.arange(6, dtype=np.float32).reshape(1, 2, 3), 2: np.ones((1, 2, 2), np.float32)}
     basis = Basis(
-        mode="test", blocks=(2, 1),
+        mode="test",
+        blocks=(2, 1),
         means=(np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0, 2.0], np.float32)),
         components=(np.array([[1.0], [0.0]], np.float32), np.eye(3, 2, dtype=np.float32)),
     )
@@ -148,7 +150,7 @@ def test_random_basis_orthonormal_seeded_zero_mean():
     b = random_basis((40, 24, 16), (8, 6, 5), BLOCKS, seed=3)
     c = random_basis((40, 24, 16), (8, 6, 5), BLOCKS, seed=4)
     assert a.mode == "random" and a.fingerprint() == b.fingerprint() != c.fingerprint()
-    for w, m in zip(a.components, a.means):
+    for w, m in zip(a.components, a.means, strict=True):
         np.testing.assert_allclose(w.T @ w, np.eye(w.shape[1]), atol=1e-5)
         assert not m.any()
     with pytest.raises(ValueError, match="exceeds"):
@@ -171,7 +173,7 @@ def test_basis_arrays_round_trip_and_fingerprint():
     back = Basis.from_arrays({k: v.copy() for k, v in arrays.items()})
     assert back.mode == basis.mode and back.blocks == basis.blocks
     assert back.fingerprint() == basis.fingerprint()
-    for x, y in zip(back.components, basis.components):
+    for x, y in zip(back.components, basis.components, strict=True):
         np.testing.assert_array_equal(x, y)
     other = fit_basis(merge_client_stats([client_stats(c) for c in _clients(3)]), (8, 6, 5), BLOCKS)
     assert other.fingerprint() != basis.fingerprint()
@@ -193,8 +195,9 @@ def test_local_pca_basis_and_errors():
     basis = local_pca_basis(x, (8, 6, 5), BLOCKS)
     assert basis.mode == "local-pca"
     ref = PCA(n_components=8, svd_solver="full").fit(x[1].reshape(-1, 40).astype(np.float64))
-    np.testing.assert_allclose(np.abs(np.sum(basis.components[0] * ref.components_.T, axis=0)), 1.0,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.abs(np.sum(basis.components[0] * ref.components_.T, axis=0)), 1.0, atol=1e-4
+    )
     with pytest.raises(ValueError, match="exceeds"):
         fit_basis(client_stats(x), (41, 6, 5), BLOCKS)
     with pytest.raises(ValueError, match="NaN"):

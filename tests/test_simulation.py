@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 from flower_procs import flower_procs  # noqa: F401  (pytest fixture)
 
@@ -35,8 +34,7 @@ def _results(run_dir: Path) -> dict:
 
 def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path):  # noqa: F811
     out, cache = tmp_path / "runs", tmp_path / "cache"
-    base = (f"num-server-rounds=2 dataset.train-limit=120 outputs-dir='{out}' "
-            f"diffusion.cache-dir='{cache}'")
+    base = f"num-server-rounds=2 dataset.train-limit=120 outputs-dir='{out}' diffusion.cache-dir='{cache}'"
     first = _run(flower_procs, base + " run-name='cold'")
     r = _results(out / "cold")
     assert [x["round"] for x in r["rounds"]] == [0, 1, 2]
@@ -49,7 +47,10 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     s = r["summary"]
     assert s["final-accuracy"] == r["rounds"][-1]["test-accuracy"]
     assert s["best-accuracy"] == max(x["test-accuracy"] for x in r["rounds"][1:])
-    assert r["teacher"] == {"model": "tiny-mnist", "random-weights": False}  # the packaged teacher, found from the FAB
+    assert r["teacher"] == {
+        "model": "tiny-mnist",
+        "random-weights": False,
+    }  # the packaged teacher, found from the FAB
     assert r["basis"]["mode"] == "federated-pca" and r["basis"]["nodes"] == 2
     assert r["setup-cache-misses"] == 120  # every training image extracted once, during setup
     assert sum(sum(c) for c in r["label-counts"].values()) == 120
@@ -68,8 +69,10 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
 
 def test_resume_matches_uninterrupted_run(flower_procs, tmp_path):  # noqa: F811
     out = tmp_path / "runs"
-    base = (f"method='fedavg' dataset.train-limit=100 outputs-dir='{out}' "
-            "partition.name='dirichlet' partition.alpha=0.5")
+    base = (
+        f"method='fedavg' dataset.train-limit=100 outputs-dir='{out}' "
+        "partition.name='dirichlet' partition.alpha=0.5"
+    )
     _run(flower_procs, base + " num-server-rounds=3 run-name='full'")
     _run(flower_procs, base + " num-server-rounds=2 run-name='part'")
     _run(flower_procs, base + f" num-server-rounds=3 resume-from='{out / 'part'}'")
@@ -96,8 +99,11 @@ def test_resume_matches_uninterrupted_run(flower_procs, tmp_path):  # noqa: F811
 )
 def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
     out = tmp_path / "runs"
-    _run(flower_procs, f"num-server-rounds=1 dataset.train-limit=60 outputs-dir='{out}' run-name='{name}' "
-                       f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}")
+    _run(
+        flower_procs,
+        f"num-server-rounds=1 dataset.train-limit=60 outputs-dir='{out}' run-name='{name}' "
+        f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}",
+    )
     r = _results(out / name)
     row = r["rounds"][1]
     assert row["failures"] == []
@@ -108,3 +114,36 @@ def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  #
         assert row["test-loss"] is None  # linear-probe accuracy only
     else:
         assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
+
+
+def _failed_run(procs, run_config: str) -> dict:
+    run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=FED)
+    info = procs.wait_for_run(run_id, "local", timeout=600)
+    assert info["status"] == "finished:failed", f"{info}\n{procs.run_log(run_id, 'local')[-4000:]}"
+    return info
+
+
+def test_a_diverged_run_is_reported_failed_with_strict_json(flower_procs, tmp_path):  # noqa: F811
+    out = tmp_path / "runs"
+    info = _failed_run(
+        flower_procs,
+        f"method='fedavg' train.lr=1e6 train.local-epochs=10 train.batch-size=5 num-server-rounds=1 "
+        f"dataset.train-limit=60 outputs-dir='{out}' run-name='d'",
+    )
+    assert "diverged" in info["status-details"], info
+    text = (out / "d" / "results.json").read_text()
+    r = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
+    assert r["status"] == "diverged" and r["diverged-rounds"] == [1]
+    first, last = r["rounds"]
+    assert last["failures"] and all("diverged:" in f["reason"] for f in last["failures"])
+    assert last["test-accuracy"] == first["test-accuracy"]  # the last finite model is kept
+
+
+def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):  # noqa: F811
+    (tmp_path / "file").write_text("not a folder")
+    info = _failed_run(
+        flower_procs,
+        f"num-server-rounds=1 dataset.train-limit=60 outputs-dir='{tmp_path / 'runs'}' "
+        f"diffusion.cache-dir='{tmp_path / 'file'}'",
+    )
+    assert "is not a folder" in info["status-details"], info

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
 
-from conftest import make_config
 from feddifrc_app.config import STRATEGIES
 from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
 
@@ -43,8 +43,12 @@ def test_fedavg_weights_by_num_examples():
     assert isinstance(s, FedAvg)
     msgs = []
     for val, n in ((1.0, 1), (4.0, 3)):
-        content = RecordDict({"arrays": ArrayRecord(numpy_ndarrays=[np.full((2,), val, dtype=np.float32)]),
-                              "metrics": MetricRecord({"num-examples": n})})
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(numpy_ndarrays=[np.full((2,), val, dtype=np.float32)]),
+                "metrics": MetricRecord({"num-examples": n}),
+            }
+        )
         m = Message(content=content, message_type="train", dst_node_id=1)
         msgs.append(Message(content, reply_to=m))
     arrays, _ = s.aggregate_train(1, msgs)
@@ -71,4 +75,22 @@ def test_strategy_state_round_trip():
     load_strategy_state(t, state)
     np.testing.assert_array_equal(t.v_t["w"], [2, 2, 2])
     with pytest.raises(KeyError):
-        load_strategy_state(t, {"bogus": 1})
+        load_strategy_state(t, {"bogus": {"dict": {}}})
+
+
+def test_strategy_state_survives_a_weights_only_checkpoint():
+    import io
+
+    import torch
+
+    s = build_strategy(make_config(strategy__name="fedavgm"))
+    s.current_arrays = ArrayRecord({"w": torch.arange(3.0)})
+    s.momentum_vector = [np.full(2, 0.5)]
+    buf = io.BytesIO()
+    torch.save(strategy_state(s), buf)
+    buf.seek(0)
+    t = build_strategy(make_config(strategy__name="fedavgm"))
+    load_strategy_state(t, torch.load(buf, weights_only=True))  # no pickled Python objects needed
+    assert isinstance(t.current_arrays, ArrayRecord)
+    np.testing.assert_array_equal(t.current_arrays["w"].numpy(), [0, 1, 2])
+    np.testing.assert_array_equal(t.momentum_vector[0], [0.5, 0.5])

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_config
+
 from feddifrc_app import targets as tg
 from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.dataset import client_split, eval_transform, make_loader
-from feddifrc_app.diffusion.cache import teacher_prompts
 from feddifrc_app.diffusion.projection import fuse
+from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
-from feddifrc_app.train import TeacherTargets, linear_probe, train_local
+from feddifrc_app.targets import TeacherTargets
+from feddifrc_app.train import linear_probe, train_local
 
 CPU = torch.device("cpu")
 NODE = {"partition-id": 0, "num-partitions": 4}
@@ -33,8 +34,14 @@ SSL_NEGATIVES = "cat,dog,car"
 
 
 def cfg_for(teacher_cache: Path, **over) -> Config:
-    base = dict(dataset__train_limit=40, diffusion__cache_dir=str(teacher_cache), train__device="cpu",
-                diffusion__device="cpu", train__batch_size=5, diffusion__projection="random")
+    base = dict(
+        dataset__train_limit=40,
+        diffusion__cache_dir=str(teacher_cache),
+        train__device="cpu",
+        diffusion__device="cpu",
+        train__batch_size=5,
+        diffusion__projection="random",
+    )
     base.update(over)
     return make_config(**base)
 
@@ -81,8 +88,9 @@ def fresh_model(seed: int = 0) -> torch.nn.Module:
 
 
 def loader_for(c: Client, cfg: Config, seed: int = 0, *, augment: bool = True, data=None):
-    return make_loader(data or c.data, c.ids, train=True, batch_size=cfg.train.batch_size, seed=seed,
-                       augment=augment)
+    return make_loader(
+        data or c.data, c.ids, train=True, batch_size=cfg.train.batch_size, seed=seed, augment=augment
+    )
 
 
 def run(c: Client, cfg: Config, *, model=None, seed: int = 0, augment: bool = True, data=None, **kw):
@@ -90,8 +98,9 @@ def run(c: Client, cfg: Config, *, model=None, seed: int = 0, augment: bool = Tr
     t = kw.pop("targets", None)
     if t is None and cfg.uses_diffusion:
         t = targets_for(c, cfg)
-    metrics, state = train_local(model, loader_for(c, cfg, seed, augment=augment, data=data), cfg, CPU,
-                                 targets=t, seed=seed, **kw)
+    metrics, state = train_local(
+        model, loader_for(c, cfg, seed, augment=augment, data=data), cfg, CPU, targets=t, seed=seed, **kw
+    )
     return model, metrics, state
 
 
@@ -137,8 +146,15 @@ def test_feddifrc_round_metrics_are_the_losses_of_the_starting_model(sup: Client
     before = flat(model).clone()
     # one batch holding all 10 images, no augmentation: the metrics are the losses of `start`
     _, m, _ = run(sup, cfg, model=model, augment=False, targets=t)
-    assert set(m) == {"train-ce", "train-tdcl", "train-ndcr", "train-total", "train-ndcr-cosine",
-                      "train-accuracy", "train-seconds"}
+    assert set(m) == {
+        "train-ce",
+        "train-tdcl",
+        "train-ndcr",
+        "train-total",
+        "train-ndcr-cosine",
+        "train-accuracy",
+        "train-seconds",
+    }
     assert all_finite(m)
     assert not torch.equal(flat(model), before)
 
@@ -318,10 +334,14 @@ def test_teacher_targets_take_maps_rows_and_rejects_foreign_indices(sup: Client)
     t = targets_for(sup)
     # row j of the pooled features belongs to dataset index ids[j]; prompts: 10 classes, NDCR last
     assert sup.prompts[-1] == sup.cfg.diffusion.ndcr_prompt
-    assert sup.prompts[:10] == tuple(sup.cfg.diffusion.prompt_template.format(c) for c in sup.data.class_names)
+    assert sup.prompts[:10] == tuple(
+        sup.cfg.diffusion.prompt_template.format(c) for c in sup.data.class_names
+    )
     assert torch.equal(t.rows[torch.as_tensor(sup.ids)], torch.arange(len(sup.ids)))
     fused = fuse(sup.pooled, tg.client_basis(sup.cfg, sup.pooled, None))  # (10, 11, 512)
-    assert np.array_equal(t.prompt_reps.numpy(), fused[:, :10]) and np.array_equal(t.ndcr.numpy(), fused[:, 10])
+    assert np.array_equal(t.prompt_reps.numpy(), fused[:, :10]) and np.array_equal(
+        t.ndcr.numpy(), fused[:, 10]
+    )
     pick = torch.as_tensor(sup.ids[[3, 0, 3]])
     reps, h = t.take(pick)
     assert torch.equal(reps, t.prompt_reps[[3, 0, 3]]) and torch.equal(h, t.ndcr[[3, 0, 3]])
@@ -330,3 +350,15 @@ def test_teacher_targets_take_maps_rows_and_rejects_foreign_indices(sup: Client)
         t.take(torch.as_tensor([int(sup.ids[0]), foreign]))
     with pytest.raises(KeyError):
         t.take(torch.as_tensor([int(sup.ids.max()) + 1]))
+
+
+def test_diverging_training_raises_and_returns_nothing(teacher_cache: Path) -> None:
+    from feddifrc_app.train import DivergedError
+
+    cfg = cfg_for(teacher_cache, method="fedavg", train__lr=1e6, train__local_epochs=10)
+    data, ids = client_split(cfg, load_node_config(NODE))
+    loader = make_loader(data, ids, train=True, batch_size=5, seed=0)
+    with pytest.raises(
+        DivergedError, match=r"^diverged: the training loss became non-finite; lower train.lr \(= 1e\+06\)"
+    ):
+        train_local(fresh_model(), loader, cfg, CPU)

@@ -1,35 +1,21 @@
 """Keyed, atomic, verified on-disk store of pooled per-block teacher features.
 
-Torch-free: features arrive from an ``extract(ids)`` callable, which is only
-called for ids missing from the cache, so a warm cache never loads the teacher
-(:class:`LazyExtractor` builds the featurizer on the first miss).
+Torch-free: features come from an ``extract(ids)`` callable that is called only for ids
+missing from the cache, so a warm cache never loads the teacher (``LazyExtractor``).
+Entries are per IMAGE (dataset index), so partitions and client counts share them, and a
+killed extraction resumes where it stopped. Layout under ``<cache_dir>/features``::
 
-Layout (``root`` = ``<cache_dir>/features``)::
+    <key>/key.json              the key's fields, for people
+    <key>/shard-000012.npz      cached dataset ids 12*256 .. 13*256-1
+    <key>/shard-000012.lock     flock serialising the writers of that shard
 
-    <root>/<key>/key.json              the key's fields, for people and `feddifrc status`
-    <root>/<key>/shard-000012.npz      dataset ids 12*256 .. 13*256-1 that are cached
-    <root>/<key>/shard-000012.lock     flock file serialising writers of that shard
-
-Granularity is the IMAGE (dataset index): different partitions, partition
-settings and client counts reuse each other's entries, and a killed extraction
-resumes where it stopped (each chunk is written as soon as it is computed).
-
-Shard file format: an uncompressed ``np.savez`` archive, read back with
-``allow_pickle=False`` (no pickle anywhere), holding
-
-- ``header``: uint8, the utf-8 bytes of a JSON object ``{"format":
-  "feddifrc-features", "version": 1, "key", "shard", "shard_size", "blocks",
-  "shapes": {block: [n, P, C_b]}, "dtype": "float16", "n", "sha256"}``;
-- ``ids``: int64 ``(n,)``, strictly increasing, all inside the shard's range;
-- ``block_<b>``: float16 ``(n, P, C_b)`` pooled features of up-block ``b``
-  BEFORE any projection (rows follow ``ids``; P = prompts in key order).
-
-``sha256`` covers the ids bytes and every block's bytes (little-endian, block
-order). A file that cannot be opened, or whose header, ids, shapes, dtype or
-checksum disagree, is logged and treated as absent: its ids are recomputed and
-the shard rewritten. A write merges the new rows into what is on disk under the
-shard's lock, writes a temporary file in the same folder, fsyncs it and
-``os.replace``\\ s it over the shard, so readers only ever see whole files.
+A shard is an uncompressed ``np.savez`` archive, read with ``allow_pickle=False``:
+``header`` (uint8 utf-8 JSON: format, version, key, shard, shard_size, blocks, shapes,
+dtype, n, sha256), ``ids`` (int64, strictly increasing, inside the shard's range) and
+``block_<b>`` (float16 ``(n, P, C_b)``, up-block b pooled BEFORE any projection, P =
+prompts in key order). ``sha256`` covers the ids and every block (little-endian, block
+order). A shard that fails any check is logged and treated as absent (recomputed and
+rewritten). Writers merge into the shard under its lock and replace it atomically.
 """
 
 from __future__ import annotations
@@ -37,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,29 +32,18 @@ from typing import Any
 
 import numpy as np
 
+from feddifrc_app import log
+from feddifrc_app.files import atomic_write
+
 try:  # POSIX; elsewhere writers are not serialised (a lost merge only costs recomputation)
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-log = logging.getLogger(__name__)
-
 FORMAT = "feddifrc-features"
 FORMAT_VERSION = 1
 SHARD_SIZE = 256
 STORE_DTYPE = np.float16
-
-__all__ = [
-    "CacheStats",
-    "FeatureStore",
-    "LazyExtractor",
-    "cached_pooled_features",
-    "config_key_fields",
-    "feature_key",
-    "key_fields",
-    "key_from_fields",
-    "teacher_prompts",
-]
 
 
 # --------------------------------------------------------------------------- keys
@@ -118,71 +91,6 @@ def key_from_fields(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
 
-def feature_key(**kwargs: Any) -> str:
-    """sha256 hex of the canonical JSON of :func:`key_fields` (same keyword arguments)."""
-    return key_from_fields(key_fields(**kwargs))
-
-
-def config_key_fields(
-    cfg: Any,
-    *,
-    model_id: str,
-    weights_hash: str,
-    dtype: str,
-    prompts: Sequence[str],
-    dataset_fingerprint: str,
-    conditioning: str = "none",
-) -> dict[str, Any]:
-    """:func:`key_fields` of a run ``Config`` (diffusion.* and seed) and a teacher identity.
-
-    The ONE place that maps a config to a cache key, so ``feddifrc extract`` and
-    the ClientApp compute the same key. Key = ``key_from_fields(fields)``.
-    """
-    d = cfg.diffusion
-    return key_fields(
-        model_id=model_id, weights_hash=weights_hash, resolution=d.resolution, timestep=d.timestep,
-        blocks=d.blocks, prompts=prompts, seed=cfg.seed, ensemble=d.ensemble,
-        dataset_fingerprint=dataset_fingerprint, conditioning=conditioning, dtype=dtype,
-    )
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def teacher_prompts(
-    cfg: Any, class_names: Sequence[str], negative_pool: Sequence[str] | None = None
-) -> tuple[str, ...]:
-    """The prompt list the teacher is run with for ``cfg.method`` (its order is part of the key).
-
-    - ``feddifrc`` (and ``fedavg``, should anyone ask): ``prompt_template.format(name)``
-      for every class in LABEL order (prompt y is the TDCL positive of a sample
-      with label y, the others its negatives), then ``diffusion.ndcr_prompt``
-      LAST ("" = unconditional).
-    - ``feddifrc-ssl``: ``ssl.positive_prompt`` first, then
-      ``prompt_template.format(name)`` for every name of ``ssl.negatives``, or,
-      when that is empty, for ``ssl.num_negatives`` names drawn without
-      replacement by ``numpy.random.default_rng(cfg.seed)`` from
-      ``negative_pool`` (default: the 200 Tiny-ImageNet class names) and kept
-      in pool order, then ``ssl.ndcr_prompt`` LAST.
-    """
-    d = cfg.diffusion
-    if cfg.method == "feddifrc-ssl":
-        negatives = tuple(cfg.ssl.negatives)
-        if not negatives:
-            if negative_pool is None:
-                from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES as negative_pool
-            pool = tuple(negative_pool)
-            if not pool:
-                raise ValueError("teacher_prompts: empty negative_pool for method 'feddifrc-ssl'")
-            rng = np.random.default_rng(int(cfg.seed))
-            pick = rng.choice(len(pool), size=min(int(cfg.ssl.num_negatives), len(pool)), replace=False)
-            negatives = tuple(pool[i] for i in sorted(pick))
-        return (cfg.ssl.positive_prompt, *(d.prompt_template.format(n) for n in negatives), cfg.ssl.ndcr_prompt)
-    if not class_names:
-        raise ValueError("teacher_prompts: no class names")
-    return (*(d.prompt_template.format(c) for c in class_names), d.ndcr_prompt)
-
-
 # --------------------------------------------------------------------------- store
 
 
@@ -217,17 +125,48 @@ def _as_ids(ids: Any) -> np.ndarray:
     return a
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # path -> (inode, size, mtime_ns, checksum) of shards whose checksum this process verified.
 _VERIFIED: dict[str, tuple[int, int, int, Any]] = {}
+
+
+def _open_shard(path: Path) -> tuple[dict[str, Any], np.ndarray, dict[int, np.ndarray]]:
+    """(header, ids, {block: rows}) of a shard file, unchecked; ``CorruptShard`` if unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = set(z.files)
+            if "header" not in names or "ids" not in names:
+                raise CorruptShard(f"members {sorted(names)} lack header/ids")
+            header = json.loads(bytes(np.asarray(z["header"], dtype=np.uint8)).decode("utf-8"))
+            arrays = {}
+            for b in header.get("blocks", []):
+                if f"block_{int(b)}" not in names:
+                    raise CorruptShard(f"missing member block_{int(b)}")
+                arrays[int(b)] = z[f"block_{int(b)}"]
+            return header, z["ids"], arrays
+    except CorruptShard:
+        raise
+    except Exception as e:  # zip/npy/json errors of a truncated or overwritten file
+        raise CorruptShard(f"unreadable ({type(e).__name__}: {e})") from None
+
+
+def _as_stored(feats: Mapping[int, Any], n: int) -> dict[int, np.ndarray]:
+    """``{block: (n, P, C_b)}`` as float16, refusing values that float16 cannot hold."""
+    if not feats:
+        raise ValueError("save: no blocks")
+    out: dict[int, np.ndarray] = {}
+    for b, a in feats.items():
+        a = np.asarray(a)
+        if a.ndim != 3 or a.shape[0] != n:
+            raise ValueError(f"save: block {b} has shape {a.shape}, expected ({n}, P, C_b)")
+        with np.errstate(over="ignore", invalid="ignore"):
+            a16 = a.astype(STORE_DTYPE)
+        if not np.all(np.isfinite(a16)):
+            raise ValueError(
+                f"save: block {b} has NaN/inf values after conversion to float16 "
+                f"(max |x| = {np.nanmax(np.abs(a.astype(np.float64))):.4g}; float16 holds up to 65504)"
+            )
+        out[int(b)] = a16
+    return out
 
 
 class FeatureStore:
@@ -240,8 +179,6 @@ class FeatureStore:
         self.shard_size = int(shard_size)
         self.corrupt_seen = 0  # invalid shard files met so far (each is logged)
 
-    # ---- paths
-
     def key_dir(self, key: str) -> Path:
         if not key or any(c not in "0123456789abcdef" for c in key):
             raise ValueError(f"feature key must be lowercase hex, got {key!r}")
@@ -250,52 +187,20 @@ class FeatureStore:
     def shard_path(self, key: str, shard: int) -> Path:
         return self.key_dir(key) / f"shard-{int(shard):06d}.npz"
 
-    def shards(self, key: str) -> list[int]:
-        d = self.key_dir(key)
-        if not d.is_dir():
-            return []
-        out = []
-        for p in d.glob("shard-*.npz"):
-            with contextlib.suppress(ValueError):
-                out.append(int(p.stem.split("-", 1)[1]))
-        return sorted(out)
-
     def describe(self, key: str, fields: Mapping[str, Any]) -> None:
         """Write ``<key>/key.json`` (the key's fields) once; they must hash to ``key``."""
         if key_from_fields(fields) != key:
             raise ValueError("describe: the fields do not hash to this key")
         path = self.key_dir(key) / "key.json"
-        if path.exists():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = (json.dumps(dict(fields), indent=1, sort_keys=True) + "\n").encode()
-        self._atomic_write(path, lambda f: f.write(data))
-
-    def cached_ids(self, key: str) -> np.ndarray:
-        """Every id with a valid cached entry under ``key`` (reads and verifies all shards)."""
-        parts = [s.ids for s in (self._read(key, sh) for sh in self.shards(key)) if s is not None]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if not path.exists():
+            text = json.dumps(dict(fields), indent=1, sort_keys=True) + "\n"
+            atomic_write(path, lambda f: f.write(text), mode="w")
 
     # ---- reading
 
-    def _verify(self, path: Path, key: str, shard: int) -> _Shard:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                names = set(z.files)
-                if "header" not in names or "ids" not in names:
-                    raise CorruptShard(f"members {sorted(names)} lack header/ids")
-                header = json.loads(bytes(np.asarray(z["header"], dtype=np.uint8)).decode("utf-8"))
-                ids = z["ids"]
-                arrays = {}
-                for b in header.get("blocks", []):
-                    name = f"block_{int(b)}"
-                    if name not in names:
-                        raise CorruptShard(f"missing member {name}")
-                    arrays[int(b)] = z[name]
-        except CorruptShard:
-            raise
-        except Exception as e:  # zip/npy/json errors of a truncated or overwritten file
-            raise CorruptShard(f"unreadable ({type(e).__name__}: {e})") from None
+    def _check(self, key: str, shard: int, header: dict, ids: np.ndarray, arrays: dict) -> None:
+        """Raise ``CorruptShard`` unless the header, ids and block arrays agree with each other and
+        with this key and shard (the checksum is ``_verify``'s)."""
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
             raise CorruptShard(f"format {header.get('format')!r} v{header.get('version')!r}")
         if header.get("key") != key:
@@ -320,6 +225,10 @@ class FeatureStore:
                 raise CorruptShard(f"block {b}: {a.dtype} {a.shape}, header says float16 {want}")
         if not arrays:
             raise CorruptShard("no blocks")
+
+    def _verify(self, path: Path, key: str, shard: int) -> _Shard:
+        header, ids, arrays = _open_shard(path)
+        self._check(key, shard, header, ids, arrays)
         # The checksum pass reads every byte again; a shard already verified by this process
         # and not replaced since (same inode, size and mtime) is not hashed twice: a simulation
         # actor re-reads its shards every round, and at CIFAR scale that is ~0.5 GB per client.
@@ -371,7 +280,9 @@ class FeatureStore:
                 self.corrupt_seen += 1
                 log.warning(
                     "feature cache: %s holds blocks/shapes %s unlike the other shards %s; ignored",
-                    self.shard_path(key, int(sh)), shapes, ref,
+                    self.shard_path(key, int(sh)),
+                    shapes,
+                    ref,
                 )
                 continue
             pos = np.searchsorted(s.ids, want)
@@ -421,21 +332,6 @@ class FeatureStore:
                 if fcntl is not None:
                     fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    @staticmethod
-    def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        _fsync_dir(path.parent)
-
     def save(self, key: str, ids: Any, feats: Mapping[int, Any]) -> None:
         """Store ``feats`` ``{block: (n, P, C_b)}`` for ``ids`` (n unique ids), as float16.
 
@@ -448,64 +344,50 @@ class FeatureStore:
             return
         if np.unique(ids).size != ids.size:
             raise ValueError("save: ids must be unique")
-        if not feats:
-            raise ValueError("save: no blocks")
-        new: dict[int, np.ndarray] = {}
-        for b, a in feats.items():
-            a = np.asarray(a)
-            if a.ndim != 3 or a.shape[0] != ids.size:
-                raise ValueError(f"save: block {b} has shape {a.shape}, expected ({ids.size}, P, C_b)")
-            with np.errstate(over="ignore", invalid="ignore"):
-                a16 = a.astype(STORE_DTYPE)
-            if not np.all(np.isfinite(a16)):
-                raise ValueError(
-                    f"save: block {b} has NaN/inf values after conversion to float16 "
-                    f"(max |x| = {np.nanmax(np.abs(a.astype(np.float64))):.4g}; float16 holds up to 65504)"
-                )
-            new[int(b)] = a16
-        shapes = {b: a.shape[1:] for b, a in new.items()}
+        new = _as_stored(feats, ids.size)
         self.key_dir(key).mkdir(parents=True, exist_ok=True)
         shard_of = ids // self.shard_size
         for sh in np.unique(shard_of):
-            sh = int(sh)
             sel = np.flatnonzero(shard_of == sh)
-            with self._locked(key, sh):
-                path = self.shard_path(key, sh)
-                for stale in path.parent.glob(f".{path.name}.tmp-*"):  # killed writers (we hold the lock)
-                    with contextlib.suppress(OSError):
-                        stale.unlink()
-                old = self._read(key, sh)
-                if old is not None and {b: a.shape[1:] for b, a in old.blocks.items()} != shapes:
-                    log.warning("feature cache: %s has other blocks/shapes; replacing it", path)
-                    old = None
-                sid = ids[sel]
-                if old is not None:
-                    keep = ~np.isin(old.ids, sid)
-                    sid = np.concatenate([old.ids[keep], sid])
-                    rows = {b: np.concatenate([old.blocks[b][keep], new[b][sel]]) for b in new}
-                else:
-                    rows = {b: new[b][sel] for b in new}
-                order = np.argsort(sid, kind="stable")
-                sid = np.ascontiguousarray(sid[order])
-                rows = {b: np.ascontiguousarray(rows[b][order]) for b in sorted(rows)}
-                header = {
-                    "format": FORMAT,
-                    "version": FORMAT_VERSION,
-                    "key": key,
-                    "shard": sh,
-                    "shard_size": self.shard_size,
-                    "blocks": sorted(rows),
-                    "shapes": {str(b): list(a.shape) for b, a in rows.items()},
-                    "dtype": "float16",
-                    "n": int(sid.size),
-                    "sha256": _checksum(sid, rows),
-                }
-                arrays = {
-                    "header": np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8),
-                    "ids": sid,
-                    **{f"block_{b}": a for b, a in rows.items()},
-                }
-                self._atomic_write(path, lambda f: np.savez(f, **arrays))
+            with self._locked(key, int(sh)):
+                self._merge(key, int(sh), ids[sel], {b: a[sel] for b, a in new.items()})
+
+    def _merge(self, key: str, shard: int, ids: np.ndarray, rows: dict[int, np.ndarray]) -> None:
+        """Rewrite ``shard`` as its valid rows on disk plus ``rows`` of ``ids`` (caller holds the lock)."""
+        path = self.shard_path(key, shard)
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by killed writers
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        old = self._read(key, shard)
+        shapes = {b: a.shape[1:] for b, a in rows.items()}
+        if old is not None and {b: a.shape[1:] for b, a in old.blocks.items()} != shapes:
+            log.warning("feature cache: %s has other blocks/shapes; replacing it", path)
+            old = None
+        if old is not None:
+            keep = ~np.isin(old.ids, ids)
+            ids = np.concatenate([old.ids[keep], ids])
+            rows = {b: np.concatenate([old.blocks[b][keep], rows[b]]) for b in rows}
+        order = np.argsort(ids, kind="stable")
+        ids = np.ascontiguousarray(ids[order])
+        rows = {b: np.ascontiguousarray(rows[b][order]) for b in sorted(rows)}
+        header = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "key": key,
+            "shard": shard,
+            "shard_size": self.shard_size,
+            "blocks": sorted(rows),
+            "shapes": {str(b): list(a.shape) for b, a in rows.items()},
+            "dtype": "float16",
+            "n": int(ids.size),
+            "sha256": _checksum(ids, rows),
+        }
+        arrays = {
+            "header": np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8),
+            "ids": ids,
+            **{f"block_{b}": a for b, a in rows.items()},
+        }
+        atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 # --------------------------------------------------------------------------- cached extraction
@@ -526,6 +408,58 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+class _Rows:
+    """The per-block output over the sorted unique ids, filled from hits and extracted chunks; all
+    parts must agree in blocks and shapes (else the key misses a field). Holds nothing when not ``keep``."""
+
+    def __init__(self, key: str, n: int, dtype: Any, keep: bool) -> None:
+        self.key, self.n, self.dtype, self.keep = key, n, dtype, keep
+        self.shapes: dict[int, tuple[int, ...]] | None = None
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def put(self, rows: np.ndarray, feats: Mapping[int, np.ndarray]) -> None:
+        got = {int(b): tuple(a.shape[1:]) for b, a in feats.items()}
+        if self.shapes is None:
+            self.shapes = got
+            if self.keep:
+                self.blocks = {b: np.empty((self.n, *s), dtype=self.dtype) for b, s in got.items()}
+        elif got != self.shapes:
+            raise RuntimeError(
+                f"feature cache key {self.key[:12]}...: cached blocks/shapes {self.shapes} differ from the "
+                f"extractor's {got}; the key misses a field that changes the features"
+            )
+        if self.keep:
+            for b, a in feats.items():
+                self.blocks[int(b)][rows] = a
+
+
+def _extract_missing(
+    store: FeatureStore,
+    key: str,
+    missing: np.ndarray,
+    extract: Callable[[np.ndarray], Mapping[int, Any]],
+    chunk: int,
+    stats: CacheStats,
+) -> Iterator[tuple[np.ndarray, dict[int, np.ndarray]]]:
+    """``extract`` the ``missing`` ids in sorted chunks, each saved before the next one starts (an
+    interrupted call resumes there); yields (chunk ids, float16-rounded features)."""
+    for start in range(0, missing.size, chunk):
+        sub = missing[start : start + chunk]
+        te = time.perf_counter()
+        raw = extract(sub)
+        stats.extract_seconds += time.perf_counter() - te
+        feats = {int(b): _to_numpy(a) for b, a in raw.items()}
+        for b, a in feats.items():
+            if a.ndim != 3 or a.shape[0] != sub.size:
+                raise ValueError(
+                    f"extract returned block {b} with shape {a.shape} for {sub.size} ids; "
+                    "expected (n, P, C_b)"
+                )
+        store.save(key, sub, feats)
+        stats.misses += int(sub.size)
+        yield sub, {b: a.astype(STORE_DTYPE) for b, a in feats.items()}
+
+
 def cached_pooled_features(
     store: FeatureStore,
     key: str,
@@ -540,86 +474,35 @@ def cached_pooled_features(
 ) -> tuple[dict[int, np.ndarray], CacheStats]:
     """Pooled features ``{block: (len(ids), P, C_b)}`` for ``ids``, from the cache or ``extract``.
 
-    ``extract(ids_chunk) -> {block: (len(ids_chunk), P, C_b)}`` is called only
-    for missing ids, on sorted chunks of at most ``chunk`` ids; every chunk is
-    saved before the next one starts, so an interrupted call resumes. Returned
-    values are the float16-rounded ones whether they were computed now or read
-    back (a hit and a miss give identical arrays), cast to ``out_dtype``.
-    Rows follow ``ids`` (duplicates allowed). Empty ``ids`` give ``{}``.
-    ``keep=False`` only fills the cache and returns ``{}`` (no features held in
-    memory: ``feddifrc extract`` over a whole dataset).
+    ``extract(ids_chunk) -> {block: (len(ids_chunk), P, C_b)}`` is called only for missing
+    ids, on sorted chunks of at most ``chunk`` ids, each saved at once. Returned values are
+    the float16-rounded ones whether computed now or read back (a hit and a miss give
+    identical arrays), cast to ``out_dtype``; rows follow ``ids`` (duplicates allowed).
+    ``keep=False`` only fills the cache and returns ``{}`` (``feddifrc extract``).
     """
     t0 = time.perf_counter()
     ids = _as_ids(ids)
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
-    stats = CacheStats()
-    corrupt0 = store.corrupt_seen
+    stats, corrupt0 = CacheStats(), store.corrupt_seen
     uniq = np.unique(ids)
-    if uniq.size == 0:
-        stats.seconds = time.perf_counter() - t0
-        return {}, stats
-    if keep:
-        found, missing = store.load(key, uniq)
-    else:
-        found, missing = None, store.missing(key, uniq)
+    found, missing = store.load(key, uniq) if keep else (None, store.missing(key, uniq))
     stats.hits = int(uniq.size - missing.size)
-    out: dict[int, np.ndarray] = {}
-    shapes: dict[int, tuple[int, ...]] | None = None
-
-    def put(rows: np.ndarray, feats: Mapping[int, np.ndarray]) -> None:
-        nonlocal shapes
-        got = {int(b): tuple(a.shape[1:]) for b, a in feats.items()}
-        if shapes is None:
-            shapes = got
-            if keep:
-                for b, s in got.items():
-                    out[b] = np.empty((uniq.size, *s), dtype=out_dtype)
-        elif got != shapes:
-            raise RuntimeError(
-                f"feature cache key {key[:12]}...: cached blocks/shapes {shapes} differ from the "
-                f"extractor's {got}; the key misses a field that changes the features"
-            )
-        if keep:
-            for b, a in feats.items():
-                out[int(b)][rows] = a
-
+    out = _Rows(key, uniq.size, out_dtype, keep)
     if found is not None:
-        put(np.flatnonzero(~np.isin(uniq, missing)), found)
-
+        out.put(np.flatnonzero(~np.isin(uniq, missing)), found)
     if missing.size:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=int(uniq.size), initial=stats.hits, unit="img", desc=desc,
-                   disable=not progress, dynamic_ncols=True)
-        try:
-            for start in range(0, missing.size, chunk):
-                sub = missing[start : start + chunk]
-                te = time.perf_counter()
-                raw = extract(sub)
-                stats.extract_seconds += time.perf_counter() - te
-                feats = {int(b): _to_numpy(a) for b, a in raw.items()}
-                for b, a in feats.items():
-                    if a.ndim != 3 or a.shape[0] != sub.size:
-                        raise ValueError(
-                            f"extract returned block {b} with shape {a.shape} for {sub.size} ids; "
-                            "expected (n, P, C_b)"
-                        )
-                store.save(key, sub, feats)
-                put(np.searchsorted(uniq, sub), {b: a.astype(STORE_DTYPE) for b, a in feats.items()})
-                stats.misses += int(sub.size)
+        style = dict(unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
+        with tqdm(total=int(uniq.size), initial=stats.hits, **style) as bar:
+            for sub, feats in _extract_missing(store, key, missing, extract, chunk, stats):
+                out.put(np.searchsorted(uniq, sub), feats)
                 bar.update(int(sub.size))
-        finally:
-            bar.close()
-
-    if np.array_equal(ids, uniq):
-        result = {b: out[b] for b in sorted(out)}
-    else:
-        pos = np.searchsorted(uniq, ids)
-        result = {b: out[b][pos] for b in sorted(out)}
+    pos = None if np.array_equal(ids, uniq) else np.searchsorted(uniq, ids)
     stats.corrupt = store.corrupt_seen - corrupt0
     stats.seconds = time.perf_counter() - t0
-    return result, stats
+    return {b: a if pos is None else a[pos] for b, a in sorted(out.blocks.items())}, stats
 
 
 class LazyExtractor:

@@ -1,54 +1,29 @@
 """Images x prompts -> per-block, spatially mean-pooled UNet features of the frozen teacher.
 
-Work per batch of B images and P prompts:
+Per batch of B images and P prompts: pixels -> [-1, 1] once (``to_unit_range``, the only
+pixel mapping) and VAE-encoded once per image; prompt embeddings memoised per prompt tuple;
+per noise draw, seeded noise per image (by ``(seed, dataset id, draw)``, so a feature never
+depends on its batch), ``l_t = sqrt(a_t) l0 + sqrt(1 - a_t) eps`` and ONE UNet call for all
+P x B rows in PROMPT-MAJOR order (row ``p * B + b`` = image b under prompt p), with forward
+hooks mean-pooling the needed ``unet.up_blocks`` and stopping the UNet after the last one;
+draws are averaged. ``speed.Shortcuts`` makes that call cheaper without changing its maths.
 
-1. pixels -> [-1, 1] once (``to_unit_range``: the ONLY pixel mapping; the public code
-   scaled twice), VAE-encode once per image (deterministic latent mean);
-2. prompt embeddings computed once per prompt tuple and memoised;
-3. per noise draw: seeded noise per image (seeded by ``(seed, dataset id, draw)``, so a
-   feature never depends on which other images share its batch),
-   ``l_t = sqrt(a_t) l0 + sqrt(1 - a_t) eps``, and ONE UNet call for all P x B rows, in
-   PROMPT-MAJOR order (row ``p * B + b`` = image b under prompt p);
-4. forward hooks on ``unet.up_blocks[b]`` mean-pool each needed block over space; the
-   UNet is stopped right after the last needed block;
-5. draws are averaged. Returns ``{block: float32 (B, P, C_b)}`` on CPU.
-
-Inside the one UNet call (``fast=True``, the default) three exact shortcuts apply; each
-changes only the float rounding (checked against ``fast=False`` in the tests and in
-``benchmarks/featurizer.py``):
-
-- cross-attention keys/values are computed for the P prompts, not for P x B copies of
-  them: with prompt-major rows the B x L queries of prompt p form ONE attention batch
-  entry against prompt p's keys (softmax is per query, so this is the same attention);
-- the prompt-independent prefix of the UNet (``conv_in``, the first resnet of
-  ``down_blocks[0]``, and the first transformer's ``proj_in`` and self-attention, which
-  see no prompt yet) runs on the B distinct images and is tiled P times;
-- on CPU in float32, ``nn.Linear`` runs through oneDNN (``mkldnn::_linear_pointwise``)
-  instead of the BLAS ``addmm`` (2-2.5x faster GEMMs on AVX-512 CPUs where MKL takes its
-  generic path, e.g. AMD EPYC), and each GEGLU feed-forward input layer becomes two oneDNN
-  GEMMs with the GELU and the product fused into them. Probed once per process; the
-  stock modules if the op is missing or disagrees.
-
-Mean pooling commutes with any linear projection, so the pooled per-block features
-are what the cache stores and any basis (PCA, random) is applied afterwards.
+Mean pooling commutes with any linear projection, so the pooled per-block features are what
+the cache stores and any basis (PCA, random) is applied afterwards.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from feddifrc_app.diffusion.pipeline import Teacher
-
-__all__ = ["to_unit_range", "encode_prompts", "Featurizer", "noise_seed"]
+from feddifrc_app.diffusion.speed import Shortcuts
 
 _PROMPT_MEMO = 64  # prompt tuples kept per Featurizer
 
@@ -67,7 +42,9 @@ def to_unit_range(images: Tensor, resolution: int) -> Tensor:
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
     if x.shape[-2:] != (resolution, resolution):
-        x = F.interpolate(x, size=(resolution, resolution), mode="bilinear", align_corners=False, antialias=True)
+        x = F.interpolate(
+            x, size=(resolution, resolution), mode="bilinear", align_corners=False, antialias=True
+        )
         x = x.clamp_(-1.0, 1.0)
     return x.contiguous()
 
@@ -76,8 +53,13 @@ def encode_prompts(tokenizer, text_encoder, prompts: tuple[str, ...]) -> Tensor:
     """``(P, L, D)`` last hidden states of the text encoder, prompts padded to the tokenizer's
     max length as Stable Diffusion does (the teacher's pretraining conditions the same way)."""
     device = next(text_encoder.parameters()).device
-    ids = tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids.to(device)
+    ids = tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids.to(device)
     return text_encoder(ids)[0]
 
 
@@ -89,156 +71,6 @@ def noise_seed(seed: int, image_id: int, draw: int) -> int:
 
 class _StopUNet(Exception):
     """Raised by the last needed hook to skip the rest of the UNet."""
-
-
-# --------------------------------------------------------------------------- exact shortcuts
-
-
-@functools.cache
-def onednn_linear_available() -> bool:
-    """True if ``mkldnn::_linear_pointwise`` runs here and matches ``F.linear`` (probed once)."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        op = torch.ops.mkldnn._linear_pointwise
-        g = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(s, generator=g) for s in ((3, 5, 24), (40, 24), (40,)))
-        with torch.inference_mode():
-            got = op(x, w, b, "none", [], "")
-            ok = torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-            ok = ok and torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4, rtol=1e-4)
-            h, gate = F.linear(x, w, b).chunk(2, dim=-1)
-            ok = ok and torch.allclose(_geglu(x, w, b), h * F.gelu(gate), atol=1e-4, rtol=1e-4)
-        return bool(ok)
-    except Exception:  # op missing, or this torch build has no oneDNN
-        return False
-
-
-def _onednn_forward(mod: torch.nn.Linear):
-    op = torch.ops.mkldnn._linear_pointwise
-    weight, bias = mod.weight, mod.bias
-
-    def forward(x: Tensor) -> Tensor:
-        return op(x, weight, bias, "none", [], "")
-
-    return forward
-
-
-def _geglu(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """diffusers' GEGLU ``h * gelu(gate)`` with ``h, gate = linear(x).chunk(2)``, as two oneDNN GEMMs
-    with the erf-GELU and the product fused into their epilogues (no separate passes)."""
-    op = torch.ops.mkldnn._linear_pointwise
-    n = weight.shape[0] // 2
-    bh, bg = (None, None) if bias is None else (bias[:n], bias[n:])
-    gate = op(x, weight[n:], bg, "gelu", [], "none")
-    return op.binary(x, gate, weight[:n], bh, "mul")
-
-
-def _geglu_forward(mod: torch.nn.Module):
-    weight, bias = mod.proj.weight, mod.proj.bias
-
-    def forward(hidden_states: Tensor, *args, **kwargs) -> Tensor:
-        return _geglu(hidden_states, weight, bias)
-
-    return forward
-
-
-def _is_plain_geglu(mod: torch.nn.Module) -> bool:
-    try:
-        from diffusers.models.activations import GEGLU
-    except ImportError:  # pragma: no cover
-        return False
-    return type(mod) is GEGLU and type(getattr(mod, "proj", None)) is torch.nn.Linear
-
-
-def _shared_prefix_forward(mod: torch.nn.Module, n_images: int, n_prompts: int):
-    """``mod`` on the first ``n_images`` rows only, its output tiled ``n_prompts`` times.
-
-    Valid for a module whose inputs are identical across prompts: in prompt-major order row
-    ``p * B + b`` equals row ``b``.
-    """
-    orig = mod.forward  # the class's bound forward
-    rows = n_images * n_prompts
-
-    def cut(a):
-        return a[:n_images] if isinstance(a, Tensor) and a.ndim and a.shape[0] == rows else a
-
-    def tile(out):
-        if isinstance(out, Tensor):
-            return out.repeat(n_prompts, *([1] * (out.ndim - 1)))
-        if isinstance(out, tuple):
-            return tuple(tile(o) for o in out)
-        raise TypeError(f"cannot tile a {type(out).__name__} output")  # pragma: no cover
-
-    def forward(*args, **kwargs):
-        return tile(orig(*(cut(a) for a in args), **{k: cut(v) for k, v in kwargs.items()}))
-
-    return forward
-
-
-class SharedPromptCrossAttention:
-    """Cross-attention for prompt-major rows whose B images share the P prompt embeddings.
-
-    ``encoder_hidden_states`` holds the P prompts only (``(P, S, D)``); the hidden states are
-    ``(P * B, L, C)`` with row ``p * B + b``. Keys/values are projected once per prompt and
-    the ``B * L`` queries of prompt p attend to them as one batch entry of one SDPA call:
-    per query the same softmax over the same keys as ``AttnProcessor2_0`` on P x B rows.
-    """
-
-    @staticmethod
-    def supports(attn) -> bool:
-        return (
-            type(attn.processor).__name__ == "AttnProcessor2_0"  # the same maths (no upcast, default scale)
-            and getattr(attn, "spatial_norm", None) is None
-            and getattr(attn, "group_norm", None) is None
-            and not getattr(attn, "norm_cross", None)
-            and getattr(attn, "norm_q", None) is None
-            and getattr(attn, "norm_k", None) is None
-            and not getattr(attn, "residual_connection", False)
-        )
-
-    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, temb: Tensor | None = None, **kwargs) -> Tensor:
-        if encoder_hidden_states is None or attention_mask is not None or hidden_states.ndim != 3:
-            raise RuntimeError("SharedPromptCrossAttention: needs 3-d hidden states, prompt states, no mask")
-        n, length, _ = hidden_states.shape
-        n_prompts = int(encoder_hidden_states.shape[0])
-        heads = attn.heads
-        q = attn.to_q(hidden_states)
-        k = attn.to_k(encoder_hidden_states)
-        v = attn.to_v(encoder_hidden_states)
-        d = k.shape[-1] // heads
-        q = q.view(n_prompts, -1, heads, d).transpose(1, 2)  # (P, h, B*L, d)
-        k = k.view(n_prompts, -1, heads, d).transpose(1, 2)  # (P, h, S, d)
-        v = v.view(n_prompts, -1, heads, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(n, length, heads * d).to(q.dtype)
-        out = attn.to_out[1](attn.to_out[0](out))
-        return out / attn.rescale_output_factor
-
-
-def _prefix_modules(unet) -> list[torch.nn.Module]:
-    """Modules of ``unet`` that run before any prompt information enters (see module doc)."""
-    cfg = unet.config
-    if (getattr(cfg, "addition_embed_type", None) is not None or getattr(cfg, "class_embed_type", None) is not None
-            or getattr(unet, "encoder_hid_proj", None) is not None
-            or getattr(cfg, "num_class_embeds", None) is not None):
-        return []  # the time embedding may carry text: nothing is prompt-independent
-    mods: list[torch.nn.Module] = [unet.conv_in]
-    d0 = unet.down_blocks[0]
-    if not (getattr(d0, "has_cross_attention", False) and len(d0.resnets) and len(getattr(d0, "attentions", []))):
-        return mods
-    mods.append(d0.resnets[0])
-    tr = d0.attentions[0]
-    blocks = getattr(tr, "transformer_blocks", None)
-    if not blocks or not hasattr(tr, "proj_in"):
-        return mods
-    mods.append(tr.proj_in)
-    blk = blocks[0]
-    if (getattr(blk, "norm_type", None) == "layer_norm" and not getattr(blk, "only_cross_attention", True)
-            and getattr(blk, "pos_embed", None) is None and not blk.attn1.is_cross_attention):
-        mods.append(blk.attn1)
-    return mods
 
 
 class Featurizer:
@@ -278,29 +110,21 @@ class Featurizer:
         self.ensemble = int(ensemble)
         self.seed = int(seed)
         self.fast = bool(fast)
+        # DDPM's forward process by hand, not the pipeline's scheduler.add_noise: that rounds
+        # sqrt(1 - a) in float32 (117 of SD's 1000 timesteps differ bitwise) and sigma-parametrised
+        # schedulers (Euler, LMS) noise another way.
         a = float(teacher.alphas_cumprod[self.timestep].double())
         self._sqrt_a = math.sqrt(a)
         self._sqrt_1ma = math.sqrt(1.0 - a)
         self._latent_shape = (teacher.latent_channels, self.resolution // f, self.resolution // f)
         self._prompts: OrderedDict[tuple[str, ...], Tensor] = OrderedDict()
-        unet = teacher.unet
-        cross = [m for m in unet.modules() if getattr(m, "is_cross_attention", False) and hasattr(m, "processor")]
-        self._cross = cross if self.fast and cross and all(SharedPromptCrossAttention.supports(m) for m in cross) else []
-        self._prefix = _prefix_modules(unet) if self.fast else []
-        onednn = (self.fast and teacher.device.type == "cpu" and teacher.dtype == torch.float32
-                  and onednn_linear_available())
-        self._linears = [m for m in unet.modules() if type(m) is torch.nn.Linear] if onednn else []
-        self._geglus = [m for m in unet.modules() if _is_plain_geglu(m)] if onednn else []
-
-    @property
-    def block_channels(self) -> dict[int, int]:
-        return {b: self.teacher.block_channels[b] for b in self.blocks}
+        cpu_fp32 = teacher.device.type == "cpu" and teacher.dtype == torch.float32
+        self._speed = Shortcuts(teacher.unet, enabled=self.fast, onednn=cpu_fp32)
 
     @property
     def shortcuts(self) -> dict[str, bool]:
         """Which exact shortcuts this featurizer uses (for logs and benchmarks)."""
-        return {"shared-prompt-cross-attention": bool(self._cross), "shared-prefix": bool(self._prefix),
-                "onednn-linear": bool(self._linears), "onednn-geglu": bool(self._geglus)}
+        return self._speed.flags
 
     # ------------------------------------------------------------------ prompts
 
@@ -388,34 +212,6 @@ class Featurizer:
             out[i] = torch.randn(self._latent_shape, generator=g)
         return out
 
-    @contextlib.contextmanager
-    def _shortcuts(self, n_images: int, n_prompts: int, shared_prompts: bool) -> Iterator[None]:
-        """Install the exact shortcuts on the shared teacher for one UNet call; always undone."""
-        swapped: list[torch.nn.Module] = []
-        procs: list[tuple[torch.nn.Module, object]] = []
-        try:
-            for m in self._linears:
-                m.forward = _onednn_forward(m)
-                swapped.append(m)
-            for m in self._geglus:
-                m.forward = _geglu_forward(m)
-                swapped.append(m)
-            if n_prompts > 1:
-                for m in self._prefix:
-                    m.forward = _shared_prefix_forward(m, n_images, n_prompts)  # wraps the linear one too
-                    swapped.append(m)
-            if shared_prompts:
-                proc = SharedPromptCrossAttention()
-                for m in self._cross:
-                    procs.append((m, m.processor))
-                    m.processor = proc
-            yield
-        finally:
-            for m, p in procs:
-                m.processor = p
-            for m in swapped:
-                m.__dict__.pop("forward", None)
-
     def _draw(self, l0: Tensor, ids: Tensor, draw: int, cond: Tensor, P: int) -> dict[int, Tensor]:
         """One noise draw, ONE UNet call over all P x B rows; pooled ``(B, P, C_b)`` per block.
 
@@ -428,7 +224,7 @@ class Featurizer:
         lt = (self._sqrt_a * l0 + self._sqrt_1ma * eps).to(t.dtype)
         sample = lt.repeat(P, 1, 1, 1)  # prompt-major: row p*B + b = image b
         shared = int(cond.shape[0]) == P and P * B != P
-        fast_cross = shared and bool(self._cross)
+        fast_cross = shared and bool(self._speed.cross)
         if shared and not fast_cross:
             cond = cond.repeat_interleave(B, dim=0)  # row p*B + b = prompt p
         pooled: dict[int, Tensor] = {}
@@ -445,7 +241,7 @@ class Featurizer:
 
         handles = [t.unet.up_blocks[b].register_forward_hook(hook_for(b)) for b in self.blocks]
         try:
-            with self._shortcuts(B, P, fast_cross):
+            with self._speed.installed(B, P, fast_cross):
                 step = torch.tensor(self.timestep, dtype=torch.long, device=t.device)
                 t.unet(sample, step, encoder_hidden_states=cond)
         except _StopUNet:

@@ -1,38 +1,30 @@
 """Pretrain a tiny latent text-to-image teacher on a CPU, saved as a Stable Diffusion folder.
 
-The result is a standard diffusers ``StableDiffusionPipeline`` folder (AutoencoderKL,
-UNet2DConditionModel, CLIPTextModel + CLIPTokenizer, DDIMScheduler) that
-``diffusion.model = <folder>`` loads exactly like any SD checkpoint. The recipe:
+The result is a standard diffusers ``StableDiffusionPipeline`` folder that
+``diffusion.model = <folder>`` loads like any SD checkpoint. The recipe:
 
-1. **VAE** (``TEACHER_VAE``: channels 16/32/32, x4 downsampling, 32x32x3 -> 8x8x4):
-   pixel MSE + ``KL_WEIGHT`` x KL (summed over the latent, averaged over the batch),
-   AdamW, cosine learning rate, gradient clip 1.
-2. **Latents**: the deterministic posterior mean of every image; ``scaling_factor``
-   = 1 / their standard deviation (written into the VAE config, so t = 300 means the
-   same noise level as for SD).
-3. **UNet** (``TEACHER_UNET``, 2.1 M parameters) trained with **v-prediction** (as SD-2.x).
-   With the epsilon objective a model this small learns to denoise but ignores the
-   prompt within a CPU budget: epsilon loss barely weighs the high-t errors where the
-   class matters. Class prompts in label order, ``EMPTY_PROMPT_RATE`` of the samples on
-   the empty prompt (the unconditional/NDCR prompt), timesteps uniform, warm-up then
-   cosine learning rate, gradient clip 1, and an EMA of the weights (the saved UNet).
-4. **Text encoder**: the seeded random tiny CLIP of the embedded model, frozen. Its class
-   prompts differ from the class word onward, which is enough for a v-prediction UNet.
+1. VAE (``TEACHER_VAE``, 32x32x3 -> 8x8x4): pixel MSE + ``KL_WEIGHT`` x KL, AdamW, cosine
+   learning rate, gradient clip 1.
+2. Latents: every image's posterior mean; ``scaling_factor`` = 1 / their std (written into
+   the VAE config, so t = 300 means the same noise level as for SD).
+3. UNet (``TEACHER_UNET``, 2.1 M parameters), v-prediction as in SD-2.x: with the epsilon
+   objective a model this small ignores the prompt within a CPU budget (epsilon loss barely
+   weighs the high-t errors where the class matters). Class prompts in label order,
+   ``EMPTY_PROMPT_RATE`` of the samples on the empty (unconditional) prompt, uniform
+   timesteps, warm-up then cosine learning rate, an EMA of the weights (the saved UNet).
+4. Text encoder: the embedded tiny model's seeded random CLIP, frozen.
 
-Steps, not wall time, bound each phase, so a rebuild with the same seed and data gives
-the same teacher. ``unet_steps = vae_steps = 0`` writes the untrained initialisation of
-the same architecture (its scaling factor still measured on the data): the
-random-weight control that differs from the teacher in its weights alone.
+Steps, not wall time, bound each phase, so the same seed and data give the same teacher.
+``unet_steps = vae_steps = 0`` writes the untrained initialisation (scaling factor still
+measured on the data): the random-weight control that differs from the teacher in its
+weights alone.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,15 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
-from feddifrc_app.diffusion.pipeline import (
-    PRETRAINED_KIND,
-    SD_SCHEDULER,
-    folder_digests,
-    save_tiny_pipeline,
-    tiny_text_encoder,
-)
-
-__all__ = ["TEACHER_UNET", "TEACHER_VAE", "PretrainRecipe", "pretrain_teacher"]
+from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND, folder_digests
+from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, save_tiny_pipeline, tiny_text_encoder
+from feddifrc_app.files import atomic_folder
 
 KL_WEIGHT = 1e-7
 EMPTY_PROMPT_RATE = 0.1
@@ -104,10 +90,11 @@ class PretrainRecipe:
 
     def __post_init__(self) -> None:
         if self.resolution < 4 or self.resolution % 4:
-            raise ValueError(f"resolution={self.resolution}: expected a positive multiple of 4 (the VAE factor)")
-        for name in ("batch_size",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected >= 1")
+            raise ValueError(
+                f"resolution={self.resolution}: expected a positive multiple of 4 (the VAE factor)"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: expected >= 1")
         for name in ("vae_steps", "unet_steps", "unet_warmup", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected >= 0")
@@ -160,17 +147,27 @@ def _train_vae(vae, x: torch.Tensor, r: PretrainRecipe, gen: torch.Generator, pr
 
 @torch.no_grad()
 def _latents(vae, x: torch.Tensor, batch: int = 256) -> torch.Tensor:
-    return torch.cat([vae.encode(x[i:i + batch]).latent_dist.mean for i in range(0, len(x), batch)])
+    return torch.cat([vae.encode(x[i : i + batch]).latent_dist.mean for i in range(0, len(x), batch)])
 
 
-def _train_unet(unet, latents: torch.Tensor, labels: torch.Tensor, emb: torch.Tensor, scheduler,
-                r: PretrainRecipe, gen: torch.Generator, progress: bool):
+def _train_unet(
+    unet,
+    latents: torch.Tensor,
+    labels: torch.Tensor,
+    emb: torch.Tensor,
+    scheduler,
+    r: PretrainRecipe,
+    gen: torch.Generator,
+    progress: bool,
+):
     """v-prediction training; returns (EMA UNet, losses). ``emb``: (K + 1, L, D), the empty prompt last."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     ema = AveragedModel(unet, multi_avg_fn=get_ema_multi_avg_fn(r.ema_decay), use_buffers=True)
     opt = torch.optim.AdamW(unet.parameters(), lr=r.unet_lr, weight_decay=r.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(r.unet_steps, r.unet_warmup, r.unet_lr, r.unet_lr_end))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, _lr_lambda(r.unet_steps, r.unet_warmup, r.unet_lr, r.unet_lr_end)
+    )
     empty = emb.shape[0] - 1
     n_t = scheduler.config.num_train_timesteps
     losses: list[float] = []
@@ -204,6 +201,60 @@ def _mean_tail(xs: Sequence[float], n: int = 50) -> float | None:
     return float(np.mean(xs[-n:])) if xs else None
 
 
+def _train(
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    class_prompts: Sequence[str],
+    r: PretrainRecipe,
+    progress: bool,
+):
+    """The recipe (module docstring) -> (StableDiffusionPipeline, training record)."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    gen = torch.Generator().manual_seed(r.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(r.seed)
+        vae = AutoencoderKL(**TEACHER_VAE)
+        torch.manual_seed(r.seed + 1)
+        unet = UNet2DConditionModel(**TEACHER_UNET)
+    # The text side is the embedded tiny model's (seed 2 there): one tokenizer for both tiny teachers.
+    tokenizer, text_encoder = tiny_text_encoder(2)
+    text_encoder.requires_grad_(False).eval()
+    scheduler = DDIMScheduler(
+        **{k: v for k, v in SD_SCHEDULER.items() if k != "skip_prk_steps"},
+        clip_sample=False,
+        prediction_type="v_prediction",
+    )
+
+    x = to_unit_range(images, r.resolution)
+    vae_losses = _train_vae(vae, x, r, gen, progress)
+    lat = _latents(vae, x)
+    scale = 1.0 / float(lat.std())
+    vae.register_to_config(scaling_factor=scale)
+    with torch.no_grad():
+        emb = encode_prompts(tokenizer, text_encoder, (*class_prompts, "")).float()
+    unet, unet_losses = _train_unet(unet, lat * scale, labels, emb, scheduler, r, gen, progress)
+
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    training = {
+        "vae_loss_last50": _mean_tail(vae_losses),
+        "unet_loss_first50": _mean_tail(unet_losses[:50]),
+        "unet_loss_last50": _mean_tail(unet_losses),
+        "scaling_factor": scale,
+        "torch": torch.__version__,
+    }
+    return pipe, training
+
+
 def pretrain_teacher(
     images: torch.Tensor,
     labels: np.ndarray,
@@ -218,83 +269,44 @@ def pretrain_teacher(
     """Train the tiny teacher on ``images`` (uint8 (N, 3, H, W)) labelled ``labels`` (0..K-1)
     under ``class_prompts`` (K, label order) and write it to ``out`` atomically.
 
-    The folder is built next to ``out`` and renamed into place, so a killed run leaves no
-    partial teacher; an existing ``out`` is replaced only once the new one is complete.
+    The folder is built next to ``out`` and swapped in whole, so a killed run leaves no
+    partial teacher and an existing ``out`` is replaced only once the new one is complete.
     ``feddifrc.json`` records the recipe, the training losses and a sha256 of every file
     (the loader checks them); ``README.md`` is the model card.
     """
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-
     labels_t = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
     k = len(class_prompts)
     if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels_t) or len(images) == 0:
-        raise ValueError(f"images must be uint8 (N, 3, H, W) with N = len(labels) > 0, got {images.dtype} "
-                         f"{tuple(images.shape)} and {len(labels_t)} labels")
+        raise ValueError(
+            f"images must be uint8 (N, 3, H, W) with N = len(labels) > 0, got {images.dtype} "
+            f"{tuple(images.shape)} and {len(labels_t)} labels"
+        )
     if k < 1 or int(labels_t.min()) < 0 or int(labels_t.max()) >= k:
         raise ValueError(f"labels must lie in 0..{k - 1} (one prompt per class)")
     if "" in class_prompts:
         raise ValueError("a class prompt is empty: the empty prompt is the unconditional one")
     out = Path(out).expanduser().resolve()
     t_start = time.perf_counter()
-    gen = torch.Generator().manual_seed(recipe.seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe.seed)
-        vae = AutoencoderKL(**TEACHER_VAE)
-        torch.manual_seed(recipe.seed + 1)
-        unet = UNet2DConditionModel(**TEACHER_UNET)
-    # The text side is the embedded tiny model's (seed 2 there): one tokenizer for both tiny teachers.
-    tokenizer, text_encoder = tiny_text_encoder(2)
-    text_encoder.requires_grad_(False).eval()
-    scheduler = DDIMScheduler(**{k_: v for k_, v in SD_SCHEDULER.items() if k_ != "skip_prk_steps"},
-                              clip_sample=False, prediction_type="v_prediction")
-
-    x = to_unit_range(images, recipe.resolution)
-    vae_losses = _train_vae(vae, x, recipe, gen, progress)
-    lat = _latents(vae, x)
-    scale = 1.0 / float(lat.std())
-    vae.register_to_config(scaling_factor=scale)
-    with torch.no_grad():
-        emb = encode_prompts(tokenizer, text_encoder, (*class_prompts, "")).float()
-    unet, unet_losses = _train_unet(unet, lat * scale, labels_t, emb, scheduler, recipe, gen, progress)
-
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    pipe, training = _train(images, labels_t, class_prompts, recipe, progress)
+    with atomic_folder(out) as tmp:
         save_tiny_pipeline(pipe, tmp)
-        trained = recipe.unet_steps > 0
         marker: dict[str, Any] = {
             "kind": PRETRAINED_KIND,
             "model_id": name,
-            "random_weights": not trained,
+            "random_weights": recipe.unet_steps == 0,
             "resolution": recipe.resolution,
             "recipe": asdict(recipe),
             "prompts": [*class_prompts, ""],
-            "data": {"images": int(len(images)), "per_class": np.bincount(labels_t.numpy(), minlength=k).tolist(),
-                     "note": data_note},
-            "training": {"vae_loss_last50": _mean_tail(vae_losses), "unet_loss_first50": _mean_tail(unet_losses[:50]),
-                         "unet_loss_last50": _mean_tail(unet_losses), "scaling_factor": scale,
-                         "seconds": round(time.perf_counter() - t_start, 1), "torch": torch.__version__},
+            "data": {
+                "images": int(len(images)),
+                "per_class": np.bincount(labels_t.numpy(), minlength=k).tolist(),
+                "note": data_note,
+            },
+            "training": {**training, "seconds": round(time.perf_counter() - t_start, 1)},
             "files": folder_digests(tmp),
         }
-        (tmp / "feddifrc.json").write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(_card(marker))
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(out, trash)
-            try:
-                os.replace(tmp, out)
-            except OSError:
-                os.replace(trash, out)  # put the previous teacher back
-                raise
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -304,31 +316,37 @@ def _fmt(x: float | None) -> str:
 
 def _card(m: dict[str, Any]) -> str:
     r, tr = m["recipe"], m["training"]
-    kind = ("trained" if not m["random_weights"] else
-            "UNTRAINED (random weights: a control, never evidence that FedDifRC helps)")
-    return f"""# {m['model_id']}: a tiny latent text-to-image teacher, {kind}
+    kind = (
+        "trained"
+        if not m["random_weights"]
+        else "UNTRAINED (random weights: a control, never evidence that FedDifRC helps)"
+    )
+    return f"""# {m["model_id"]}: a tiny latent text-to-image teacher, {kind}
 
 A diffusers `StableDiffusionPipeline` folder written by `feddifrc pretrain-teacher`
 (`feddifrc_app/diffusion/pretrain.py`). Load it with `diffusion.model = "<this folder>"`.
 
 ## Data
-{m['data']['images']} images, per class {m['data']['per_class']}. {m['data']['note']}
-Prompts (label order, then the empty prompt used for {r['empty_prompt_rate']:.0%} of samples):
-{', '.join(repr(p) for p in m['prompts'])}
+{m["data"]["images"]} images, per class {m["data"]["per_class"]}. {m["data"]["note"]}
+Prompts (label order, then the empty prompt used for {r["empty_prompt_rate"]:.0%} of samples):
+{", ".join(repr(p) for p in m["prompts"])}
 
-## Recipe (seed {r['seed']})
-- Input {r['resolution']}x{r['resolution']} in [-1, 1]; VAE AutoencoderKL 16/32/32, x4 -> 8x8x4 latent:
-  {r['vae_steps']} steps of {r['batch_size']}, MSE + {r['kl_weight']:g} KL, AdamW {r['vae_lr']:g} cosine to {r['vae_lr_end']:g}.
-- Latents: posterior mean x scaling_factor = 1/std = {tr['scaling_factor']:.4f}.
-- UNet2DConditionModel (32, 64, 64, 64), v-prediction: {r['unet_steps']} steps of {r['batch_size']},
-  AdamW {r['unet_lr']:g} (wd {r['weight_decay']:g}), {r['unet_warmup']} warm-up steps, cosine to {r['unet_lr_end']:g},
-  grad clip 1, EMA {r['ema_decay']} (the saved weights).
+## Recipe (seed {r["seed"]})
+- Input {r["resolution"]}x{r["resolution"]} in [-1, 1]; VAE AutoencoderKL 16/32/32, x4 -> 8x8x4 latent:
+  {r["vae_steps"]} steps of {r["batch_size"]}, MSE + {r["kl_weight"]:g} KL, AdamW {r["vae_lr"]:g} \
+cosine to {r["vae_lr_end"]:g}.
+- Latents: posterior mean x scaling_factor = 1/std = {tr["scaling_factor"]:.4f}.
+- UNet2DConditionModel (32, 64, 64, 64), v-prediction: {r["unet_steps"]} steps of {r["batch_size"]},
+  AdamW {r["unet_lr"]:g} (wd {r["weight_decay"]:g}), {r["unet_warmup"]} warm-up steps, \
+cosine to {r["unet_lr_end"]:g},
+  grad clip 1, EMA {r["ema_decay"]} (the saved weights).
 - Text: a frozen, seeded random tiny CLIP text encoder; byte-level BPE tokenizer.
 - Scheduler: DDIM, SD's scaled_linear betas (0.00085-0.012, 1000 steps), v_prediction.
 
 ## Training
-VAE loss (mean of the last 50 steps) {_fmt(tr['vae_loss_last50'])}; UNet v-loss, mean of the first 50
-steps {_fmt(tr['unet_loss_first50'])}, of the last 50 {_fmt(tr['unet_loss_last50'])}; {tr['seconds']} s (torch {tr['torch']}).
+VAE loss (mean of the last 50 steps) {_fmt(tr["vae_loss_last50"])}; UNet v-loss, mean of the first 50
+steps {_fmt(tr["unet_loss_first50"])}, of the last 50 {_fmt(tr["unet_loss_last50"])}; \
+{tr["seconds"]} s (torch {tr["torch"]}).
 
 ## Integrity
 `feddifrc.json` holds the sha256 of every file; the app refuses a folder whose files do not match.

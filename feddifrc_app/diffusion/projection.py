@@ -1,33 +1,23 @@
-"""The shared projection basis and fusion of per-block teacher features to the embedding width.
+"""The shared projection basis: pooled per-block teacher features -> the embedding width.
 
-numpy (plus one torch matmul in :func:`fuse`): it runs on the server (which never loads the
-teacher) as well as on clients.
-
-Mean pooling over space commutes with a linear projection, so the feature cache
-holds POOLED per-block features ``{block: (..., C_b)}`` and a basis is applied
-afterwards: ``fused = concat_b((x_b - mean_b) @ W_b)`` with ``W_b`` of shape
-``(C_b, k_b)`` and ``sum_b k_b = D``, the ResNet-10 embedding width (8 x model.width: 512
-in the paper).
+numpy (plus one torch matmul in :func:`fuse`), so it runs on the server, which never loads
+the teacher, as well as on clients. Mean pooling commutes with a linear projection, so the
+cache holds pooled features ``{block: (..., C_b)}`` and a basis is applied afterwards:
+``fused = concat_b((x_b - mean_b) @ W_b)``, ``W_b`` of shape ``(C_b, k_b)``, ``sum_b k_b = D``
+(the ResNet-10 embedding width, 512 in the FedDifRC paper).
 
 Bases (``diffusion.projection``):
 
-- ``federated-pca`` (default): each client sends only the sufficient statistics
-  of its pooled features (:class:`BlockStats`: row count, sum, sum of outer
-  products); the server merges them and fits ONE PCA basis for every client.
-  It equals the PCA of the union of all clients' rows (tested). No raw
-  feature leaves a client.
-- ``local-pca``: each client fits PCA on its own rows; clients then live in
-  different coordinates (an ablation).
+- ``federated-pca`` (default): clients send only sufficient statistics of their pooled
+  features (:class:`BlockStats`); the server merges them and fits ONE PCA basis for all,
+  equal to the PCA of the union of all clients' rows. No raw feature leaves a client.
+- ``local-pca``: each client fits PCA on its own rows (an ablation: clients end up in
+  different coordinates).
 - ``random``: a seeded random orthonormal basis, zero mean (an ablation).
-- ``per-batch``: :func:`fuse_per_batch`, the PUBLIC CODE's behaviour (PCA
-  refit on every batch, so features from different batches and
-  clients are in different coordinates). For comparison only; there is no
-  shared basis to build. The public code fits PCA on the spatial rows of each
-  block and norm-pools; the cache holds mean-pooled features, so this fits on
-  the batch's pooled rows instead (the defect reproduced is the refit itself).
+- ``per-batch``: :func:`fuse_per_batch`, the FedDifRC public code's PCA refit on every
+  batch (features of different batches land in different coordinates), on pooled rows.
 
-Rows: a pooled array ``(N, P, C)`` (image x prompt) contributes ``N * P`` rows;
-statistics and PCA treat every (image, prompt) pair as one sample.
+A pooled array ``(N, P, C)`` (image x prompt) contributes ``N * P`` rows.
 """
 
 from __future__ import annotations
@@ -38,28 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-BASIS_MODES = ("federated-pca", "local-pca", "random")
-
-__all__ = [
-    "BASIS_MODES",
-    "Basis",
-    "BlockStats",
-    "block_stats",
-    "clip_widths",
-    "client_stats",
-    "fit_basis",
-    "fuse",
-    "fuse_per_batch",
-    "fused_widths",
-    "local_pca_basis",
-    "merge_client_stats",
-    "merge_stats",
-    "random_basis",
-    "stats_from_arrays",
-    "stats_to_arrays",
-]
-
 
 # --------------------------------------------------------------------------- statistics
 
@@ -184,7 +152,7 @@ class Basis:
     def __post_init__(self) -> None:
         if not (len(self.blocks) == len(self.means) == len(self.components)):
             raise ValueError("Basis: blocks, means and components must have the same length")
-        for b, m, w in zip(self.blocks, self.means, self.components):
+        for b, m, w in zip(self.blocks, self.means, self.components, strict=True):
             if m.ndim != 1 or w.ndim != 2 or w.shape[0] != m.shape[0]:
                 raise ValueError(f"Basis: block {b}: mean {m.shape} and components {w.shape} mismatch")
 
@@ -192,19 +160,11 @@ class Basis:
     def widths(self) -> tuple[int, ...]:
         return tuple(int(w.shape[1]) for w in self.components)
 
-    @property
-    def channels(self) -> tuple[int, ...]:
-        return tuple(int(w.shape[0]) for w in self.components)
-
-    @property
-    def dim(self) -> int:
-        return sum(self.widths)
-
     def fingerprint(self) -> str:
         """sha256 over mode, blocks and the exact float32 bytes."""
         h = hashlib.sha256()
         h.update(f"{self.mode}|{','.join(map(str, self.blocks))}".encode())
-        for m, w in zip(self.means, self.components):
+        for m, w in zip(self.means, self.components, strict=True):
             h.update(f"|{m.shape}|{w.shape}|".encode())
             h.update(np.ascontiguousarray(m, dtype="<f4").tobytes())
             h.update(np.ascontiguousarray(w, dtype="<f4").tobytes())
@@ -216,7 +176,7 @@ class Basis:
             "basis.mode": np.frombuffer(self.mode.encode("utf-8"), dtype=np.uint8).copy(),
             "basis.blocks": np.asarray(self.blocks, dtype=np.int64),
         }
-        for b, m, w in zip(self.blocks, self.means, self.components):
+        for b, m, w in zip(self.blocks, self.means, self.components, strict=True):
             out[f"basis.{b}.mean"] = np.ascontiguousarray(m, dtype=np.float32)
             out[f"basis.{b}.components"] = np.ascontiguousarray(w, dtype=np.float32)
         return out
@@ -265,7 +225,7 @@ def clip_widths(
         chans = tuple(int(c) for c in block_channels)
     if len(widths) != len(chans):
         raise ValueError(f"widths {widths} and block channels {chans} differ in length")
-    return tuple(min(w, c) for w, c in zip(widths, chans))
+    return tuple(min(w, c) for w, c in zip(widths, chans, strict=True))
 
 
 def fused_widths(widths: Sequence[int], block_channels: Sequence[int], embedding_dim: int) -> tuple[int, ...]:
@@ -328,7 +288,7 @@ def fit_basis(
         if len(per_block) != len(blocks):
             raise ValueError(f"fit_basis: {len(per_block)} statistics for {len(blocks)} blocks")
     means, comps = [], []
-    for b, s, k in zip(blocks, per_block, widths):
+    for b, s, k in zip(blocks, per_block, widths, strict=True):
         m, w = _pca_from_stats(s, k, b)
         means.append(m)
         comps.append(w)
@@ -339,7 +299,7 @@ def local_pca_basis(pooled: Mapping[int, np.ndarray], widths: Sequence[int], blo
     """PCA on one client's own rows (``local-pca``). Errors when rows < width."""
     widths, blocks = _check_widths(widths, blocks)
     stats = {}
-    for b, k in zip(blocks, widths):
+    for b, k in zip(blocks, widths, strict=True):
         if b not in pooled:
             raise ValueError(f"local_pca_basis: no features for block {b}")
         s = block_stats(pooled[b])
@@ -368,7 +328,7 @@ def random_basis(
         if len(chans) != len(blocks):
             raise ValueError(f"random_basis: {len(chans)} channel counts for {len(blocks)} blocks")
     means, comps = [], []
-    for b, c, k in zip(blocks, chans, widths):
+    for b, c, k in zip(blocks, chans, widths, strict=True):
         if k > c:
             raise ValueError(f"block {b}: width {k} exceeds the block's {c} channels (clip_widths)")
         rng = np.random.default_rng([int(seed), int(b), 0x5EED])
@@ -387,7 +347,7 @@ def fuse(pooled: Mapping[int, np.ndarray], basis: Basis) -> np.ndarray:
     """``{block: (..., C_b)}`` -> ``(..., sum k_b)`` float32, concatenated in ``basis.blocks`` order."""
     parts = []
     lead = None
-    for b, m, w in zip(basis.blocks, basis.means, basis.components):
+    for b, m, w in zip(basis.blocks, basis.means, basis.components, strict=True):
         if b not in pooled:
             raise ValueError(f"fuse: no features for block {b} (have {sorted(pooled)})")
         x = np.asarray(pooled[b])
@@ -420,7 +380,7 @@ def fuse_per_batch(pooled: Mapping[int, np.ndarray], widths: Sequence[int]) -> n
     blocks = tuple(sorted(int(b) for b in pooled))
     widths, blocks = _check_widths(widths, blocks)
     parts = []
-    for b, k in zip(blocks, widths):
+    for b, k in zip(blocks, widths, strict=True):
         x = np.asarray(pooled[b])
         r = _rows(x)
         if k > r.shape[1]:

@@ -1,0 +1,121 @@
+"""The server's view of the nodes: who is who (setup exchange), seeded sampling, and replies.
+
+Flower's own loop (``Strategy.start``) samples with the unseeded global ``random`` and
+drops the node a failed reply came from; here sampling is seeded per round on partition
+ids, so a resumed run repeats the uninterrupted one, and every failure is named.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from feddifrc_app import log
+from feddifrc_app.config import Config
+from feddifrc_app.strategy import nodes_per_round
+
+SETUP = f"{MessageType.QUERY}.setup"
+
+
+class _Chosen:
+    """A view of the Grid that shows the strategy only the nodes our seeded sampler chose."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
+        self._grid, self._ids = grid, node_ids
+
+    def get_node_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
+def _senders(msgs: list[Message]) -> Callable[[Message], int]:
+    """reply -> the node it answers for. When a node is lost, the SuperLink itself answers with an
+    error whose src_node_id is the SuperLink's, so map replies through the message they reply to."""
+    dst = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs}
+    return lambda r: dst.get(r.metadata.reply_to_message_id, r.metadata.src_node_id)
+
+
+class Federation:
+    """The connected nodes, their partition ids, and message exchange with them."""
+
+    def __init__(self, grid: Grid, cfg: Config) -> None:
+        self.grid, self.cfg = grid, cfg
+        self.partition_of: dict[int, int] = {}
+
+    def _order(self, node: int) -> tuple[int, int]:
+        # Partition order everywhere, so sampling and float sums are identical across runs.
+        return (self.partition_of.get(node, 1 << 30), node)
+
+    def wait_for_nodes(self) -> list[int]:
+        """Wait up to strategy.round-timeout for min-nodes nodes; any connected node will do after."""
+        deadline = time.monotonic() + self.cfg.strategy.round_timeout
+        while (
+            len(ids := sorted(self.grid.get_node_ids())) < self.cfg.min_nodes and time.monotonic() <= deadline
+        ):
+            log.info("waiting for nodes: %d connected, min-nodes = %d", len(ids), self.cfg.min_nodes)
+            time.sleep(1.0)
+        if not ids:
+            raise RuntimeError(
+                f"no SuperNode connected within strategy.round-timeout = {self.cfg.strategy.round_timeout}s"
+            )
+        return ids
+
+    def setup(self, node_ids: list[int], want_stats: bool) -> dict[int, RecordDict]:
+        """Ask nodes who they are (partition id, size, labels, teacher) and, once, for PCA statistics."""
+        content = RecordDict({"config": ConfigRecord({"want-stats": want_stats})})
+        msgs = [Message(content=content, message_type=SETUP, dst_node_id=nid) for nid in node_ids]
+        out: dict[int, RecordDict] = {}
+        replies = self.grid.send_and_receive(msgs, timeout=self.cfg.strategy.round_timeout)
+        sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
+        errors = []
+        for r in replies:
+            if r.has_error():
+                log.warning("setup: node %s failed: %s", sender(r), r.error.reason)
+                errors.append(f"node {sender(r)}: {r.error.reason.strip().splitlines()[-1]}")
+            else:
+                out[sender(r)] = r.content
+                self.partition_of[sender(r)] = int(r.content["info"]["partition-id"])
+        if not out and node_ids and not self.partition_of:
+            # The reason reaches `flwr ls`, not only the ClientApp logs.
+            raise RuntimeError(
+                f"setup: no node answered ({'; '.join(errors) or 'no reply before round-timeout'})"
+            )
+        return out
+
+    def sample(self, rnd: int) -> list[int]:
+        """This round's nodes: ``fraction-train`` of the known ones, seeded by (seed, round)."""
+        current = sorted(self.grid.get_node_ids())
+        new = [n for n in current if n not in self.partition_of]
+        if new:  # joined, or rejoined with a new id, since setup: learn who they are
+            self.setup(new, want_stats=False)
+        known = sorted((n for n in current if n in self.partition_of), key=self._order)
+        k = min(nodes_per_round(self.cfg, len(known)), len(known))
+        return sorted(random.Random(self.cfg.seed * 1_000_003 + rnd).sample(known, k), key=self._order)
+
+    def view(self, chosen: list[int]) -> _Chosen:
+        return _Chosen(self.grid, chosen)
+
+    def exchange(self, msgs: list[Message], chosen: list[int]) -> tuple[list[Message], list[dict[str, Any]]]:
+        """Send, wait up to round-timeout; the good replies in partition order, and one row per failure."""
+        replies = list(self.grid.send_and_receive(msgs, timeout=self.cfg.strategy.round_timeout))
+        sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
+        replies.sort(key=lambda r: self._order(sender(r)))
+        got = {sender(r) for r in replies}
+        failures = [
+            {"node": sender(r), "partition-id": self.partition_of.get(sender(r)), "reason": r.error.reason}
+            for r in replies
+            if r.has_error()
+        ]
+        failures += [
+            {"node": n, "partition-id": self.partition_of[n], "reason": "no reply before round-timeout"}
+            for n in chosen
+            if n not in got
+        ]
+        return [r for r in replies if not r.has_error()], failures

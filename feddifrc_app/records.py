@@ -1,0 +1,31 @@
+"""Flower records <-> torch state dicts and numpy arrays: the only place that converts them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+
+def shared_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a model state that travel: BN's ``num_batches_tracked`` is unused (momentum is
+    set) and its integer type breaks FedOpt's float maths."""
+    return {k: v.detach().cpu() for k, v in state.items() if not k.endswith("num_batches_tracked")}
+
+
+def state_to_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord(shared_state(state))
+
+
+def record_to_state(rec: ArrayRecord) -> dict[str, torch.Tensor]:
+    return rec.to_torch_state_dict()
+
+
+def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def record_to_arrays(rec: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in rec.items()}

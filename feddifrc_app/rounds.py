@@ -1,0 +1,175 @@
+"""The federated rounds: sample, train through the strategy, aggregate, evaluate, checkpoint.
+
+The loop drives the configured Flower strategy through its own ``configure_train`` /
+``aggregate_train`` rather than ``Strategy.start``, so that node sampling is seeded,
+``resume-from`` continues the round counter from a checkpoint, and failures and
+timeouts are recorded per round.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+
+from feddifrc_app import log, report
+from feddifrc_app.config import Config
+from feddifrc_app.dataset import ImageData, load_dataset, make_loader
+from feddifrc_app.device import resolve_device
+from feddifrc_app.federation import Federation
+from feddifrc_app.model import build_model, load_weights
+from feddifrc_app.outputs import RunDir
+from feddifrc_app.records import record_to_state, state_to_record
+from feddifrc_app.strategy import build_strategy, load_strategy_state, strategy_state
+from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe
+
+
+def _finite(arrays: ArrayRecord) -> bool:
+    return all(np.isfinite(a.numpy()).all() for a in arrays.values() if a.numpy().dtype.kind == "f")
+
+
+class CentralEvaluator:
+    """Test accuracy of the global model on the server (a linear probe for the self-supervised method)."""
+
+    def __init__(self, cfg: Config, test: ImageData) -> None:
+        self.cfg, self.device = cfg, resolve_device(cfg.train.device, "train.device")
+        self.test = self._loader(test)
+        # The training split is needed centrally only for the self-supervised linear probe.
+        ssl = cfg.method == "feddifrc-ssl"
+        self.train = self._loader(load_dataset(cfg.dataset, "train", seed=cfg.seed)) if ssl else None
+
+    def _loader(self, data: ImageData):
+        return make_loader(
+            data,
+            np.arange(len(data)),
+            train=False,
+            batch_size=self.cfg.train.eval_batch_size,
+            seed=self.cfg.seed,
+        )
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, float | None]:
+        if self.train is None:
+            m = evaluate(model, self.test, self.device)
+            return {"test-accuracy": m["accuracy"], "test-loss": m["loss"]}
+        ftr, ytr, _ = embed(model, self.train, self.device)
+        fte, yte, _ = embed(model, self.test, self.device)
+        acc = linear_probe(ftr, ytr, fte, yte, epochs=self.cfg.ssl.probe_epochs, seed=self.cfg.seed)
+        return {"test-accuracy": acc, "test-loss": None}
+
+
+class RoundLoop:
+    """All round state in one place: the global arrays, the strategy, the results being written."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        fed: Federation,
+        run: RunDir,
+        results: dict[str, Any],
+        evaluator: CentralEvaluator,
+        num_classes: int,
+        basis: ArrayRecord | None,
+    ) -> None:
+        self.cfg, self.fed, self.run, self.results, self.evaluator, self.basis = (
+            cfg,
+            fed,
+            run,
+            results,
+            evaluator,
+            basis,
+        )
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model.name, num_classes, cfg.model.width)
+        self.strategy = build_strategy(cfg)
+        self.arrays = state_to_record(self.model.state_dict())
+        self.first = 1
+
+    def resume(self, last: int, payload: dict[str, Any], run_id: int) -> None:
+        """Continue after round ``last`` of a checkpoint: model, strategy state and results rows."""
+        load_weights(self.model, payload["model"])
+        load_strategy_state(self.strategy, payload["strategy"])
+        self.arrays = state_to_record(self.model.state_dict())
+        self.first = last + 1
+        self.results["rounds"] = [r for r in self.results["rounds"] if r["round"] <= last]
+        self.results["resumed"].append({"after-round": last, "run-id": run_id})
+        log.info("resumed from %s at round %d", self.run.path, last)
+
+    def evaluate(self) -> dict[str, float | None]:
+        load_weights(self.model, record_to_state(self.arrays))
+        return self.evaluator(self.model)
+
+    def run_all(self) -> None:
+        if self.first == 1:
+            self.results["rounds"] = [{"round": 0, **self.evaluate()}]
+            self.run.save_results(self.results)
+        for rnd in range(self.first, self.cfg.num_server_rounds + 1):
+            row = self.train_round(rnd)
+            self.results["rounds"].append(row)
+            self.save(rnd)
+            log.info("round %d: test accuracy %.4f (%.1fs)", rnd, row["test-accuracy"], row["seconds"])
+        self.results["status"] = "diverged" if self.results.get("diverged-rounds") else "completed"
+        self.run.save_results(self.results)
+        report.plot_accuracy(self.results, self.run.path / "accuracy.png")
+        if self.results["status"] == "diverged":
+            # Reported as a failed run (flwr ls), after every result is on disk.
+            raise DivergedError(f"the run (rounds {self.results['diverged-rounds']})", self.cfg.train.lr)
+        s = self.results["summary"]
+        log.info(
+            "finished: final %.4f, best %.4f, mean of last 5 %.4f -> %s",
+            s.get("final-accuracy") or 0,
+            s.get("best-accuracy") or 0,
+            s.get("mean-last-5-accuracy") or 0,
+            self.run.path,
+        )
+
+    def train_round(self, rnd: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        chosen = self.fed.sample(rnd)
+        msgs = list(self.strategy.configure_train(rnd, self.arrays, ConfigRecord({}), self.fed.view(chosen)))
+        if self.basis is not None:
+            for m in msgs:
+                m.content["basis"] = self.basis
+        ok, failures = self.fed.exchange(msgs, chosen)
+        arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
+        if arrays is not None and not _finite(arrays):
+            failures.append(
+                {
+                    "node": None,
+                    "partition-id": None,
+                    "reason": f"{DivergedError.TAG} the aggregated model is non-finite",
+                }
+            )
+            arrays = None
+        if arrays is not None:
+            self.arrays = arrays
+        diverged = [f["reason"] for f in failures if DivergedError.TAG in str(f["reason"])]
+        if diverged:
+            self.results.setdefault("diverged-rounds", []).append(rnd)
+            log.error("round %d diverged (%s); the global model stays the last finite one", rnd, diverged[0])
+        if failures:
+            log.warning("round %d: %d of %d nodes failed: %s", rnd, len(failures), len(chosen), failures)
+        if arrays is None:
+            log.warning("round %d: no usable update; the global model is unchanged", rnd)
+        row = {
+            "round": rnd,
+            "nodes": [self.fed.partition_of[n] for n in chosen],
+            "failures": failures,
+            "train-metrics": dict(metrics) if metrics is not None else {},
+            **self.evaluate(),
+        }
+        row["seconds"] = time.perf_counter() - t0
+        return row
+
+    def save(self, rnd: int) -> None:
+        payload = {
+            "round": rnd,
+            "model": record_to_state(self.arrays),
+            "strategy": strategy_state(self.strategy),
+            "basis": None if self.basis is None else self.basis.to_torch_state_dict(),
+        }
+        self.run.save_checkpoint(rnd, payload, keep=self.cfg.keep_checkpoints)
+        self.run.save_results(self.results)
+        report.plot_accuracy(self.results, self.run.path / "accuracy.png")
