@@ -407,6 +407,92 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- sweep / table
+
+
+def _add_sweep(p: argparse.ArgumentParser) -> None:
+    p.add_argument("confs", nargs="*", help="override files (conf/*.toml); none = the app's defaults")
+    p.add_argument("--out", required=True, help="sweep folder (resumable: run the same command again)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 for every cell")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="vary one key over values (TOML, repeatable), e.g. partition.alpha=0.05,0.5",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PAIRS",
+        help='overrides for every cell, as for flwr run: "num-server-rounds=3 train.local-epochs=1"',
+    )
+    p.add_argument("--app", default=".", help="Flower app folder")
+    p.add_argument("--federation", default="local", help="flwr connection (local = Ray simulation)")
+    p.add_argument(
+        "--federation-config",
+        default="num-supernodes=10 client-resources-num-cpus=1",
+        help="passed to every flwr run",
+    )
+    p.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds before a cell is stopped")
+
+
+def _grid(values: list[str]) -> dict[str, list[Any]]:
+    """``["partition.alpha=0.05,0.5"]`` -> ``{"partition.alpha": [0.05, 0.5]}`` (values are TOML)."""
+    grid = {}
+    for item in values:
+        key, sep, vals = item.partition("=")
+        if not sep or not vals:
+            raise CLIError(f"--grid {item!r}: expected KEY=V1,V2 with TOML values")
+        grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+    return grid
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from feddifrc_app.report import write_sweep_table
+    from feddifrc_app.sweep import Flower, Sweep, make_cells, run_sweep
+
+    if args.seeds < 1:
+        raise CLIError(f"--seeds {args.seeds}: expected >= 1")
+    missing = [c for c in args.confs if not Path(c).is_file()]
+    if missing:
+        raise CLIError(f"no such override file(s): {', '.join(missing)}")
+    app, out = Path(args.app).resolve(), Path(args.out).resolve()
+    sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
+    cells = make_cells(
+        [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
+    )
+    try:
+        sweep.validate(cells)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
+    try:
+        failures = run_sweep(sweep, cells, flower, args.cell_timeout)
+    finally:
+        flower.close()
+    print(write_sweep_table(out))
+    for name, why in failures.items():
+        print(f"FAILED {name}: {why.splitlines()[0] if why else ''}")
+    return 1 if failures else 0
+
+
+def _add_table(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep_dir", help="a `feddifrc sweep` folder")
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    """table.md, table.csv and curves.png of a sweep folder; prints the markdown."""
+    from feddifrc_app.report import write_sweep_table
+
+    out = Path(args.sweep_dir).expanduser().resolve()
+    if not (out / "sweep.json").is_file():
+        raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
+    print(write_sweep_table(out))
+    return 0
+
+
 COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
@@ -427,6 +513,16 @@ COMMANDS: dict[
         cmd_report,
     ),
     "status": ("list the newest runs under outputs-dir with their progress", _add_status, cmd_status),
+    "sweep": (
+        "run conf files x grid values x seeds as real flwr runs (resumable), then the table",
+        _add_sweep,
+        cmd_sweep,
+    ),
+    "table": (
+        "write a sweep's markdown/CSV table (mean ± std over seeds) and accuracy curves",
+        _add_table,
+        cmd_table,
+    ),
 }
 
 

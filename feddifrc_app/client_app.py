@@ -9,6 +9,7 @@ Message types:
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 
@@ -17,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from feddifrc_app.baselines import fednh, fednova, moon, scaffold
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_split, make_loader
 from feddifrc_app.device import resolve_device
@@ -25,13 +27,14 @@ from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
 from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.model import build_model, load_weights
+from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
 from feddifrc_app.targets import build_targets, client_basis, conditioned_targets, pooled_features
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
 app = ClientApp()
+SCAFFOLD_CI = "scaffold-ci"  # Context.state: this node's control variate, kept across rounds
 
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
@@ -93,7 +96,7 @@ def train(msg: Message, context: Context) -> Message:
     seed = _seed(cfg, rnd, node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.width)
+    model = model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
 
     metrics: dict[str, float] = {}
@@ -111,14 +114,69 @@ def train(msg: Message, context: Context) -> Message:
         augment=cfg.train.augment,
     )
     mu = float(msg.content["config"].get("proximal-mu", 0.0))
+    before_step, finish = _scaffold(cfg, msg, context, model, device)
+    extra = (
+        ("moon", _moon(cfg, context, model, data.num_classes, device))
+        if _has_previous(cfg, context)
+        else None
+    )
     train_metrics, buffers = train_local(
-        model, loader, cfg, device, targets=targets, proximal_mu=mu, momentum_state=momentum, seed=seed
+        model,
+        loader,
+        cfg,
+        device,
+        targets=targets,
+        proximal_mu=mu,
+        momentum_state=momentum,
+        seed=seed,
+        before_step=before_step,
+        extra_term=extra,
     )
     metrics.update(train_metrics, **{"num-examples": float(len(ids))})
+    if cfg.strategy.name == "fednova":
+        metrics[fednova.A_KEY] = fednova.normalising_factor(int(metrics["local-steps"]), cfg.train.momentum)
     if cfg.train.keep_momentum and buffers:
         context.state["momentum"] = ArrayRecord(buffers)
     content = RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": MetricRecord(metrics)})
+    if finish is not None:
+        content[scaffold.DELTA] = finish(int(metrics["local-steps"]))
+    if cfg.method == "moon":
+        context.state[moon.PREVIOUS] = state_to_record(model.state_dict())
+    if cfg.method == "fednh":
+        loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=seed)
+        scaled, counts = fednh.class_prototypes(model, loader, data.num_classes, device)
+        content[fednh.PROTOTYPES] = ArrayRecord({"scaled": scaled, "counts": counts})
     return Message(content, reply_to=msg)
+
+
+def _has_previous(cfg: Config, context: Context) -> bool:
+    return cfg.method == "moon" and moon.PREVIOUS in context.state
+
+
+def _moon(cfg: Config, context: Context, model: torch.nn.Module, num_classes: int, device: torch.device):
+    """MOON's term: the received global model and this node's previous local model, frozen."""
+    global_model, previous = model_for(cfg, num_classes), model_for(cfg, num_classes)
+    global_model.load_state_dict(model.state_dict())
+    load_weights(previous, record_to_state(context.state[moon.PREVIOUS]))
+    return moon.regulariser(global_model, previous, cfg.moon.mu, cfg.moon.tau, device)
+
+
+def _scaffold(cfg: Config, msg: Message, context: Context, model: torch.nn.Module, device: torch.device):
+    """SCAFFOLD's gradient correction for this round, and what to do after it: keep c_i+ in
+    ``Context.state`` and return delta_c_i for the reply. (None, None) for other strategies."""
+    if cfg.strategy.name != "scaffold":
+        return None, None
+    c = record_to_state(msg.content[scaffold.CONTROL])
+    c_i = record_to_state(context.state[SCAFFOLD_CI]) if SCAFFOLD_CI in context.state else {}
+    x = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def finish(steps: int) -> ArrayRecord:
+        y = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        c_new, delta = scaffold.control_update(x, y, c, c_i, steps, cfg.train.lr)
+        context.state[SCAFFOLD_CI] = ArrayRecord(c_new)
+        return ArrayRecord(delta)
+
+    return functools.partial(scaffold.correct_gradients, corr=scaffold.correction(c, c_i, device)), finish
 
 
 def _targets(
@@ -153,7 +211,7 @@ def _targets(
 def evaluate(msg: Message, context: Context) -> Message:
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.width)
+    model = model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))

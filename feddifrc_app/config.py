@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-METHODS = ("fedavg", "feddifrc", "feddifrc-ssl")
+METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
@@ -30,6 +30,8 @@ STRATEGIES = (
     "fedadagrad",
     "fedmedian",
     "fedtrimmedavg",
+    "scaffold",
+    "fednova",
 )
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
@@ -155,6 +157,18 @@ class SSLConfig:
 
 
 @dataclass(frozen=True)
+class MoonConfig:
+    mu: float = key(lo=0.0)  # weight of the model-contrastive term (MOON: 5 for CIFAR-10, 1 otherwise)
+    tau: float = key(lo=0.0, lo_open=True)  # its temperature (MOON: 0.5)
+
+
+@dataclass(frozen=True)
+class FedNHConfig:
+    rho: float = key(lo=0.0, hi=1.0)  # prototype smoothing (FedNH: 0.9)
+    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's code: 1.0)
+
+
+@dataclass(frozen=True)
 class Config:
     method: str = key(choices=METHODS)
     seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
@@ -174,6 +188,8 @@ class Config:
     diffusion: DiffusionConfig = key()
     loss: LossConfig = key()
     ssl: SSLConfig = key()
+    moon: MoonConfig = key()
+    fednh: FedNHConfig = key()
 
     @property
     def embedding_dim(self) -> int:
@@ -402,6 +418,10 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "dataset.classes",
             raw["dataset.classes"],
             "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
+        )
+    if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
+        raise _fail(
+            "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
         )
     if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
         raise ConfigError(

@@ -243,3 +243,14 @@ def cosine_alignment(z: Tensor, target: Tensor) -> Tensor:
     """Mean cosine between embeddings and NDCR targets, (B, D) x (B, D) -> 0-dim, detached (a metric)."""
     z, target = _check_pair(z, target)
     return (_unit(z) * _unit(target)).sum(dim=1).mean()
+
+
+def moon_contrastive(z: Tensor, z_global: Tensor, z_prev: Tensor, temperature: float) -> Tensor:
+    """MOON's model-contrastive loss (Li et al., CVPR 2021), 0-dim: the local representation
+    ``z`` (B, D) is pulled to the global model's ``z_global`` (B, D) and pushed from the
+    previous local model's ``z_prev`` (B, D): cross-entropy over cosine / temperature with
+    the positive in column 0."""
+    logits = torch.stack(
+        [F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], 1
+    )
+    return F.cross_entropy(logits / temperature, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))

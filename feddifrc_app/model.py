@@ -12,7 +12,10 @@ names (``downsample``, not ``shortcut``) differ.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from feddifrc_app.config import Config
 
 
 class BasicBlock(nn.Module):
@@ -95,16 +98,42 @@ class ResNet10(nn.Module):
         return features, self.fc(features)
 
 
+class PrototypeHead(nn.Module):
+    """FedNH's classifier (Dai et al., AAAI 2023): ``logits = s * cos(z, p_c)`` over frozen class
+    prototypes (C, D), orthogonal at init as in the public code's default, with a learnable
+    scale s. (B, D) -> (B, C). The server moves the prototypes; clients never train them."""
+
+    def __init__(self, embedding_dim: int, num_classes: int, scale: float) -> None:
+        super().__init__()
+        self.prototype = nn.Parameter(nn.init.orthogonal_(torch.rand(num_classes, embedding_dim)), False)
+        self.scaling = nn.Parameter(torch.tensor([float(scale)]))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.scaling * F.normalize(z, dim=1, eps=1e-12) @ self.prototype.T
+
+
 MODELS: dict[str, type[ResNet10]] = {"resnet10": ResNet10}
 
 
-def build_model(name: str, num_classes: int, width: int = 64) -> nn.Module:
-    """A fresh classifier by name (``MODELS``) and base width; unknown names raise ``ValueError``."""
+def build_model(
+    name: str, num_classes: int, width: int = 64, prototype_scale: float | None = None
+) -> nn.Module:
+    """A fresh classifier by name (``MODELS``) and base width; unknown names raise ``ValueError``.
+    ``prototype_scale`` set: FedNH's prototype head replaces the linear one."""
     try:
         cls = MODELS[name]
     except KeyError:
         raise ValueError(f"model name={name!r}: expected one of {', '.join(MODELS)}") from None
-    return cls(num_classes, width)
+    model = cls(num_classes, width)
+    if prototype_scale is not None:
+        model.fc = PrototypeHead(model.embedding_dim, num_classes, prototype_scale)
+    return model
+
+
+def model_for(cfg: Config, num_classes: int) -> nn.Module:
+    """The run's classifier: ``model.*``, with FedNH's head when ``method = "fednh"``."""
+    scale = cfg.fednh.scale if cfg.method == "fednh" else None
+    return build_model(cfg.model.name, num_classes, cfg.model.width, prototype_scale=scale)
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federation import Federation
-from feddifrc_app.model import build_model, load_weights
+from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.strategy import build_strategy, load_strategy_state, strategy_state
@@ -82,7 +82,7 @@ class RoundLoop:
             basis,
         )
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model.name, num_classes, cfg.model.width)
+        self.model = model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
         self.arrays = state_to_record(self.model.state_dict())
         self.first = 1

@@ -25,6 +25,9 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from feddifrc_app.baselines.fednh import FedNH
+from feddifrc_app.baselines.fednova import FedNova
+from feddifrc_app.baselines.scaffold import Scaffold
 from feddifrc_app.config import Config
 
 
@@ -47,6 +50,8 @@ def build_strategy(cfg: Config) -> Strategy:
         min_available_nodes=1,
     )
     name = s.name
+    if cfg.method == "fednh":  # FedAvg for the network, FedNH for the prototypes
+        return FedNH(**common, rho=cfg.fednh.rho)
     if name == "fedavg":
         return FedAvg(**common)
     if name == "fedprox":
@@ -66,11 +71,17 @@ def build_strategy(cfg: Config) -> Strategy:
         return FedMedian(**common)
     if name == "fedtrimmedavg":
         return FedTrimmedAvg(**common, beta=s.trim_beta)
+    if name == "scaffold":
+        return Scaffold(
+            **common, server_learning_rate=s.server_learning_rate, fraction_of_nodes=cfg.fraction_train
+        )
+    if name == "fednova":
+        return FedNova(**common)
     raise ValueError(f"unknown strategy {name!r}")  # unreachable: load_config validated it
 
 
 # Server-side optimiser state that must survive a resume for the numbers to match.
-_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector")
+_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector", "control")
 
 
 def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:

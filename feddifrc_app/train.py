@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,11 +50,15 @@ def train_local(
     proximal_mu: float = 0.0,
     momentum_state: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
+    before_step: Callable[[nn.Module], None] | None = None,
+    extra_term: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Run ``cfg.train.local_epochs`` epochs of SGD on ``loader`` (items: x, y, dataset index).
 
     Loss = CE (unless self-supervised) + tdcl_weight * TDCL + ndcr_weight * NDCR (+ FedProx).
-    Returns (metrics averaged over samples, SGD momentum buffers by parameter name).
+    ``before_step(model)`` runs between backward and the optimiser step (SCAFFOLD's correction);
+    ``extra_term = (name, f)`` adds ``f(x, z)`` to the loss (MOON's contrastive term).
+    Returns (metrics averaged over samples, plus ``local-steps``; SGD momentum buffers by name).
     """
     tc, lc = cfg.train, cfg.loss
     ssl = cfg.method == "feddifrc-ssl"
@@ -64,15 +68,12 @@ def train_local(
     model.to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     if momentum_state and tc.momentum > 0:
-        # Momentum kept across rounds (train.keep-momentum): restore the buffers by name.
-        for n, p in model.named_parameters():
-            if n in momentum_state:
-                opt.state[p]["momentum_buffer"] = momentum_state[n].to(device).clone()
+        _restore_momentum(opt, model, momentum_state, device)
     global_params = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     gen = torch.Generator().manual_seed(seed)  # negative sampling in TDCL
 
     sums: dict[str, float] = {}
-    seen = 0
+    seen = steps = 0
     correct = 0
     t0 = time.perf_counter()
     for _ in range(tc.local_epochs):
@@ -86,13 +87,19 @@ def train_local(
                 ndcr = None if ndcr is None else ndcr.to(device)
             parts = _loss_parts(logits, y, z, reps, ndcr, lc, ssl=ssl, use_teacher=use_teacher, gen=gen)
             loss = parts["total"]
+            if extra_term is not None:
+                parts[extra_term[0]] = extra_term[1](x, z)
+                loss = loss + parts[extra_term[0]]
             if proximal_mu > 0:
                 prox = 0.5 * proximal_mu * _proximal_term(model, global_params)
                 loss = loss + prox
                 parts["prox"] = prox.detach()
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if before_step is not None:
+                before_step(model)
             opt.step()
+            steps += 1
             if use_teacher and ndcr is not None:
                 parts["ndcr-cosine"] = losses.cosine_alignment(z.detach(), ndcr)
             b = y.shape[0]
@@ -108,8 +115,18 @@ def train_local(
     if not ssl:
         metrics["train-accuracy"] = correct / max(seen, 1)
     metrics["train-seconds"] = time.perf_counter() - t0
+    metrics["local-steps"] = float(steps)
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
     return metrics, {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
+
+
+def _restore_momentum(
+    opt: torch.optim.Optimizer, model: nn.Module, state: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Momentum kept across rounds (train.keep-momentum): put the buffers back by parameter name."""
+    for n, p in model.named_parameters():
+        if n in state:
+            opt.state[p]["momentum_buffer"] = state[n].to(device).clone()
 
 
 def _loss_parts(

@@ -104,7 +104,7 @@ def test_bad_values_name_key_value_and_range(override, fragment):
         ("strategy.name", "fedsgd", STRATEGIES),
         ("dataset.name", "mnist", ("digits", "cifar10", "cifar100", "tiny-imagenet", "image-folder")),
         ("partition.name", "quantity", ("iid", "dirichlet", "pathological")),
-        ("method", "moon", ("fedavg", "feddifrc", "feddifrc-ssl")),
+        ("method", "scaffold", ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")),
     ],
 )
 def test_unknown_names_list_valid_choices(key, value, valid):

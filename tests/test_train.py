@@ -128,7 +128,8 @@ def test_fedavg_round_changes_weights_and_reports_ce_metrics(sup: Client) -> Non
     model = fresh_model()
     before = flat(model).clone()
     _, m, state = run(sup, cfg, model=model)
-    assert set(m) == {"train-ce", "train-total", "train-accuracy", "train-seconds"}
+    assert set(m) == {"train-ce", "train-total", "train-accuracy", "train-seconds", "local-steps"}
+    assert m["local-steps"] == 2  # 10 images in batches of 5
     assert all_finite(m)
     assert m["train-total"] == m["train-ce"] > 0
     assert 0.0 <= m["train-accuracy"] <= 1.0
@@ -154,6 +155,7 @@ def test_feddifrc_round_metrics_are_the_losses_of_the_starting_model(sup: Client
         "train-ndcr-cosine",
         "train-accuracy",
         "train-seconds",
+        "local-steps",
     }
     assert all_finite(m)
     assert not torch.equal(flat(model), before)

@@ -1,0 +1,77 @@
+"""FedNH (Dai et al., AAAI 2023): class prototypes as the classifier, moved by the server.
+
+Nodes train the network under frozen prototypes (``model.PrototypeHead``) and then send,
+per class c they hold, ``n_c * normalise(mean of the normalised embeddings)`` and ``n_c``.
+The server (as FedNH's public code): ``avg_c = normalise(sum_i scaled_ic / sum_i n_ic)``,
+``p_c <- normalise(rho * p_c + (1 - rho) * avg_c)``; a class no node holds keeps p_c. The
+rest of the model is averaged as in FedAvg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from torch import nn
+
+PROTOTYPES = "fednh-prototypes"  # node -> server: {"scaled": (C, D), "counts": (C,)}
+KEY = "fc.prototype"  # the prototypes in the model's state dict
+
+
+@torch.no_grad()
+def class_prototypes(model: nn.Module, loader: Iterable, num_classes: int, device: torch.device):
+    """(scaled (C, D), counts (C,)) of this node's data: the upload above."""
+    model.to(device).eval()
+    sums = torch.zeros(num_classes, model.embedding_dim, device=device)
+    counts = torch.zeros(num_classes, device=device)
+    for x, y, _ in loader:
+        z = F.normalize(model.embed(x.to(device)), dim=1, eps=1e-12)
+        y = y.to(device)
+        sums.index_add_(0, y, z)
+        counts.index_add_(0, y, torch.ones_like(y, dtype=counts.dtype))
+    scaled = F.normalize(sums / counts.clamp(min=1).unsqueeze(1), dim=1) * counts.unsqueeze(1)
+    return scaled.cpu(), counts.cpu()
+
+
+def smooth(old: np.ndarray, scaled: list[np.ndarray], counts: list[np.ndarray], rho: float) -> np.ndarray:
+    """The server's prototype update: old (C, D), per node scaled (C, D) and counts (C,)."""
+    total = sum(counts)
+    avg = sum(scaled) / np.maximum(total, 1e-12)[:, None]
+    avg = avg / np.maximum(np.linalg.norm(avg, axis=1, keepdims=True), 1e-12)
+    new = rho * old + (1 - rho) * avg
+    new = new / np.maximum(np.linalg.norm(new, axis=1, keepdims=True), 1e-12)
+    return np.where((total > 0)[:, None], new, old).astype(old.dtype)
+
+
+class FedNH(FedAvg):
+    """FedAvg for the network, FedNH's smoothing for the prototypes."""
+
+    def __init__(self, *, rho: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rho = rho
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        # Not FedAvg.aggregate_train: it refuses replies that carry a second ArrayRecord.
+        contents = [r.content for r in replies]
+        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        weights = np.array([float(c["metrics"]["num-examples"]) for c in contents])
+        weights = weights / weights.sum()
+        arrays = {
+            k: sum(w * c["arrays"][k].numpy() for w, c in zip(weights, contents, strict=True))
+            for k in contents[0]["arrays"]
+        }
+        # Frozen on the nodes: every reply holds the prototypes the server sent.
+        old = contents[0]["arrays"][KEY].numpy()
+        scaled = [c[PROTOTYPES]["scaled"].numpy() for c in contents]
+        counts = [c[PROTOTYPES]["counts"].numpy() for c in contents]
+        arrays[KEY] = smooth(old, scaled, counts, self.rho)
+        return ArrayRecord(
+            {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
+        ), metrics

@@ -1,0 +1,66 @@
+"""FedNova (Wang et al., NeurIPS 2020): normalised averaging of heterogeneous local progress.
+
+Node i runs tau_i SGD steps with momentum rho from the global model x; its normalising
+factor is ``a_i = (tau_i - rho (1 - rho^tau_i) / (1 - rho)) / (1 - rho)`` (= tau_i without
+momentum). Server, with p_i the example weights: ``d_i = (x - y_i) / a_i``,
+``tau_eff = sum_i p_i a_i``, ``x <- x - tau_eff * sum_i p_i d_i``. BatchNorm running
+statistics are not gradient steps: they are averaged as in FedAvg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+A_KEY = "fednova-a"  # node -> server metric: the normalising factor a_i
+
+
+def normalising_factor(steps: int, momentum: float) -> float:
+    """a_i of a node that ran ``steps`` SGD steps with momentum ``momentum``."""
+    if momentum == 0:
+        return float(steps)
+    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
+
+
+def _is_statistic(key: str) -> bool:
+    return key.endswith(("running_mean", "running_var"))
+
+
+class FedNova(FedAvg):
+    """FedAvg's sampling and metrics, FedNova's normalised model update."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.current_arrays: dict[str, np.ndarray] | None = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        averaged, metrics = super().aggregate_train(server_round, replies)
+        p = np.array([float(r.content["metrics"]["num-examples"]) for r in replies])
+        p = p / p.sum()
+        a = np.array([float(r.content["metrics"][A_KEY]) for r in replies])
+        tau_eff = float(p @ a)
+        new = {}
+        for k, x_k in self.current_arrays.items():
+            if _is_statistic(k):
+                new[k] = averaged[k].numpy()
+                continue
+            d = sum(
+                p_i / a_i * (x_k - r.content["arrays"][k].numpy())
+                for p_i, a_i, r in zip(p, a, replies, strict=True)
+            )
+            new[k] = (x_k - tau_eff * d).astype(x_k.dtype)
+        return ArrayRecord({k: torch.from_numpy(v) for k, v in new.items()}), metrics

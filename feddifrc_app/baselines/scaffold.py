@@ -1,0 +1,94 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020): control variates that correct client drift.
+
+Client i, K local steps of lr eta_l from the global model x, with server / own control
+variates c / c_i: every step adds (c - c_i) to the gradient; afterwards (option II)
+``c_i+ = c_i - c + (x - y_i) / (K * eta_l)`` and the node sends y_i and
+``delta_c_i = c_i+ - c_i``. Server: ``x <- x + eta_g * sum_i w_i (y_i - x)`` (w_i the
+example weights, as FedAvg) and ``c <- c + (|S| / N) * mean_i delta_c_i``, with
+``|S| / N = fraction-train``. Control variates cover trainable parameters only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+CONTROL = "scaffold-c"  # server -> node: the server control variate
+DELTA = "scaffold-dc"  # node -> server: the change of the node's control variate
+
+
+def correction(
+    c: dict[str, torch.Tensor], c_i: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """``c - c_i`` by parameter name, moved to ``device`` once (a missing entry is zero: early rounds)."""
+    return {k: (c.get(k, 0) - c_i.get(k, 0)).to(device) for k in c.keys() | c_i.keys()}
+
+
+def correct_gradients(model: torch.nn.Module, corr: dict[str, torch.Tensor]) -> None:
+    """``grad += c - c_i`` for every parameter that has a gradient."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and name in corr:
+            p.grad += corr[name]
+
+
+def control_update(
+    x: dict[str, torch.Tensor],
+    y: dict[str, torch.Tensor],
+    c: dict[str, torch.Tensor],
+    c_i: dict[str, torch.Tensor],
+    steps: int,
+    lr: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Option II: (c_i+, delta_c_i) per parameter name in ``y``; x, y, c, c_i by name."""
+    new, delta = {}, {}
+    for name, y_p in y.items():
+        zero = torch.zeros_like(y_p)
+        old = c_i.get(name, zero)
+        new[name] = old - c.get(name, zero) + (x[name] - y_p) / (steps * lr)
+        delta[name] = new[name] - old
+    return new, delta
+
+
+class Scaffold(FedAvg):
+    """FedAvg's sampling and metrics, SCAFFOLD's model and control-variate updates."""
+
+    def __init__(self, *, server_learning_rate: float, fraction_of_nodes: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.eta_g, self.fraction_of_nodes = server_learning_rate, fraction_of_nodes
+        self.current_arrays: dict[str, np.ndarray] | None = None
+        self.control: dict[str, np.ndarray] = {}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
+        msgs = list(super().configure_train(server_round, arrays, config, grid))
+        for m in msgs:
+            m.content[CONTROL] = ArrayRecord({k: torch.from_numpy(v) for k, v in self.control.items()})
+        return msgs
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        # Not FedAvg.aggregate_train: it refuses replies that carry a second ArrayRecord (delta c).
+        metrics = self.train_metrics_aggr_fn([r.content for r in replies], self.weighted_by_key)
+        x = self.current_arrays
+        weights = np.array([float(r.content["metrics"]["num-examples"]) for r in replies])
+        weights = weights / weights.sum()
+        new = {}
+        for k, x_k in x.items():
+            step = sum(
+                w * (r.content["arrays"][k].numpy() - x_k) for w, r in zip(weights, replies, strict=True)
+            )
+            new[k] = (x_k + self.eta_g * step).astype(x_k.dtype)
+        deltas = [{k: v.numpy() for k, v in r.content[DELTA].items()} for r in replies]
+        for k in deltas[0]:
+            mean = sum(d[k] for d in deltas) / len(deltas)
+            self.control[k] = self.control.get(k, np.zeros_like(mean)) + self.fraction_of_nodes * mean
+        return ArrayRecord({k: torch.from_numpy(v) for k, v in new.items()}), metrics

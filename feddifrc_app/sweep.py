@@ -1,0 +1,246 @@
+"""`feddifrc sweep`: conf files x grid values x seeds, one real `flwr run` after another.
+
+Every cell is validated before the first run starts. Cells are resumable: a finished one
+is skipped, an interrupted one continues from its last checkpoint (``resume-from``), a
+failed one is recorded with its reason and the sweep goes on. Success is read from
+``flwr ls``, because ``flwr run --stream`` exits 0 on a failed run. Layout of ``--out``::
+
+    sweep.json         every cell: conf, seed, grid values, paper number, status, reason
+    cells/<name>.toml  the exact run config each cell was submitted with
+    runs/<name>/       the cells' run directories (results.json, checkpoints, plots)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from feddifrc_app.config import Config, load_config
+from feddifrc_app.files import write_json
+
+_PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the sweep: a conf file (or none) with grid values and a seed."""
+
+    conf: str  # path of the override file, "" = the app's defaults
+    seed: int
+    grid: dict[str, Any] = field(default_factory=dict)
+    paper: float | None = None  # the paper's accuracy (%) quoted in the conf file
+
+    @property
+    def name(self) -> str:
+        tags = [Path(self.conf).stem if self.conf else "defaults"]
+        tags += [f"{k.rsplit('.', 1)[-1]}{v}" for k, v in sorted(self.grid.items())]
+        return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(tags) + f"-s{self.seed}")
+
+
+def make_cells(confs: list[str], seeds: list[int], grid: dict[str, list[Any]]) -> list[Cell]:
+    """Every conf x every combination of grid values x every seed (seed varies slowest)."""
+    keys = sorted(grid)
+    combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(grid[k] for k in keys))]
+    out = []
+    for seed in seeds:
+        for conf in confs or [""]:
+            text = Path(conf).read_text() if conf else ""
+            paper = float(m.group(1)) if (m := _PAPER.search(text)) else None
+            out += [Cell(conf, seed, combo, paper) for combo in combos]
+    return out
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Flower:
+    """`flwr` with its own FLWR_HOME; stops the local SuperLink it started."""
+
+    def __init__(self, app: Path, home: Path, federation: str, federation_config: str) -> None:
+        self.app, self.home, self.federation, self.federation_config = (
+            app,
+            home,
+            federation,
+            federation_config,
+        )
+        home.mkdir(parents=True, exist_ok=True)
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "NO_COLOR": "1",
+            # The local SuperLink `flwr run` starts gets ports of its own: on the default ones,
+            # `flwr` would silently reuse another user's (or another sweep's) SuperLink.
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+        }
+
+    def json(self, *args: str, timeout: float = 300) -> dict[str, Any]:
+        cp = subprocess.run(
+            ["flwr", *args, "--format", "json"],
+            cwd=self.app,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        lines = cp.stdout.splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("{")), None)
+        if start is None:
+            raise RuntimeError(
+                f"`flwr {' '.join(args)}` printed no JSON: {cp.stdout[-1500:]} {cp.stderr[-1500:]}"
+            )
+        return json.loads("\n".join(lines[start:]))
+
+    def run(self, run_config: Path, timeout: float) -> tuple[str, str]:
+        """Submit one run, wait for it; (flwr ls status, reason or log tail)."""
+        args = ["run", ".", self.federation, "--run-config", str(run_config)]
+        if self.federation_config:
+            args += ["--federation-config", self.federation_config]
+        ans = self.json(*args)
+        if not ans.get("success"):
+            return "submit-failed", json.dumps(ans)[-1500:]
+        run_id, deadline = str(ans["run-id"]), time.monotonic() + timeout
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            info = (self.json("ls", self.federation, "--run-id", run_id).get("runs") or [{}])[0]
+            if str(info.get("status", "")).startswith("finished"):
+                return str(info["status"]), str(info.get("status-details", ""))
+            time.sleep(3)
+        subprocess.run(
+            ["flwr", "stop", run_id, self.federation], cwd=self.app, env=self.env, capture_output=True
+        )
+        return "timeout", f"not finished after {timeout:.0f}s (last status {info.get('status')})"
+
+    def close(self) -> None:
+        """Stop a flower-superlink whose --log-file lies in OUR FLWR_HOME (never another one)."""
+        mine = str(self.home) + "/"
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if (
+                Path(argv[0] if len(argv) < 2 else argv[1]).name == "flower-superlink"
+                and "--log-file" in argv
+            ):
+                log = argv[argv.index("--log-file") + 1] if argv.index("--log-file") + 1 < len(argv) else ""
+                if log.startswith(mine):
+                    with contextlib.suppress(OSError):
+                        os.kill(int(entry.name), signal.SIGTERM)
+
+
+class Sweep:
+    """The cells of one sweep folder, their run configs, and running them in order."""
+
+    def __init__(self, out: Path, app: Path, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+        self.out, self.app, self.defaults, self.overrides = out, app, defaults, overrides
+        self.runs, self.state_path = out / "runs", out / "sweep.json"
+        self.state: dict[str, dict[str, Any]] = {}
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text()).get("cells", {})
+
+    def cell_config(self, cell: Cell) -> dict[str, Any]:
+        """The flat run config of ``cell`` (without resume-from)."""
+        from feddifrc_app.cli import parse_run_config
+
+        conf = parse_run_config([cell.conf]) if cell.conf else {}
+        return {
+            **conf,
+            **self.overrides,
+            **cell.grid,
+            "seed": cell.seed,
+            "outputs-dir": str(self.runs),
+            "run-name": cell.name,
+        }
+
+    def validate(self, cells: list[Cell]) -> dict[str, Config]:
+        """Every cell's config, checked before any run: a typo fails the sweep, not cell 17."""
+        return {c.name: load_config({**self.defaults, **self.cell_config(c)}) for c in cells}
+
+    def finished(self, cell: Cell, cfg: Config) -> dict[str, Any] | None:
+        try:
+            r = json.loads((self.runs / cell.name / "results.json").read_text())
+        except (OSError, ValueError):
+            return None
+        done = (
+            r.get("status") == "completed"
+            and r["rounds"]
+            and r["rounds"][-1]["round"] == cfg.num_server_rounds
+        )
+        return r if done else None
+
+    def submit_file(self, cell: Cell) -> Path:
+        """Write cells/<name>.toml; an interrupted cell resumes from its last checkpoint."""
+        flat = self.cell_config(cell)
+        run_dir = self.runs / cell.name
+        if any((run_dir / "checkpoints").glob("round-*.pt.sha256")):
+            flat["resume-from"] = str(run_dir)
+        elif run_dir.exists():
+            shutil.rmtree(run_dir)  # started, but no round finished: start over
+        path = self.out / "cells" / f"{cell.name}.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in flat.items()))
+        return path
+
+    def record(self, cell: Cell, **fields: Any) -> None:
+        self.state[cell.name] = {**asdict(cell), **fields}
+        write_json(self.state_path, {"cells": self.state})
+
+
+def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: float) -> dict[str, str]:
+    """Run every unfinished cell in order; print progress and an ETA; {cell: failure reason}."""
+    configs = sweep.validate(cells)
+    todo = [c for c in cells if sweep.finished(c, configs[c.name]) is None]
+    print(f"sweep {sweep.out}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run")
+    for c in cells:
+        if c not in todo:
+            sweep.record(c, status="completed", reason="")
+    failures: dict[str, str] = {}
+    t0 = time.monotonic()
+    for i, cell in enumerate(todo, 1):
+        t_cell = time.monotonic()
+        try:
+            status, reason = flower.run(sweep.submit_file(cell), cell_timeout)
+        except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
+            status, reason = "error", f"{type(e).__name__}: {e}"
+        done = sweep.finished(cell, configs[cell.name])
+        if status != "finished:completed" or done is None:
+            failures[cell.name] = f"{status}: {reason}".strip()
+        sweep.record(
+            cell,
+            status="completed" if cell.name not in failures else "failed",
+            reason=failures.get(cell.name, ""),
+            seconds=round(time.monotonic() - t_cell, 1),
+        )
+        eta = (time.monotonic() - t0) / i * (len(todo) - i)
+        what = f"final {done['summary']['final-accuracy']:.4f}" if done else f"FAILED ({status})"
+        print(
+            f"[{i}/{len(todo)}] {cell.name}: {what} in {time.monotonic() - t_cell:.0f}s; "
+            f"{len(todo) - i} left, ETA {eta / 60:.1f} min",
+            flush=True,
+        )
+    return failures

@@ -1,0 +1,154 @@
+"""SCAFFOLD, FedNova, MOON and FedNH updates against values computed by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_config
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from feddifrc_app.baselines import fednh, fednova, scaffold
+from feddifrc_app.strategy import build_strategy
+
+
+def reply(arrays: dict[str, list[float]], **metrics: float) -> Message:
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: torch.tensor(v) for k, v in arrays.items()}),
+            "metrics": MetricRecord({k.replace("_", "-"): float(v) for k, v in metrics.items()}),
+        }
+    )
+    return Message(content=content, dst_node_id=1, message_type="train")
+
+
+class Nodes:
+    def get_node_ids(self):
+        return [1, 2]
+
+
+# ----------------------------------------------------------------------------- SCAFFOLD
+
+
+def test_scaffold_client_correction_and_option_ii_update():
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[1.0, 1.0]])
+    c, c_i = {"weight": torch.tensor([[0.1, 0.0]])}, {"weight": torch.tensor([[0.05, 0.2]])}
+    scaffold.correct_gradients(model, scaffold.correction(c, c_i, torch.device("cpu")))
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.05, 0.8]]))  # grad + c - c_i
+
+    x, y = {"weight": torch.tensor([[1.0, 2.0]])}, {"weight": torch.tensor([[0.8, 2.1]])}
+    new, delta = scaffold.control_update(x, y, c, c_i, steps=2, lr=0.1)
+    # c_i+ = c_i - c + (x - y) / (K lr) = [0.05 - 0.1 + 1.0, 0.2 - 0 - 0.5]
+    torch.testing.assert_close(new["weight"], torch.tensor([[0.95, -0.3]]))
+    torch.testing.assert_close(delta["weight"], torch.tensor([[0.9, -0.5]]))
+
+
+@pytest.mark.parametrize(("eta_g", "want"), [(1.0, [1.5, 2.5]), (0.5, [1.25, 1.75])])
+def test_scaffold_server_update(eta_g, want):
+    s = build_strategy(
+        make_config(strategy__name="scaffold", strategy__server_learning_rate=eta_g, fraction_train=0.5)
+    )
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.tensor([1.0, 1.0])}), ConfigRecord({}), Nodes()))
+    assert len(msgs[0].content[scaffold.CONTROL]) == 0  # c = 0 before any update
+    r1, r2 = reply({"w": [0.0, 1.0]}, num_examples=1), reply({"w": [2.0, 3.0]}, num_examples=3)
+    r1.content[scaffold.DELTA] = ArrayRecord({"w": torch.tensor([0.4, 0.0])})
+    r2.content[scaffold.DELTA] = ArrayRecord({"w": torch.tensor([0.0, 0.8])})
+    arrays, _ = s.aggregate_train(1, [r1, r2])
+    # x + eta_g * (1/4 (y1 - x) + 3/4 (y2 - x)); c += |S|/N * mean(delta c) = 0.5 * [0.2, 0.4]
+    np.testing.assert_allclose(arrays["w"].numpy(), want)
+    np.testing.assert_allclose(s.control["w"], [0.1, 0.2])
+    nxt = list(s.configure_train(2, arrays, ConfigRecord({}), Nodes()))
+    np.testing.assert_allclose(nxt[0].content[scaffold.CONTROL]["w"].numpy(), [0.1, 0.2])
+
+
+# ----------------------------------------------------------------------------- FedNova
+
+
+def test_fednova_normalising_factor():
+    assert fednova.normalising_factor(3, 0.0) == 3.0
+    # (tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho) with tau = 3, rho = 0.9
+    assert fednova.normalising_factor(3, 0.9) == pytest.approx((3 - 0.9 * (1 - 0.729) / 0.1) / 0.1)
+
+
+def test_fednova_server_update_normalises_by_local_steps():
+    s = build_strategy(make_config(strategy__name="fednova"))
+    x = {"w": torch.tensor([1.0]), "bn.running_mean": torch.tensor([0.0])}
+    list(s.configure_train(1, ArrayRecord(x), ConfigRecord({}), Nodes()))
+    r1 = reply({"w": [0.0], "bn.running_mean": [2.0]}, num_examples=1, **{"fednova_a": 2.0})
+    r2 = reply({"w": [0.0], "bn.running_mean": [4.0]}, num_examples=1, **{"fednova_a": 1.0})
+    arrays, _ = s.aggregate_train(1, [r1, r2])
+    # d = (x - y) / a = [0.5, 1.0]; tau_eff = 1.5; x - tau_eff * mean(d) = 1 - 1.5 * 0.75 (FedAvg: 0.0)
+    np.testing.assert_allclose(arrays["w"].numpy(), [-0.125])
+    np.testing.assert_allclose(arrays["bn.running_mean"].numpy(), [3.0])  # statistics: plain average
+
+
+# ----------------------------------------------------------------------------- MOON
+
+
+def test_moon_contrastive_loss_by_hand():
+    from feddifrc_app.losses import moon_contrastive
+
+    z, z_glob, z_prev = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 3.0]])
+    # cos = 1 (global), 0 (previous); tau = 0.5 -> logits [2, 0]; -log(e^2 / (e^2 + 1)) = log(1 + e^-2)
+    assert moon_contrastive(z, z_glob, z_prev, 0.5).item() == pytest.approx(np.log1p(np.exp(-2.0)))
+    # Closer to the previous model than to the global one costs more.
+    assert moon_contrastive(z, z_prev, z_glob, 0.5).item() == pytest.approx(np.log1p(np.exp(2.0)))
+
+
+def test_moon_term_is_mu_times_the_loss_of_frozen_reference_models():
+    from feddifrc_app.baselines import moon
+    from feddifrc_app.losses import moon_contrastive
+    from feddifrc_app.model import build_model
+
+    torch.manual_seed(0)
+    g, prev, local = (build_model("resnet10", 3, width=2) for _ in range(3))
+    x = torch.randn(4, 3, 8, 8)
+    term = moon.regulariser(g, prev, mu=5.0, tau=0.5, device=torch.device("cpu"))
+    local.eval()
+    z = local(x)[0]
+    want = 5.0 * moon_contrastive(z, g(x)[0], prev(x)[0], 0.5)
+    torch.testing.assert_close(term(x, z), want)
+    assert not any(p.requires_grad for p in g.parameters())  # the references never train
+
+
+# ----------------------------------------------------------------------------- FedNH
+
+
+def test_fednh_head_is_a_scaled_cosine_over_frozen_orthogonal_prototypes():
+    from feddifrc_app.model import build_model
+
+    model = build_model("resnet10", 4, width=2, prototype_scale=3.0)
+    p = model.fc.prototype
+    assert not p.requires_grad and p.shape == (4, 16)
+    torch.testing.assert_close(p @ p.T, torch.eye(4), atol=1e-5, rtol=0)  # orthonormal rows
+    z = torch.randn(2, 16)
+    want = 3.0 * torch.nn.functional.normalize(z, dim=1) @ p.T
+    torch.testing.assert_close(model.fc(z), want)
+
+
+class _Identity(torch.nn.Module):
+    embedding_dim = 2
+
+    def embed(self, x):
+        return x
+
+
+def test_fednh_client_upload_by_hand():
+    batches = [(torch.tensor([[3.0, 4.0], [0.0, 2.0], [1.0, 0.0]]), torch.tensor([0, 0, 1]), torch.arange(3))]
+    scaled, counts = fednh.class_prototypes(_Identity(), batches, 3, torch.device("cpu"))
+    # class 0: mean of [0.6, 0.8] and [0, 1] = [0.3, 0.9] -> normalised, times n = 2
+    np.testing.assert_allclose(scaled[0], 2 * np.array([0.3, 0.9]) / np.hypot(0.3, 0.9), rtol=1e-6)
+    np.testing.assert_allclose(scaled[1], [1.0, 0.0])
+    np.testing.assert_allclose(scaled[2], [0.0, 0.0])
+    np.testing.assert_array_equal(counts, [2, 1, 0])
+
+
+def test_fednh_server_smoothing_by_hand():
+    old = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    scaled = [np.array([[0.0, 2.0], [0.0, 0.0]]), np.zeros((2, 2))]
+    counts = [np.array([2.0, 0.0]), np.array([0.0, 0.0])]
+    new = fednh.smooth(old, scaled, counts, rho=0.9)
+    # class 0: avg = [0, 1]; 0.9 [1, 0] + 0.1 [0, 1] normalised; class 1: held by no node, kept
+    np.testing.assert_allclose(new[0], np.array([0.9, 0.1]) / np.hypot(0.9, 0.1), rtol=1e-6)
+    np.testing.assert_allclose(new[1], [0.0, 1.0])

@@ -1,0 +1,133 @@
+"""`feddifrc sweep` and `feddifrc table`: cells, run configs, resume, the table, one real sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from feddifrc_app import cli
+from feddifrc_app.config import ConfigError
+from feddifrc_app.report import write_sweep_table
+from feddifrc_app.sweep import Cell, Sweep, make_cells
+
+
+def sweep_in(tmp_path: Path, **overrides) -> Sweep:
+    return Sweep(tmp_path / "sw", ROOT, cli.app_defaults(ROOT), overrides)
+
+
+def test_cells_are_confs_x_grid_x_seeds_with_the_paper_number():
+    confs = [str(ROOT / "conf" / "cifar10-nid1-a0.05-moon.toml"), str(ROOT / "conf" / "mnist5k-fedavg.toml")]
+    cells = make_cells(confs, [0, 1], {"partition.alpha": [0.05, 0.5]})
+    assert len(cells) == 8 and len({c.name for c in cells}) == 8
+    assert cells[0].name == "cifar10-nid1-a0.05-moon-alpha0.05-s0" and cells[0].paper == 80.79
+    assert cells[-1].name == "mnist5k-fedavg-alpha0.5-s1" and cells[-1].paper is None
+
+
+def test_cell_run_config_round_trips_through_flowers_parser(tmp_path):
+    from flwr.common.config import parse_config_args
+
+    sweep = sweep_in(tmp_path, **{"num-server-rounds": 3})
+    cell = Cell(str(ROOT / "conf" / "mnist5k-moon.toml"), 1, {"partition.alpha": 0.05})
+    path = sweep.submit_file(cell)
+    flat = parse_config_args([str(path)])
+    assert flat == {
+        "method": "moon",
+        "moon.mu": 1.0,
+        "moon.tau": 0.5,
+        "num-server-rounds": 3,
+        "partition.alpha": 0.05,
+        "seed": 1,
+        "outputs-dir": str(tmp_path / "sw" / "runs"),
+        "run-name": "mnist5k-moon-alpha0.05-s1",
+    }
+
+
+def test_every_cell_is_validated_before_any_run(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("train.lr = -1.0\n")
+    sweep = sweep_in(tmp_path)
+    with pytest.raises(ConfigError, match="'train.lr' = -1.0"):
+        sweep.validate(make_cells([str(ROOT / "conf" / "mnist5k-fedavg.toml"), str(bad)], [0], {}))
+
+
+def test_an_interrupted_cell_resumes_and_an_unstarted_one_starts_over(tmp_path):
+    sweep = sweep_in(tmp_path)
+    cell = Cell("", 0)
+    ckpt = sweep.runs / cell.name / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "round-0002.pt.sha256").write_text("x")
+    assert f"resume-from = {json.dumps(str(sweep.runs / cell.name))}" in sweep.submit_file(cell).read_text()
+    (ckpt / "round-0002.pt.sha256").unlink()
+    assert "resume-from" not in sweep.submit_file(cell).read_text()
+    assert not (sweep.runs / cell.name).exists()  # no finished round: removed, so the run starts clean
+
+
+def _fake_cell(out: Path, name: str, conf: str, alpha: float, final: float, best: float, paper=None) -> dict:
+    run = out / "runs" / name
+    run.mkdir(parents=True)
+    rounds = [
+        {"round": 0, "test-accuracy": 0.1},
+        {"round": 1, "test-accuracy": best},
+        {"round": 2, "test-accuracy": final},
+    ]
+    summary = {"final-accuracy": final, "best-accuracy": best, "mean-last-5-accuracy": (best + final) / 2}
+    (run / "results.json").write_text(
+        json.dumps({"rounds": rounds, "summary": summary, "status": "completed"})
+    )
+    config = {"dataset.name": "mnist-5k", "partition.name": "dirichlet", "partition.alpha": alpha}
+    (run / "config.json").write_text(json.dumps(config))
+    return {"conf": conf, "seed": 0, "grid": {}, "paper": paper, "status": "completed", "reason": ""}
+
+
+def test_table_is_mean_and_std_over_seeds_with_the_paper_number(tmp_path):
+    out = tmp_path / "sw"
+    cells = {
+        "a": _fake_cell(out, "a", "conf/mnist5k-moon.toml", 0.05, 0.50, 0.60, paper=80.79),
+        "b": _fake_cell(out, "b", "conf/mnist5k-moon.toml", 0.05, 0.70, 0.80, paper=80.79),
+        "c": _fake_cell(out, "c", "conf/cifar10-nid1-a0.05-fedavg.toml", 0.5, 0.40, 0.40),
+    }
+    cells["d"] = {**cells["c"], "status": "failed"}  # failed cells are not in the table
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+    md = write_sweep_table(out)
+    # moon over 2 seeds: final 60 +- 14.14 (std of 50, 70), best 70 +- 14.14, last-5 65 +- 14.14
+    assert "| moon | 60.00 ± 14.14 / 70.00 ± 14.14 / 65.00 ± 14.14 (n=2) (paper 80.79) | – |" in md
+    assert "| fedavg | – | 40.00 ± 0.00 / 40.00 ± 0.00 / 40.00 ± 0.00 (n=1) |" in md
+    assert md.index("| fedavg") < md.index("| moon")  # the baseline first
+    csv_rows = (out / "table.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("method,setting,seeds,final") and len(csv_rows) == 3
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_sweep_runs_records_a_failure_goes_on_and_resumes(tmp_path, capsys):
+    diverge = tmp_path / "diverge.toml"
+    diverge.write_text('method = "fedavg"\ntrain.lr = 1e6\ntrain.local-epochs = 10\ntrain.batch-size = 5\n')
+    argv = [
+        "sweep",
+        str(ROOT / "conf" / "mnist5k-fedavg.toml"),
+        str(diverge),
+        "--seeds",
+        "2",
+        "--app",
+        str(ROOT),
+        "--out",
+        str(tmp_path / "sw"),
+        "--set",
+        "num-server-rounds=1 dataset.train-limit=60",
+        "--federation-config",
+        "num-supernodes=2 client-resources-num-cpus=1",
+    ]
+    assert cli.main(argv) == 1  # a failed cell makes the sweep fail, after every cell ran
+    out = capsys.readouterr().out
+    assert "[4/4]" in out and "FAILED diverge-s0: finished:failed" in out
+    state = json.loads((tmp_path / "sw" / "sweep.json").read_text())["cells"]
+    assert [state[f"mnist5k-fedavg-s{s}"]["status"] for s in (0, 1)] == ["completed", "completed"]
+    assert state["diverge-s1"]["status"] == "failed" and "diverged" in state["diverge-s1"]["reason"]
+    assert "| fedavg | " in (tmp_path / "sw" / "table.md").read_text()
+    # Again, without the failing conf: both cells are done, nothing runs.
+    argv.remove(str(diverge))
+    assert cli.main(argv) == 0
+    assert "2 cells, 2 already done, 0 to run" in capsys.readouterr().out
