@@ -137,6 +137,8 @@ def train(msg: Message, context: Context) -> Message:
         metrics[fednova.A_KEY] = fednova.normalising_factor(int(metrics["local-steps"]), cfg.train.momentum)
     if cfg.train.keep_momentum and buffers:
         context.state["momentum"] = ArrayRecord(buffers)
+    if cfg.method == "moon":  # every node reports the same keys, or Flower refuses to aggregate
+        metrics.setdefault("train-moon", 0.0)
     content = RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": MetricRecord(metrics)})
     if finish is not None:
         content[scaffold.DELTA] = finish(int(metrics["local-steps"]))
@@ -172,7 +174,9 @@ def _scaffold(cfg: Config, msg: Message, context: Context, model: torch.nn.Modul
 
     def finish(steps: int) -> ArrayRecord:
         y = {n: p.detach().cpu() for n, p in model.named_parameters()}
-        c_new, delta = scaffold.control_update(x, y, c, c_i, steps, cfg.train.lr)
+        # With momentum rho, K steps of lr move the model like a_K plain ones (FedNova's a_i).
+        k = fednova.normalising_factor(steps, cfg.train.momentum)
+        c_new, delta = scaffold.control_update(x, y, c, c_i, k, cfg.train.lr)
         context.state[SCAFFOLD_CI] = ArrayRecord(c_new)
         return ArrayRecord(delta)
 

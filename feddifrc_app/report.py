@@ -92,10 +92,16 @@ _DATASET_TAGS = re.compile(
 )
 
 
-def method_label(conf: str) -> str:
-    """The row of a cell: its conf file's name without the dataset and partition tags."""
+def method_label(conf: str, grid: dict[str, Any]) -> str:
+    """The row of a cell: its conf file's name without the dataset and partition tags, and any
+    grid value that is not a setting (e.g. ``feddifrc [model=tiny-mnist-untrained]``)."""
     stem = Path(conf).stem if conf else "defaults"
-    return _DATASET_TAGS.sub("", stem) or stem
+    extra = [
+        f"{k.rsplit('.', 1)[-1]}={Path(str(v)).name}"
+        for k, v in sorted(grid.items())
+        if not k.startswith(("partition.", "dataset."))
+    ]
+    return (_DATASET_TAGS.sub("", stem) or stem) + (f" [{', '.join(extra)}]" if extra else "")
 
 
 def setting_label(config: dict[str, Any]) -> str:
@@ -117,9 +123,8 @@ def collect(sweep_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:
         if cell["status"] != "completed" or not (run / "results.json").is_file():
             continue
         config = json.loads((run / "config.json").read_text())
-        g = groups.setdefault(
-            (method_label(cell["conf"]), setting_label(config)), {"runs": [], "paper": None}
-        )
+        key = (method_label(cell["conf"], cell.get("grid", {})), setting_label(config))
+        g = groups.setdefault(key, {"runs": [], "paper": None})
         g["runs"].append(json.loads((run / "results.json").read_text()))
         g["paper"] = cell.get("paper")
     return groups

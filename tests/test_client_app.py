@@ -361,3 +361,34 @@ def test_arrays_that_do_not_match_the_model_are_refused(tmp_path: Path, kind) ->
     content = RecordDict({"arrays": ArrayRecord(renamed), "config": ConfigRecord({"server-round": 1})})
     with pytest.raises(ValueError, match="do not match"):
         client_app.app(Message(content=content, message_type=kind, dst_node_id=1), context(rc, 0))
+
+
+def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path: Path) -> None:
+    from feddifrc_app.baselines import moon
+
+    state = RecordDict()
+    ctx = context(run_config(tmp_path, method="moon", train__batch_size=5), 0, state)
+    first = call("train", train_msg(1), ctx).content["metrics"]
+    assert first["train-moon"] == 0.0 and moon.PREVIOUS in state  # no previous model yet: CE only
+    second = call("train", train_msg(2, seed=1), ctx).content["metrics"]
+    assert second["train-moon"] > 0  # now the global and the previous local model differ
+
+
+def test_scaffold_node_sends_its_control_change_and_keeps_c_i(tmp_path: Path) -> None:
+    from flwr.app import ArrayRecord
+
+    from feddifrc_app.baselines import fednova, scaffold
+
+    state = RecordDict()
+    rc = run_config(tmp_path, method="fedavg", strategy__name="scaffold", train__batch_size=5)
+    msg = train_msg(1)
+    msg[scaffold.CONTROL] = ArrayRecord({})  # round 1: c = 0
+    reply = call("train", msg, context(rc, 0, state)).content
+    steps = int(reply["metrics"]["local-steps"])
+    assert steps == 2  # 10 images in batches of 5
+    name = "layer1.conv1.weight"
+    x, y = model_state(0)[name], reply["arrays"][name].numpy()
+    # c = c_i = 0: delta c_i = c_i+ = (x - y) / (a_K lr), a_K the momentum-effective step count
+    want = (x.numpy() - y) / (fednova.normalising_factor(steps, 0.9) * 0.05)
+    np.testing.assert_allclose(reply[scaffold.DELTA][name].numpy(), want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state["scaffold-ci"][name].numpy(), want, rtol=1e-4, atol=1e-6)

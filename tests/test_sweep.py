@@ -101,33 +101,69 @@ def test_table_is_mean_and_std_over_seeds_with_the_paper_number(tmp_path):
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+BASELINES = ("moon", "fednh", "scaffold", "fednova")
+
+
 @pytest.mark.slow
-def test_sweep_runs_records_a_failure_goes_on_and_resumes(tmp_path, capsys):
+def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
+    """One real sweep, which is also each baseline's simulation test and the divergence test:
+    every Flower run costs ~25 s of start-up on 2 cores, so each run here serves two purposes."""
     diverge = tmp_path / "diverge.toml"
     diverge.write_text('method = "fedavg"\ntrain.lr = 1e6\ntrain.local-epochs = 10\ntrain.batch-size = 5\n')
+    confs = [str(ROOT / "conf" / f"mnist5k-{m}.toml") for m in BASELINES]
+    out = tmp_path / "sw"
     argv = [
         "sweep",
-        str(ROOT / "conf" / "mnist5k-fedavg.toml"),
+        *confs,
         str(diverge),
         "--seeds",
-        "2",
+        "1",
         "--app",
         str(ROOT),
         "--out",
-        str(tmp_path / "sw"),
+        str(out),
         "--set",
-        "num-server-rounds=1 dataset.train-limit=60",
+        "num-server-rounds=2 dataset.train-limit=60 train.batch-size=8",
         "--federation-config",
         "num-supernodes=2 client-resources-num-cpus=1",
     ]
-    assert cli.main(argv) == 1  # a failed cell makes the sweep fail, after every cell ran
-    out = capsys.readouterr().out
-    assert "[4/4]" in out and "FAILED diverge-s0: finished:failed" in out
-    state = json.loads((tmp_path / "sw" / "sweep.json").read_text())["cells"]
-    assert [state[f"mnist5k-fedavg-s{s}"]["status"] for s in (0, 1)] == ["completed", "completed"]
-    assert state["diverge-s1"]["status"] == "failed" and "diverged" in state["diverge-s1"]["reason"]
-    assert "| fedavg | " in (tmp_path / "sw" / "table.md").read_text()
-    # Again, without the failing conf: both cells are done, nothing runs.
+    assert cli.main(argv) == 1  # a failed cell fails the sweep, after every cell ran
+    printed = capsys.readouterr().out
+    assert "[5/5]" in printed and "FAILED diverge-s0: finished:failed" in printed
+    state = json.loads((out / "sweep.json").read_text())["cells"]
+
+    # Each baseline completed both rounds (round 2: MOON has previous models, SCAFFOLD non-zero c).
+    for m in BASELINES:
+        assert state[f"mnist5k-{m}-s0"]["status"] == "completed", state[f"mnist5k-{m}-s0"]
+        r = json.loads((out / "runs" / f"mnist5k-{m}-s0" / "results.json").read_text())
+        last = r["rounds"][-1]
+        assert r["status"] == "completed" and last["round"] == 2 and last["failures"] == []
+        metrics = last["train-metrics"]
+        assert 0.0 <= last["test-accuracy"] <= 1.0 and metrics["train-ce"] > 0 and metrics["local-steps"] >= 2
+        if m == "moon":
+            assert metrics["train-moon"] > 0
+        if m == "fednova":
+            assert metrics["fednova-a"] > metrics["local-steps"]  # momentum 0.9: a_i > tau_i
+    assert "| moon | " in (out / "table.md").read_text()
+
+    # The diverged run: reported failed by flwr ls, strict JSON, the last finite model kept.
+    assert "diverged" in state["diverge-s0"]["reason"]
+    text = (out / "runs" / "diverge-s0" / "results.json").read_text()
+    r = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
+    assert r["status"] == "diverged" and r["diverged-rounds"] == [1, 2]
+    assert all("diverged:" in f["reason"] for row in r["rounds"][1:] for f in row["failures"])
+    assert {row["test-accuracy"] for row in r["rounds"]} == {r["rounds"][0]["test-accuracy"]}
+
+    # Again, without the failing conf: every cell is done and nothing runs.
     argv.remove(str(diverge))
     assert cli.main(argv) == 0
-    assert "2 cells, 2 already done, 0 to run" in capsys.readouterr().out
+    assert "4 cells, 4 already done, 0 to run" in capsys.readouterr().out
+
+
+def test_method_labels_drop_setting_tags_and_keep_other_grid_values():
+    from feddifrc_app.report import method_label
+
+    assert method_label("conf/cifar10-nid1-a0.05-feddifrc-block-2-only.toml", {}) == "feddifrc-block-2-only"
+    assert method_label("conf/cifar10-nid2-moon.toml", {}) == "moon"
+    grid = {"partition.alpha": 0.05, "diffusion.model": "/runs/tiny-mnist-untrained"}
+    assert method_label("conf/mnist5k-feddifrc.toml", grid) == "feddifrc [model=tiny-mnist-untrained]"
