@@ -170,7 +170,7 @@ def _scaffold(cfg: Config, msg: Message, context: Context, model: torch.nn.Modul
         return None, None
     c = record_to_state(msg.content[scaffold.CONTROL])
     c_i = record_to_state(context.state[SCAFFOLD_CI]) if SCAFFOLD_CI in context.state else {}
-    x = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
     def finish(steps: int) -> ArrayRecord:
         y = {n: p.detach().cpu() for n, p in model.named_parameters()}

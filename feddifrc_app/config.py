@@ -423,6 +423,14 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise _fail(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
         )
+    if v["train.keep-momentum"] and v["strategy.name"] in ("scaffold", "fednova"):
+        # Their step-count factors assume momentum buffers that start at zero every round.
+        raise _fail("train.keep-momentum", True, f"not with strategy.name = '{v['strategy.name']}'")
+    if v["resume-from"] and (node_state := _node_state(v)):
+        # Context.state lives in the SuperNode of one Flower run; a resumed run starts without it.
+        raise _fail(
+            "resume-from", v["resume-from"], f"{node_state} keeps per-node state that a new run lacks"
+        )
     if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
@@ -434,6 +442,19 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "global-model",
             "needs a shared basis (not diffusion.projection = 'per-batch')",
         )
+
+
+def _node_state(v: Mapping[str, Any]) -> str:
+    """Which setting keeps state on the nodes across rounds ("" = none): resume cannot restore it."""
+    if v["strategy.name"] == "scaffold":
+        return "strategy.name = 'scaffold'"
+    if v["method"] == "moon":
+        return "method = 'moon'"
+    return "train.keep-momentum = true" if v["train.keep-momentum"] else ""
+
+
+def resumable(cfg: Config) -> bool:
+    return not _node_state(cfg.to_flat())
 
 
 def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:

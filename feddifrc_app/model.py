@@ -105,7 +105,9 @@ class PrototypeHead(nn.Module):
 
     def __init__(self, embedding_dim: int, num_classes: int, scale: float) -> None:
         super().__init__()
-        self.prototype = nn.Parameter(nn.init.orthogonal_(torch.rand(num_classes, embedding_dim)), False)
+        # Unit rows also when classes outnumber dimensions (then orthogonal_ gives unit columns).
+        protos = F.normalize(nn.init.orthogonal_(torch.rand(num_classes, embedding_dim)), dim=1)
+        self.prototype = nn.Parameter(protos, False)
         self.scaling = nn.Parameter(torch.tensor([float(scale)]))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,8 @@ class RunDir:
             run.check_resume_config(cfg.to_flat())
         else:
             run = cls(Path(cfg.outputs_dir) / (cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-run{run_id}"))
-            if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
+            # A run whose setup failed left only config.json: its name may be used again.
+            if run.path.exists() and (not run.path.is_dir() or run.holds_a_run()):
                 raise FileExistsError(
                     f"run directory {run.path} already holds another run: pick a new run-name, or continue "
                     f"that run with resume-from = '{run.path}'"
@@ -106,6 +107,11 @@ class RunDir:
             ) from e
         run.remove_partial_files()
         return run
+
+    def holds_a_run(self) -> bool:
+        return any(p.name not in ("config.json", "checkpoints") for p in self.path.iterdir()) or bool(
+            self.checkpoints()
+        )
 
     def check_resume_config(self, flat: dict[str, Any]) -> None:
         """Refuse to continue a run under a config that computes something else; say what changed."""

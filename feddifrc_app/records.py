@@ -15,6 +15,11 @@ def shared_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in state.items() if not k.endswith("num_batches_tracked")}
 
 
+def is_bn_statistic(key: str) -> bool:
+    """BatchNorm running statistics: averaged, never treated as a gradient step."""
+    return key.endswith(("running_mean", "running_var"))
+
+
 def state_to_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord(shared_state(state))
 

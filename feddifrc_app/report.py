@@ -142,6 +142,8 @@ def write_sweep_table(sweep_dir: Path) -> str:
     best and mean-of-last-5 test accuracy (%), with the paper's number where one exists.
     """
     groups = collect(sweep_dir)
+    if not groups:
+        return "no cell of this sweep has completed yet\n"
     methods = sorted({m for m, _ in groups}, key=lambda m: (m != "fedavg", m))
     settings = sorted({s for _, s in groups})
     head = "| method | " + " | ".join(settings) + " |"

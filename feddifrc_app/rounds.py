@@ -94,6 +94,8 @@ class RoundLoop:
         self.arrays = state_to_record(self.model.state_dict())
         self.first = last + 1
         self.results["rounds"] = [r for r in self.results["rounds"] if r["round"] <= last]
+        if "diverged-rounds" in self.results:
+            self.results["diverged-rounds"] = [r for r in self.results["diverged-rounds"] if r <= last]
         self.results["resumed"].append({"after-round": last, "run-id": run_id})
         log.info("resumed from %s at round %d", self.run.path, last)
 
@@ -128,13 +130,20 @@ class RoundLoop:
     def train_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         chosen = self.fed.sample(rnd)
+        if not chosen:  # every node left: wait for one (or fail after round-timeout), never hang
+            self.fed.wait_for_nodes()
+            chosen = self.fed.sample(rnd)
         msgs = list(self.strategy.configure_train(rnd, self.arrays, ConfigRecord({}), self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
                 m.content["basis"] = self.basis
         ok, failures = self.fed.exchange(msgs, chosen)
+        before = strategy_state(self.strategy)
+        if hasattr(self.strategy, "fraction_of_nodes"):  # SCAFFOLD's |S| / N, as it really was
+            self.strategy.fraction_of_nodes = len(ok) / max(len(set(self.fed.partition_of.values())), 1)
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
         if arrays is not None and not _finite(arrays):
+            load_strategy_state(self.strategy, before)  # a rejected update leaves no trace
             failures.append(
                 {
                     "node": None,
@@ -170,6 +179,7 @@ class RoundLoop:
             "strategy": strategy_state(self.strategy),
             "basis": None if self.basis is None else self.basis.to_torch_state_dict(),
         }
-        self.run.save_checkpoint(rnd, payload, keep=self.cfg.keep_checkpoints)
+        # Results first: killed in between, resume repeats this round rather than losing its row.
         self.run.save_results(self.results)
+        self.run.save_checkpoint(rnd, payload, keep=self.cfg.keep_checkpoints)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")

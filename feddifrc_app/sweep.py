@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import Config, load_config
+from feddifrc_app.config import Config, load_config, resumable
 from feddifrc_app.files import write_json
+from feddifrc_app.outputs import RESUME_MAY_CHANGE
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -181,7 +182,22 @@ class Sweep:
         """Every cell's config, checked before any run: a typo fails the sweep, not cell 17."""
         return {c.name: load_config({**self.defaults, **self.cell_config(c)}) for c in cells}
 
+    def stale(self, cell: Cell, cfg: Config) -> str:
+        """Why the cell's run directory holds a run of other settings ("" if it does not)."""
+        try:
+            old = json.loads((self.runs / cell.name / "config.json").read_text())
+        except (OSError, ValueError):
+            return ""
+        diff = [
+            f"{k}: {old.get(k)!r} -> {v!r}"
+            for k, v in cfg.to_flat().items()
+            if k not in RESUME_MAY_CHANGE and old.get(k) != v
+        ]
+        return f"{self.runs / cell.name} holds a run with other settings ({'; '.join(diff)})" if diff else ""
+
     def finished(self, cell: Cell, cfg: Config) -> dict[str, Any] | None:
+        if self.stale(cell, cfg):
+            return None
         try:
             r = json.loads((self.runs / cell.name / "results.json").read_text())
         except (OSError, ValueError):
@@ -197,10 +213,11 @@ class Sweep:
         """Write cells/<name>.toml; an interrupted cell resumes from its last checkpoint."""
         flat = self.cell_config(cell)
         run_dir = self.runs / cell.name
-        if any((run_dir / "checkpoints").glob("round-*.pt.sha256")):
+        cfg = load_config({**self.defaults, **flat})
+        if resumable(cfg) and any((run_dir / "checkpoints").glob("round-*.pt.sha256")):
             flat["resume-from"] = str(run_dir)
         elif run_dir.exists():
-            shutil.rmtree(run_dir)  # started, but no round finished: start over
+            shutil.rmtree(run_dir)  # no round finished, or node state a resume would lack: start over
         path = self.out / "cells" / f"{cell.name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in flat.items()))
@@ -223,6 +240,11 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
     t0 = time.monotonic()
     for i, cell in enumerate(todo, 1):
         t_cell = time.monotonic()
+        if why := sweep.stale(cell, configs[cell.name]):
+            failures[cell.name] = f"{why}: delete it or use another --out"
+            sweep.record(cell, status="failed", reason=failures[cell.name])
+            print(f"[{i}/{len(todo)}] {cell.name}: SKIPPED ({failures[cell.name]})", flush=True)
+            continue
         try:
             status, reason = flower.run(sweep.submit_file(cell), cell_timeout)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:

@@ -83,6 +83,12 @@ def test_casts_flower_scalars():
             "'partition.alpha' = 1e+308 is invalid: expected a value in [0.001, 1e+06]",
         ),
         ({"partition.alpha": 1e-6}, "[0.001, 1e+06]"),
+        ({"strategy.name": "scaffold", "train.keep-momentum": True}, "'train.keep-momentum' = True"),
+        (
+            {"method": "moon", "resume-from": "/tmp/r"},
+            "method = 'moon' keeps per-node state that a new run lacks",
+        ),
+        ({"strategy.name": "scaffold", "resume-from": "/tmp/r"}, "strategy.name = 'scaffold' keeps per-node"),
         ({"seed": 2**32}, "'seed' = 4294967296 is invalid: expected a value in [0, 4.29497e+09]"),
         ({"run-name": "../x"}, "'run-name' = '../x' is invalid: expected a plain folder name"),
         ({"run-name": "/abs"}, "'run-name' = '/abs'"),

@@ -95,6 +95,9 @@ def test_a_run_directory_belongs_to_one_run(tmp_path):
         RunDir.for_config(cfg, run_id=2)
     assert {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == before  # nothing lost
     (tmp_path / "empty").mkdir()  # an empty folder (made by hand) is fine
+    failed = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="failed"), 4)
+    write_json(failed.path / "config.json", {})  # a run that failed in setup: its name is free again
+    assert RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="failed"), 5).path == failed.path
     assert RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="empty"), 3).path.name == "empty"
 
 

@@ -160,6 +160,11 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
     assert "4 cells, 4 already done, 0 to run" in capsys.readouterr().out
 
 
+def test_table_of_a_sweep_with_no_finished_cell_says_so(tmp_path):
+    (tmp_path / "sweep.json").write_text(json.dumps({"cells": {"a": {"conf": "", "status": "failed"}}}))
+    assert write_sweep_table(tmp_path) == "no cell of this sweep has completed yet\n"
+
+
 def test_method_labels_drop_setting_tags_and_keep_other_grid_values():
     from feddifrc_app.report import method_label
 

@@ -17,6 +17,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from feddifrc_app.records import is_bn_statistic
+
 A_KEY = "fednova-a"  # node -> server metric: the normalising factor a_i
 
 
@@ -25,10 +27,6 @@ def normalising_factor(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
-
-
-def _is_statistic(key: str) -> bool:
-    return key.endswith(("running_mean", "running_var"))
 
 
 class FedNova(FedAvg):
@@ -55,7 +53,7 @@ class FedNova(FedAvg):
         tau_eff = float(p @ a)
         new = {}
         for k, x_k in self.current_arrays.items():
-            if _is_statistic(k):
+            if is_bn_statistic(k):
                 new[k] = averaged[k].numpy()
                 continue
             d = sum(

@@ -24,6 +24,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from feddifrc_app.records import is_bn_statistic
+
 CONTROL = "scaffold-c"  # server -> node: the server control variate
 DELTA = "scaffold-dc"  # node -> server: the change of the node's control variate
 
@@ -93,7 +95,8 @@ class Scaffold(FedAvg):
             step = sum(
                 w * (r.content["arrays"][k].numpy() - x_k) for w, r in zip(weights, replies, strict=True)
             )
-            new[k] = (x_k + self.eta_g * step).astype(x_k.dtype)
+            eta = 1.0 if is_bn_statistic(k) else self.eta_g  # statistics are averaged, not stepped
+            new[k] = (x_k + eta * step).astype(x_k.dtype)
         deltas = [{k: v.numpy() for k, v in r.content[DELTA].items()} for r in replies]
         for k in deltas[0]:
             mean = sum(d[k] for d in deltas) / len(deltas)
