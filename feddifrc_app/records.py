@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, RecordDict
 
 
 def shared_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -30,6 +30,12 @@ def record_to_state(rec: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def example_weights(contents: Sequence[RecordDict]) -> np.ndarray:
+    """Each reply's share of the examples (its ``num-examples`` metric), summing to 1."""
+    w = np.array([float(c["metrics"]["num-examples"]) for c in contents])
+    return w / w.sum()
 
 
 def record_to_arrays(rec: ArrayRecord) -> dict[str, np.ndarray]:

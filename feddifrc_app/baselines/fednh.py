@@ -18,6 +18,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
+from feddifrc_app.records import arrays_to_record, example_weights
+
 PROTOTYPES = "fednh-prototypes"  # node -> server: {"scaled": (C, D), "counts": (C,)}
 KEY = "fc.prototype"  # the prototypes in the model's state dict
 
@@ -61,8 +63,7 @@ class FedNH(FedAvg):
         # Not FedAvg.aggregate_train: it refuses replies that carry a second ArrayRecord.
         contents = [r.content for r in replies]
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        weights = np.array([float(c["metrics"]["num-examples"]) for c in contents])
-        weights = weights / weights.sum()
+        weights = example_weights(contents)
         arrays = {
             k: sum(w * c["arrays"][k].numpy() for w, c in zip(weights, contents, strict=True))
             for k in contents[0]["arrays"]
@@ -72,6 +73,4 @@ class FedNH(FedAvg):
         scaled = [c[PROTOTYPES]["scaled"].numpy() for c in contents]
         counts = [c[PROTOTYPES]["counts"].numpy() for c in contents]
         arrays[KEY] = smooth(old, scaled, counts, self.rho)
-        return ArrayRecord(
-            {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
-        ), metrics
+        return arrays_to_record({k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}), metrics

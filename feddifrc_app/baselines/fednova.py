@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.records import is_bn_statistic
+from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
 A_KEY = "fednova-a"  # node -> server metric: the normalising factor a_i
 
@@ -47,8 +46,7 @@ class FedNova(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         averaged, metrics = super().aggregate_train(server_round, replies)
-        p = np.array([float(r.content["metrics"]["num-examples"]) for r in replies])
-        p = p / p.sum()
+        p = example_weights([r.content for r in replies])
         a = np.array([float(r.content["metrics"][A_KEY]) for r in replies])
         tau_eff = float(p @ a)
         new = {}
@@ -61,4 +59,4 @@ class FedNova(FedAvg):
                 for p_i, a_i, r in zip(p, a, replies, strict=True)
             )
             new[k] = (x_k - tau_eff * d).astype(x_k.dtype)
-        return ArrayRecord({k: torch.from_numpy(v) for k, v in new.items()}), metrics
+        return arrays_to_record(new), metrics

@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.records import is_bn_statistic
+from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
 CONTROL = "scaffold-c"  # server -> node: the server control variate
 DELTA = "scaffold-dc"  # node -> server: the change of the node's control variate
@@ -78,7 +78,7 @@ class Scaffold(FedAvg):
         self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
         msgs = list(super().configure_train(server_round, arrays, config, grid))
         for m in msgs:
-            m.content[CONTROL] = ArrayRecord({k: torch.from_numpy(v) for k, v in self.control.items()})
+            m.content[CONTROL] = arrays_to_record(self.control)
         return msgs
 
     def aggregate_train(
@@ -88,8 +88,7 @@ class Scaffold(FedAvg):
         # Not FedAvg.aggregate_train: it refuses replies that carry a second ArrayRecord (delta c).
         metrics = self.train_metrics_aggr_fn([r.content for r in replies], self.weighted_by_key)
         x = self.current_arrays
-        weights = np.array([float(r.content["metrics"]["num-examples"]) for r in replies])
-        weights = weights / weights.sum()
+        weights = example_weights([r.content for r in replies])
         new = {}
         for k, x_k in x.items():
             step = sum(
@@ -101,4 +100,4 @@ class Scaffold(FedAvg):
         for k in deltas[0]:
             mean = sum(d[k] for d in deltas) / len(deltas)
             self.control[k] = self.control.get(k, np.zeros_like(mean)) + self.fraction_of_nodes * mean
-        return ArrayRecord({k: torch.from_numpy(v) for k, v in new.items()}), metrics
+        return arrays_to_record(new), metrics
