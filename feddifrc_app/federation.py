@@ -8,18 +8,48 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.exit import add_exit_handler
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.strategy import nodes_per_round
 
 SETUP = f"{MessageType.QUERY}.setup"
+
+
+class RunStopped(Exception):
+    """The run was stopped (``flwr stop``) or its process was told to exit."""
+
+
+_stopping = threading.Event()
+_watching = False
+
+
+def watch_for_stop() -> None:
+    """Notice ``flwr stop`` while the ServerApp still runs.
+
+    Flower learns of a stop through the task heartbeat (every ~40 s), then raises SIGINT and runs
+    its exit handlers; in simulation the ServerApp is a thread that would go on until the forced
+    exit. This flag, set by an exit handler, is checked while waiting for replies and between
+    rounds, so no round starts or is saved after the stop is known.
+    """
+    global _watching
+    if not _watching:
+        add_exit_handler(_stopping.set, run_before_force_exit=True)
+        _watching = True
+    _stopping.clear()
+
+
+def check_stop() -> None:
+    if _stopping.is_set():
+        raise RunStopped("the run was stopped (flwr stop, or the ServerApp process was signalled)")
 
 
 class _Chosen:
@@ -60,6 +90,7 @@ class Federation:
             len(ids := sorted(self.grid.get_node_ids())) < self.cfg.min_nodes and time.monotonic() <= deadline
         ):
             log.info("waiting for nodes: %d connected, min-nodes = %d", len(ids), self.cfg.min_nodes)
+            check_stop()
             time.sleep(1.0)
         if not ids:
             raise RuntimeError(
@@ -72,7 +103,7 @@ class Federation:
         content = RecordDict({"config": ConfigRecord({"want-stats": want_stats})})
         msgs = [Message(content=content, message_type=SETUP, dst_node_id=nid) for nid in node_ids]
         out: dict[int, RecordDict] = {}
-        replies = self.grid.send_and_receive(msgs, timeout=self.cfg.strategy.round_timeout)
+        replies = self._send_and_receive(msgs)
         sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
         errors = []
         for r in replies:
@@ -102,9 +133,26 @@ class Federation:
     def view(self, chosen: list[int]) -> _Chosen:
         return _Chosen(self.grid, chosen)
 
+    def _send_and_receive(self, msgs: list[Message]) -> list[Message]:
+        """Grid.send_and_receive (same push, pull and round-timeout) that also ends on a stop."""
+        pending = set(self.grid.push_messages(msgs))
+        # The in-memory (simulation) Grid polls every 0.1 s; the SuperLink's HTTP one every 3 s.
+        poll = min(getattr(self.grid, "pull_interval", 1.0), 1.0)
+        deadline = time.monotonic() + self.cfg.strategy.round_timeout
+        replies: list[Message] = []
+        while pending:
+            check_stop()
+            got = list(self.grid.pull_messages(pending))
+            replies += got
+            pending -= {r.metadata.reply_to_message_id for r in got}
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(poll)
+        return replies
+
     def exchange(self, msgs: list[Message], chosen: list[int]) -> tuple[list[Message], list[dict[str, Any]]]:
         """Send, wait up to round-timeout; the good replies in partition order, and one row per failure."""
-        replies = list(self.grid.send_and_receive(msgs, timeout=self.cfg.strategy.round_timeout))
+        replies = self._send_and_receive(msgs)
         sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
         replies.sort(key=lambda r: self._order(sender(r)))
         got = {sender(r) for r in replies}

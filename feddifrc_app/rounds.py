@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
+from flwr.supercore.run import RunNotRunningException
 
 from feddifrc_app import log, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
-from feddifrc_app.federation import Federation
+from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
@@ -97,6 +98,7 @@ class RoundLoop:
         if "diverged-rounds" in self.results:
             self.results["diverged-rounds"] = [r for r in self.results["diverged-rounds"] if r <= last]
         self.results["resumed"].append({"after-round": last, "run-id": run_id})
+        self.results.pop("error", None)  # of the run that stopped or failed
         log.info("resumed from %s at round %d", self.run.path, last)
 
     def evaluate(self) -> dict[str, float | None]:
@@ -104,14 +106,21 @@ class RoundLoop:
         return self.evaluator(self.model)
 
     def run_all(self) -> None:
-        if self.first == 1:
-            self.results["rounds"] = [{"round": 0, **self.evaluate()}]
-            self.run.save_results(self.results)
-        for rnd in range(self.first, self.cfg.num_server_rounds + 1):
-            row = self.train_round(rnd)
-            self.results["rounds"].append(row)
-            self.save(rnd)
-            log.info("round %d: test accuracy %.4f (%.1fs)", rnd, row["test-accuracy"], row["seconds"])
+        self.results["status"] = "running"
+        try:
+            if self.first == 1:
+                self.results["rounds"] = [{"round": 0, **self.evaluate()}]
+                self.run.save_results(self.results)
+            for rnd in range(self.first, self.cfg.num_server_rounds + 1):
+                check_stop()
+                row = self.train_round(rnd)
+                check_stop()  # a round that ends after the stop is not saved
+                self.results["rounds"].append(row)
+                self.save(rnd)
+                log.info("round %d: test accuracy %.4f (%.1fs)", rnd, row["test-accuracy"], row["seconds"])
+        except BaseException as e:
+            self.record_end(e)
+            raise
         self.results["status"] = "diverged" if self.results.get("diverged-rounds") else "completed"
         self.run.save_results(self.results)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")
@@ -126,6 +135,15 @@ class RoundLoop:
             s.get("mean-last-5-accuracy") or 0,
             self.run.path,
         )
+
+    def record_end(self, e: BaseException) -> None:
+        """A run that ends early says so in results.json: stopped, or failed with the reason."""
+        stopped = isinstance(e, RunStopped | RunNotRunningException | KeyboardInterrupt | SystemExit)
+        self.results["status"] = "stopped" if stopped else "failed"
+        self.results["error"] = f"{type(e).__name__}: {e}"
+        done = [r["round"] for r in self.results["rounds"]]
+        log.warning("run %s after round %s: %s", self.results["status"], max(done, default=None), e)
+        self.run.save_results(self.results)
 
     def train_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from feddifrc_app import log, report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import ImageData, load_dataset
 from feddifrc_app.diffusion.projection import fit_basis, fused_widths, merge_client_stats, stats_from_arrays
-from feddifrc_app.federation import Federation
+from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import arrays_to_record, record_to_arrays
@@ -25,6 +25,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = load_config(context.run_config)  # fails before any work on a bad value
+    watch_for_stop()
     run = RunDir.for_config(cfg, context.run_id)
     log.info("run directory: %s", run.path)
     resumed = run.load_last_checkpoint() if cfg.resume_from else None
