@@ -29,7 +29,7 @@ from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
-from feddifrc_app.targets import build_targets, client_basis, conditioned_targets, pooled_features
+from feddifrc_app.targets import client_targets, conditioned_targets, pooled_features
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -195,16 +195,16 @@ def _targets(
 ):
     """This node's teacher targets under the server's basis (cached features, no SD call on a hit)."""
     t0 = time.perf_counter()
-    pooled, prompts, stats = _pooled(cfg, node, data, ids)
+    prompts = teacher_prompts(cfg, data.class_names)
     server_basis = (
         Basis.from_arrays(record_to_arrays(msg.content["basis"])) if "basis" in msg.content else None
     )
-    basis = client_basis(cfg, pooled, server_basis)
     k = data.num_classes if cfg.method == "feddifrc" else len(prompts) - 1
-    targets = build_targets(cfg, pooled, ids, basis, k)
+    cache_dir = node.resolve_cache_dir(cfg)
+    targets, basis, stats = client_targets(cfg, cache_dir, data, ids, prompts, server_basis, k)
     if cfg.diffusion.condition == "global-model":
         targets, metrics["condition-seconds"] = conditioned_targets(
-            cfg, node.resolve_cache_dir(cfg), model, data, ids, prompts, basis, targets, device
+            cfg, cache_dir, model, data, ids, prompts, basis, targets, device
         )
     metrics["teacher-seconds"] = time.perf_counter() - t0
     metrics["teacher-cache-misses"] = float(stats.misses)

@@ -177,6 +177,41 @@ def test_train_with_federated_basis_then_warm_cache_without_teacher(teacher_cach
     assert tg._featurizer.cache_info().currsize == 0
 
 
+def test_targets_are_prepared_once_per_process_and_per_basis(
+    teacher_cache: Path, setup_replies, basis, tmp_path
+) -> None:
+    """A node's second round reuses its fused targets: no cache read (the cache may even be gone)."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(teacher_cache, cache)
+    rc = run_config(cache)
+    tg.PREPARED.items.clear()
+    first = call("train", train_msg(1, basis), context(rc, 0)).content["metrics"]
+    assert len(tg.PREPARED.items) == 1
+    ((targets, _),) = tg.PREPARED.items.values()
+    assert targets.prompt_reps.shape == (N_IMAGES, 10, 512) and targets.ndcr.shape == (N_IMAGES, 512)
+    shutil.rmtree(cache / "features")  # a re-read would have to extract again: misses > 0
+    second = call("train", train_msg(2, basis), context(rc, 0)).content["metrics"]
+    assert first["teacher-cache-misses"] == second["teacher-cache-misses"] == 0
+    assert not (cache / "features").exists() and len(tg.PREPARED.items) == 1
+
+    # Another basis (or node) is another entry, computed from the features again.
+    own = stats_from_arrays({k: v.numpy() for k, v in setup_replies[0].content["pca-stats"].items()})
+    other = fit_basis(own, (256, 128, 128), (1, 2, 3))
+    third = call("train", train_msg(3, other), context(rc, 0)).content["metrics"]
+    assert third["teacher-cache-misses"] == N_IMAGES and len(tg.PREPARED.items) == 2
+
+    # Least recently used entries go once the byte budget is exceeded; the newest always stays.
+    budget, tg.PREPARED.budget = tg.PREPARED.budget, 1
+    try:
+        tg.PREPARED.put("newest", tg.PREPARED.get(next(iter(tg.PREPARED.items))))
+        assert list(tg.PREPARED.items) == ["newest"]
+    finally:
+        tg.PREPARED.budget = budget
+        tg.PREPARED.items.clear()
+
+
 def test_train_is_deterministic_per_round(teacher_cache: Path, basis) -> None:
     rc = run_config(teacher_cache)
     a = arrays(call("train", train_msg(3, basis), context(rc, 1)))
