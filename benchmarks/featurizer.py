@@ -480,7 +480,6 @@ def warm_cache(
     )
 
     fields = key_fields(
-        model_id=teacher.model_id,
         weights_hash=teacher.weights_hash,
         resolution=feat.resolution,
         timestep=feat.timestep,

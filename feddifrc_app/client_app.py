@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 from feddifrc_app.baselines import fednh, fednova, moon, scaffold
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_split, make_loader
-from feddifrc_app.device import resolve_device
+from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
@@ -76,6 +76,11 @@ def setup(msg: Message, context: Context) -> Message:
         t = teacher_identity(cfg.diffusion.model, node.resolve_cache_dir(cfg))  # no SD load
         info["teacher-model"] = t.model_id
         info["teacher-random-weights"] = bool(t.random_weights)
+        # Where this node's teacher runs (and the dtype in its cache key); no GPU for 'cuda' fails here.
+        device = resolve_device(cfg.diffusion.device, "diffusion.device")
+        info["teacher-device"] = (
+            f"{device.type} {str(resolve_dtype(cfg.diffusion.dtype, device)).removeprefix('torch.')}"
+        )
     if bool(msg.content["config"]["want-stats"]):
         pooled, _, stats = _pooled(cfg, node, data, ids)
         arrays = stats_to_arrays(client_stats(pooled))

@@ -106,10 +106,15 @@ def record_setup(
     """Which teacher the nodes run, and each node's label counts (table and plot)."""
     teacher = [c["info"] for c in setup.values() if "teacher-model" in c["info"]]
     if teacher:
+        devices: dict[str, list[int]] = {}
+        for n in sorted(setup, key=lambda n: (fed.partition_of[n], n)):
+            devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(fed.partition_of[n])
         results["teacher"] = {
             "model": str(teacher[0]["teacher-model"]),
             "random-weights": bool(teacher[0]["teacher-random-weights"]),
+            "devices": devices,  # "cuda float16" -> partition ids
         }
+        log.info("diffusion teacher %s on %s", results["teacher"]["model"], devices)
         if results["teacher"]["random-weights"]:
             log.warning(
                 "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "

@@ -140,7 +140,6 @@ def teacher_key(cfg: Config, cache_dir: Path, data: ImageData, prompts: tuple[st
     ident = teacher_identity(d.model, cache_dir)
     dtype = resolve_dtype(d.dtype, resolve_device(d.device, key="diffusion.device"), key="diffusion.dtype")
     fields = key_fields(
-        model_id=ident.model_id,
         weights_hash=ident.weights_hash,
         resolution=d.resolution,
         timestep=d.timestep,

@@ -27,7 +27,6 @@ P = 3
 CH = {1: 5, 2: 4}
 
 BASE = dict(
-    model_id="tiny",
     weights_hash="ab" * 32,
     resolution=16,
     timestep=300,
@@ -84,7 +83,6 @@ def test_key_changes_with_every_field():
     assert KEY == key_for(**dict(BASE))  # deterministic
     assert len(KEY) == 64 and int(KEY, 16) >= 0
     changed = dict(
-        model_id="sd-2-1",
         weights_hash="cd" * 32,
         resolution=32,
         timestep=299,

@@ -128,6 +128,7 @@ def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: P
         assert list(info["class-names"]) == data.class_names  # the server checks every node's list
         assert info["teacher-model"] == "tiny-seed0"
         assert info["teacher-random-weights"] is True
+        assert info["teacher-device"] == "cpu float32"
         assert info["teacher-seconds"] >= 0
         stats = stats_from_arrays({k: v.numpy() for k, v in reply.content["pca-stats"].items()})
         assert sorted(stats) == [1, 2, 3]

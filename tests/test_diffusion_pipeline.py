@@ -171,11 +171,31 @@ def test_resolve_device_and_dtype() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_cuda_is_an_error_not_a_fallback() -> None:
-    with pytest.raises(DeviceError, match="no CUDA"):
-        resolve_device("cuda")
-    with pytest.raises(DeviceError):
-        resolve_device("cuda:0")
+@pytest.mark.parametrize(
+    ("build", "visible", "reason"),
+    [
+        (None, None, "torch .* is a CPU-only build: install a CUDA build"),
+        ("13.0", "", "this process was given no GPU .*client-resources-num-gpus"),
+        ("13.0", None, r"torch .* \(built for CUDA 13.0\) cannot use a GPU here: .*nvidia-smi"),
+    ],
+    ids=["cpu-wheel", "ray-gave-no-gpu", "driver"],
+)
+def test_cuda_without_cuda_fails_with_the_reason_not_a_fallback(monkeypatch, build, visible, reason) -> None:
+    monkeypatch.setattr(torch.version, "cuda", build)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(DeviceError, match=f"diffusion.device = '{name}', but {reason}"):
+            resolve_device(name, "diffusion.device")
+    assert resolve_device("auto", "diffusion.device") == CPU  # 'auto' means: CUDA if there is one
+
+
+def test_float16_on_the_cpu_is_refused_naming_the_key() -> None:
+    with pytest.raises(DeviceError, match="diffusion.dtype = 'float16' on the CPU runs ~22x slower"):
+        resolve_dtype("float16", CPU, "diffusion.dtype")
+    assert resolve_dtype("float16", torch.device("cuda"), "diffusion.dtype") == torch.float16
 
 
 def test_weights_hash_memo_is_reused_and_invalidated_by_changes(tmp_path):

@@ -51,6 +51,7 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     assert r["teacher"] == {
         "model": "tiny-mnist",
         "random-weights": False,
+        "devices": {"cpu float32": [0, 1]},  # 'auto' on a machine without CUDA
     }  # the packaged teacher, found from the FAB
     assert r["basis"]["mode"] == "federated-pca" and r["basis"]["nodes"] == 2
     assert r["setup-cache-misses"] == 120  # every training image extracted once, during setup

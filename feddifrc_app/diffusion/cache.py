@@ -51,7 +51,6 @@ STORE_DTYPE = np.float16
 
 def key_fields(
     *,
-    model_id: str,
     weights_hash: str,
     resolution: int,
     timestep: int,
@@ -63,16 +62,17 @@ def key_fields(
     conditioning: str = "none",
     dtype: str = "",
 ) -> dict[str, Any]:
-    """The canonical fields of a feature key (everything that changes the numbers).
+    """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
-    ``dtype`` is the teacher's compute dtype (fp16 on CUDA and fp32 on CPU give
-    slightly different features); pass ``str(teacher.dtype)``. Dataset indices
-    are not part of the key: entries are stored per image id.
+    The teacher is named by the sha256 of its weight files only, never by its hub id or
+    folder: the same weights moved, copied or mirrored serve the same cache. ``dtype`` is the
+    teacher's compute dtype (fp16 on CUDA and fp32 on CPU give slightly different features,
+    so an fp32 CPU extract never serves an fp16 GPU run); pass ``str(teacher.dtype)``.
+    Dataset indices are not part of the key: entries are stored per image id.
     """
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "model_id": str(model_id),
         "weights_hash": str(weights_hash),
         "resolution": int(resolution),
         "timestep": int(timestep),
