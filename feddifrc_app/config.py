@@ -116,6 +116,7 @@ class StrategyConfig:
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
     round_timeout: float = key(lo=0.0, lo_open=True)
+    setup_timeout: float = key(lo=0.0, lo_open=True)
 
 
 @dataclass(frozen=True)

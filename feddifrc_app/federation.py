@@ -103,7 +103,9 @@ class Federation:
         content = RecordDict({"config": ConfigRecord({"want-stats": want_stats})})
         msgs = [Message(content=content, message_type=SETUP, dst_node_id=nid) for nid in node_ids]
         out: dict[int, RecordDict] = {}
-        replies = self._send_and_receive(msgs)
+        # With statistics, a node may first extract every image (SD-2.1, CIFAR-10: hours): its own timeout.
+        timeout = self.cfg.strategy.setup_timeout if want_stats else self.cfg.strategy.round_timeout
+        replies = self._send_and_receive(msgs, timeout)
         sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
         errors = []
         for r in replies:
@@ -116,7 +118,7 @@ class Federation:
         if not out and node_ids and not self.partition_of:
             # The reason reaches `flwr ls`, not only the ClientApp logs.
             raise RuntimeError(
-                f"setup: no node answered ({'; '.join(errors) or 'no reply before round-timeout'})"
+                f"setup: no node answered ({'; '.join(errors) or f'no reply within {timeout:g}s'})"
             )
         return out
 
@@ -133,12 +135,12 @@ class Federation:
     def view(self, chosen: list[int]) -> _Chosen:
         return _Chosen(self.grid, chosen)
 
-    def _send_and_receive(self, msgs: list[Message]) -> list[Message]:
-        """Grid.send_and_receive (same push, pull and round-timeout) that also ends on a stop."""
+    def _send_and_receive(self, msgs: list[Message], timeout: float) -> list[Message]:
+        """Grid.send_and_receive (same push, pull and timeout) that also ends on a stop."""
         pending = set(self.grid.push_messages(msgs))
         # The in-memory (simulation) Grid polls every 0.1 s; the SuperLink's HTTP one every 3 s.
         poll = min(getattr(self.grid, "pull_interval", 1.0), 1.0)
-        deadline = time.monotonic() + self.cfg.strategy.round_timeout
+        deadline = time.monotonic() + timeout
         replies: list[Message] = []
         while pending:
             check_stop()
@@ -152,7 +154,7 @@ class Federation:
 
     def exchange(self, msgs: list[Message], chosen: list[int]) -> tuple[list[Message], list[dict[str, Any]]]:
         """Send, wait up to round-timeout; the good replies in partition order, and one row per failure."""
-        replies = self._send_and_receive(msgs)
+        replies = self._send_and_receive(msgs, self.cfg.strategy.round_timeout)
         sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
         replies.sort(key=lambda r: self._order(sender(r)))
         got = {sender(r) for r in replies}

@@ -55,6 +55,7 @@ RESUME_MAY_CHANGE = frozenset(
         "keep-checkpoints",
         "min-nodes",
         "strategy.round-timeout",
+        "strategy.setup-timeout",
         "train.device",
         "train.eval-batch-size",
         "dataset.num-workers",

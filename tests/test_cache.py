@@ -267,6 +267,17 @@ def test_chunks_are_written_while_the_next_one_is_extracted(store, monkeypatch):
         cached_pooled_features(store, "ab" * 32, np.arange(20), Counter(), chunk=5)
 
 
+def test_extraction_logs_its_progress_for_flwr_log(store, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        cached_pooled_features(store, KEY, np.arange(40), Counter(), chunk=4, desc="x/train")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("x/train")]
+    assert lines[0] == "x/train: extracting 40 of 40 images (0 cached)"
+    assert len(lines) == 11 and lines[1].startswith("x/train: 4/40 extracted (10%), ")
+    assert lines[-1].startswith("x/train: 40/40 extracted (100%), ") and lines[-1].endswith("about 0 s left")
+
+
 def test_save_validates(store):
     with pytest.raises(ValueError, match="shape"):
         store.save(KEY, np.arange(3), feats_of(np.arange(2)))

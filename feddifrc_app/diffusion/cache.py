@@ -520,10 +520,24 @@ def cached_pooled_features(
         from tqdm.auto import tqdm
 
         style = dict(unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
+        log.info("%s: extracting %d of %d images (%d cached)", desc, missing.size, uniq.size, stats.hits)
+        next_note, t_ex = missing.size / 10, time.perf_counter()
         with tqdm(total=int(uniq.size), initial=stats.hits, **style) as bar:
             for sub, feats in _extract_missing(store, key, missing, extract, chunk, stats):
                 out.put(np.searchsorted(uniq, sub), feats)
                 bar.update(int(sub.size))
+                if stats.misses >= next_note:  # about every 10%, for `flwr log` (a ClientApp has no bar)
+                    next_note += missing.size / 10
+                    rate = stats.misses / (time.perf_counter() - t_ex)
+                    log.info(
+                        "%s: %d/%d extracted (%.0f%%), %.2f images/s, about %.0f s left",
+                        desc,
+                        stats.misses,
+                        missing.size,
+                        100 * stats.misses / missing.size,
+                        rate,
+                        (missing.size - stats.misses) / rate,
+                    )
     pos = None if np.array_equal(ids, uniq) else np.searchsorted(uniq, ids)
     stats.corrupt = store.corrupt_seen - corrupt0
     stats.seconds = time.perf_counter() - t0
