@@ -26,7 +26,7 @@ from pathlib import Path
 
 FLWR_VERSION = "1.42.0"  # keep equal to the flwr the app is tested with
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu126"
+TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu130"
 RUNTIME_PORT = 9094  # each SuperNode has its own container, so they can share the port
 
 HEADER = """\

@@ -10,12 +10,14 @@
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #       --build-arg REQUIRE_CUDA_TORCH=0 .
 #
-# TORCH_INDEX_URL picks the torch build: .../whl/cu126 (default), .../whl/cu128, ... must
-# match the GPU hosts' NVIDIA driver (see https://pytorch.org/get-started/locally/).
+# TORCH_INDEX_URL picks the torch build: .../whl/cu130 (default; driver >= 580), ... must
+# match the GPU hosts' NVIDIA driver (see https://pytorch.org/get-started/locally/). TORCH_SPEC
+# pins torch to the range this app is tested with, so images built on different days agree.
 ARG FLWR_VERSION=1.42.0
 FROM flwr/superexec:${FLWR_VERSION}
 ARG FLWR_VERSION
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ARG TORCH_SPEC="torch>=2.9,<2.15"
 ARG REQUIRE_CUDA_TORCH=1
 
 # HOME=/app makes the app's "~" defaults (~/.cache/feddifrc, ~/feddifrc-runs) land on the
@@ -33,22 +35,24 @@ RUN mkdir -p /app/.cache /app/feddifrc-runs /app/data \
 USER app
 WORKDIR /app
 
-# 1. torch + torchvision from PyTorch's index (CUDA or CPU build), checked.
-RUN python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
-      "torch>=2.4" "torchvision>=0.19" \
- && python -c "import sys, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); \
-sys.exit('a CUDA build of torch was required (REQUIRE_CUDA_TORCH=1), got a CPU build' \
-if '${REQUIRE_CUDA_TORCH}' == '1' and not torch.version.cuda else 0)"
+# 1. torch + torchvision from PyTorch's index (CUDA or CPU build).
+RUN python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" torchvision
 
 # 2. The app's other dependencies (and its `feddifrc` CLI). flwr is already in the base
 #    image at FLWR_VERSION, so its requirement line is dropped (as in Flower's docs); no -U,
 #    so the torch build from step 1 is kept.
+#    The checks run after the LAST install: it is the torch that stays in the image.
 COPY --chown=app:app pyproject.toml README.md /app/src/
 COPY --chown=app:app feddifrc_app /app/src/feddifrc_app
 RUN sed -i '/"flwr\[simulation\]/d' /app/src/pyproject.toml \
  && python -m pip install --no-cache-dir /app/src \
- && python -c "import flwr, torch; \
+ && python -c "import sys, flwr, torch; \
 assert flwr.__version__ == '${FLWR_VERSION}', ('flwr changed', flwr.__version__); \
-print('flwr', flwr.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+print('flwr', flwr.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda); \
+sys.exit('a CUDA build of torch was required (REQUIRE_CUDA_TORCH=1), got a CPU build' \
+if '${REQUIRE_CUDA_TORCH}' == '1' and not torch.version.cuda else 0)"
+
+# 3. The run configs (paper cells), for `feddifrc extract --run-config /app/conf/...` on a node.
+COPY --chown=app:app conf /app/conf
 
 ENTRYPOINT ["flower-superexec"]
