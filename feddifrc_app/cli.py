@@ -128,6 +128,11 @@ def _add_extract(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunk", type=int, default=EXTRACT_CHUNK, help="images computed between cache writes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="report the cache hit ratio and the key; extract nothing",
+    )
 
 
 def _split_ids(cfg: Config, data: Any, split: str, num_partitions: int, wanted: list[int] | None):
@@ -200,6 +205,9 @@ def cmd_extract(args: argparse.Namespace) -> int:
         data = load_dataset(cfg.dataset, split, seed=cfg.seed)
         prompts = teacher_prompts(cfg, data.class_names)
         ids, which = _split_ids(cfg, data, split, args.num_partitions, wanted)
+        if args.check:
+            _check(cfg, cache_dir, data, split, ids, which, prompts)
+            continue
         try:
             # The same keyed, lazily-loading path the ClientApp uses: identical cache keys.
             progress = not args.no_progress
@@ -218,6 +226,22 @@ def cmd_extract(args: argparse.Namespace) -> int:
             + f"; key {key[:16]}"
         )
     return 0
+
+
+def _check(cfg: Config, cache_dir: Path, data: Any, split: str, ids: Any, which: str, prompts) -> None:
+    """``extract --check``: the hit ratio of this config's key, and what the key is made of."""
+    from feddifrc_app.diffusion.cache import FeatureStore
+    from feddifrc_app.targets import teacher_key
+
+    key, fields = teacher_key(cfg, cache_dir, data, prompts)
+    missing = FeatureStore(cache_dir / "features").missing(key, ids)
+    hits = len(ids) - len(missing)
+    print(
+        f"{data.name}/{split} partitions {which}: {hits} of {len(ids)} images cached "
+        f"({100 * hits / max(len(ids), 1):.1f}%), {len(missing)} to extract; key {key[:16]}"
+    )
+    shown = {k: v for k, v in fields.items() if k not in ("format", "version", "prompts")}
+    print(f"  the key is made of: {shown}, {len(fields['prompts'])} prompts")
 
 
 # --------------------------------------------------------------------------- make-tiny

@@ -130,6 +130,11 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
         "--run-config",
         'dataset.name="digits" dataset.train-limit=10 partition.name="iid" diffusion.model="tiny"',
     ]
+    assert cli.main([*argv, "--check"]) == 0
+    check = capsys.readouterr().out
+    assert "0 of 10 images cached (0.0%), 10 to extract" in check, check
+    assert "'dtype': 'float32'" in check and "model" not in check  # the key: weights hash, no name
+    assert not (tmp_cache / "features").exists() or not any((tmp_cache / "features").rglob("*.npz"))
     assert cli.main(argv) == 0
     out1 = capsys.readouterr()
     assert "computed 10" in out1.out, out1
@@ -144,6 +149,8 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert "already cached 10, computed 0" in out2.out, out2
     assert targets._featurizer.cache_info().currsize == 0  # warm cache: the teacher was never built
     assert {p: p.read_bytes() for p in sorted((tmp_cache / "features").glob("*/shard-*.npz"))} == before
+    assert cli.main([*argv, "--check"]) == 0
+    assert "10 of 10 images cached (100.0%), 0 to extract" in capsys.readouterr().out
 
     key_dir = shards[0].parent
     assert sum(len(np.load(p)["ids"]) for p in shards) == 10

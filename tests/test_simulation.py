@@ -61,7 +61,14 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     assert len(list((out / "cold" / "checkpoints").glob("round-*.pt"))) == 2
     assert "loaded diffusion teacher" in first["log"]
 
-    # Same key -> the second run never loads the teacher and extracts nothing.
+    # `feddifrc extract` with the run's config fills a cache under the same keys: a run on that
+    # cache never loads the teacher and extracts nothing, in setup or in any round.
+    from feddifrc_app import cli
+
+    filled = tmp_path / "extracted"
+    extract = ["extract", "--app", str(ROOT), "--cache-dir", str(filled), "--num-partitions", "2"]
+    assert cli.main([*extract, "--no-progress", "--run-config", "dataset.train-limit=120"]) == 0
+    base = base.replace(f"diffusion.cache-dir='{cache}'", f"diffusion.cache-dir='{filled}'")
     second = _run(flower_procs, base + " run-name='warm'")
     w = _results(out / "warm")
     assert w["setup-cache-misses"] == 0
