@@ -74,6 +74,14 @@ class TeacherTargets:
         size = sum(t.numel() * t.element_size() for t in parts if t is not None)
         return size + (sum(a.nbytes for a in self.per_batch[0].values()) if self.per_batch else 0)
 
+    def to(self, device: torch.device) -> TeacherTargets:
+        """The fused targets on ``device`` (moved once per round, gathered there every step)."""
+
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return TeacherTargets(self.rows, move(self.prompt_reps), move(self.ndcr), self.per_batch)
+
     def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         idx = idx.cpu()
         if bool((idx >= len(self.rows)).any()) or bool(
@@ -85,8 +93,8 @@ class TeacherTargets:
             pooled, widths, k = self.per_batch
             fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
             return fused[:, :k], fused[:, -1]
-        reps = None if self.prompt_reps is None else self.prompt_reps[r]
-        ndcr = None if self.ndcr is None else self.ndcr[r]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r.to(self.prompt_reps.device)]
+        ndcr = None if self.ndcr is None else self.ndcr[r.to(self.ndcr.device)]
         return reps, ndcr
 
 

@@ -66,15 +66,19 @@ def train_local(
     if use_teacher and targets is None:
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()
+    if use_teacher:
+        targets = targets.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     if momentum_state and tc.momentum > 0:
         _restore_momentum(opt, model, momentum_state, device)
     global_params = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     gen = torch.Generator().manual_seed(seed)  # negative sampling in TDCL
 
-    sums: dict[str, float] = {}
+    # Running sums stay on the device (float64, the same numbers as Python floats): no host sync
+    # per step; they are read once per epoch.
+    sums: dict[str, torch.Tensor] = {}
     seen = steps = 0
-    correct = 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.perf_counter()
     for _ in range(tc.local_epochs):
         for x, y, idx in loader:
@@ -104,16 +108,17 @@ def train_local(
                 parts["ndcr-cosine"] = losses.cosine_alignment(z.detach(), ndcr)
             b = y.shape[0]
             seen += b
-            correct += int((logits.argmax(1) == y).sum()) if not ssl else 0
+            if not ssl:
+                correct += (logits.argmax(1) == y).sum()
             for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach()) * b
-        if not math.isfinite(sums.get("total", 0.0)):
+                sums[k] = sums.get(k, 0.0) + v.detach().double() * b
+        if not math.isfinite(float(sums.get("total", 0.0))):
             raise DivergedError("the training loss", tc.lr)
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise DivergedError("the model weights", tc.lr)
-    metrics = {f"train-{k}": v / max(seen, 1) for k, v in sums.items()}
+    metrics = {f"train-{k}": float(v) / max(seen, 1) for k, v in sums.items()}
     if not ssl:
-        metrics["train-accuracy"] = correct / max(seen, 1)
+        metrics["train-accuracy"] = int(correct) / max(seen, 1)
     metrics["train-seconds"] = time.perf_counter() - t0
     metrics["local-steps"] = float(steps)
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
