@@ -353,11 +353,7 @@ def _from_pretrained(folder: Path, model: str, dtype: torch.dtype):
         requires_safety_checker=False,
         local_files_only=True,
     )
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        kw["low_cpu_mem_usage"] = False  # no accelerate: avoid diffusers' warning
-    try:
+    try:  # with accelerate (a dependency) the weights load in place: no random init first
         with quiet(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch_dtype.*", category=FutureWarning)
             return StableDiffusionPipeline.from_pretrained(str(folder), **kw)
