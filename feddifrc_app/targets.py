@@ -188,7 +188,7 @@ def pooled_features(
     extractor = LazyExtractor(
         make, lambda sub: data.images[torch.as_tensor(sub)], prompts, cfg.diffusion.batch_size
     )
-    return cached_pooled_features(
+    out = cached_pooled_features(
         store,
         key,
         np.asarray(ids),
@@ -198,6 +198,11 @@ def pooled_features(
         chunk=chunk,
         desc=f"{data.name}/{data.split} teacher features",
     )
+    if extractor.loaded and torch.cuda.is_available():
+        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache
+        # otherwise; the teacher itself stays loaded for the next client this process serves.
+        torch.cuda.empty_cache()
+    return out
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
@@ -291,6 +296,10 @@ def client_targets(
     return *PREPARED.items[key], stats
 
 
+# (featurizer, dataset fingerprint) -> {image id: VAE latent (C, h, w)}: ~12 KB per image at 224 px.
+_LATENTS: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+
+
 def conditioned_targets(
     cfg: Config,
     cache_dir: Path,
@@ -328,6 +337,8 @@ def conditioned_targets(
     reps = []
     tf = eval_transform(data)
     bs = cfg.diffusion.batch_size
+    # The images are the same every round: their VAE latents are encoded once per process.
+    memo = _LATENTS.setdefault((id(feat), data.fingerprint), {})
     for s in range(0, len(ids), bs):
         chunk = np.asarray(ids[s : s + bs])
         imgs = data.images[torch.as_tensor(chunk)]
@@ -335,7 +346,12 @@ def conditioned_targets(
             z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))
         off = z.float().cpu() @ proj  # (B, D_text)
         off = off / off.norm(dim=-1, keepdim=True).clamp_min(1e-8) * token_norm
-        out = feat(imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off)
+        if any(int(i) not in memo for i in chunk):
+            memo.update(zip(map(int, chunk), feat.encode(imgs), strict=True))
+        latents = torch.stack([memo[int(i)] for i in chunk])
+        out = feat(
+            imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off, latents=latents
+        )
         reps.append(fuse({b: v.numpy() for b, v in out.items()}, basis))
     new = TeacherTargets(
         rows=targets.rows, prompt_reps=torch.from_numpy(np.concatenate(reps)), ndcr=targets.ndcr

@@ -323,6 +323,23 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     assert float((a.prompt_reps - b.prompt_reps).abs().mean()) > 1e-2 * scale  # another model, other reps
     assert torch.isfinite(a.prompt_reps).all()
 
+    # The images' VAE latents were encoded once: a later round re-encodes nothing, same numbers.
+    feat = tg.featurizer_for(cfg, teacher_cache)
+    assert len(tg._LATENTS[(id(feat), data.fingerprint)]) == 4
+
+    def no_encode(images):
+        raise AssertionError("VAE encode called again for the same images")
+
+    feat.encode, model = no_encode, build_model("resnet10", 10)
+    model.load_state_dict(model_state(0))
+    try:
+        again, _ = tg.conditioned_targets(
+            cfg, teacher_cache, model, data, ids, prompts, basis, static, torch.device("cpu")
+        )
+    finally:
+        del feat.encode
+    assert torch.equal(again.prompt_reps, a.prompt_reps)
+
 
 # --------------------------------------------------------------------------- errors
 

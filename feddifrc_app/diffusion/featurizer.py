@@ -156,20 +156,27 @@ class Featurizer:
         ids: Tensor,
         prompts: tuple[str, ...],
         token_offsets: Tensor | None = None,
+        latents: Tensor | None = None,
     ) -> dict[int, Tensor]:
         """``{block: float32 (B, P, C_b)}`` on CPU for uint8 ``images (B, 3, H, W)``.
 
         ``ids`` (B,) dataset indices seed each image's noise. ``token_offsets`` (B, D_text), if
         given, is added to every prompt-token embedding of that image's rows (the
-        model-conditioned variant). Runs under ``torch.inference_mode``; the returned tensors
-        are ordinary tensors (usable as loss targets).
+        model-conditioned variant). ``latents`` (B, C, h, w), if given, are these images'
+        ``encode(images)``, kept by a caller that extracts the same images again. Runs under
+        ``torch.inference_mode``; the returned tensors are ordinary tensors (usable as loss targets).
         """
         with torch.inference_mode():
-            out = self._extract(images, ids, prompts, token_offsets)
+            out = self._extract(images, ids, prompts, token_offsets, latents)
         return {b: v.clone() for b, v in out.items()}  # leave inference mode: normal tensors
 
     def _extract(
-        self, images: Tensor, ids: Tensor, prompts: tuple[str, ...], token_offsets: Tensor | None
+        self,
+        images: Tensor,
+        ids: Tensor,
+        prompts: tuple[str, ...],
+        token_offsets: Tensor | None,
+        latents: Tensor | None,
     ) -> dict[int, Tensor]:
         t = self.teacher
         B = int(images.shape[0])
@@ -187,7 +194,7 @@ class Featurizer:
                 )
             # per-image prompt rows, prompt-major: row p*B + b = prompt p + offset of image b
             cond = (emb[:, None] + off.to(t.device, t.dtype)[None, :, None, :]).reshape(P * B, *emb.shape[1:])
-        l0 = self.encode(images)  # (B, C, h, w) float32
+        l0 = self.encode(images) if latents is None else latents.to(t.device)  # (B, C, h, w) float32
         total: dict[int, Tensor] | None = None
         for draw in range(self.ensemble):
             feats = self._draw(l0, ids, draw, cond, P)
