@@ -59,6 +59,13 @@ INSECURE_HEADER = """\
 """
 
 
+# A SuperExec dials its Runtime API over TLS and proves it holds the shared secret.
+SUPEREXEC_TLS = (
+    "--root-certificates=/app/certs/ca.crt",
+    "--superexec-auth-secret-file=/app/certs/superexec.secret",
+)
+
+
 def _list(items: list[str], indent: int) -> str:
     pad = " " * indent
     return "".join(f"{pad}- {item}\n" for item in items)
@@ -85,11 +92,13 @@ def superlink_cmd(insecure: bool) -> list[str]:
         "--ssl-ca-certfile=/app/certs/ca.crt",
         "--ssl-certfile=/app/certs/superlink/server.pem",
         "--ssl-keyfile=/app/certs/superlink/server.key",
+        # Only a SuperExec holding this secret may use the Runtime API (run code as the ServerApp).
+        "--superexec-auth-secret-file=/app/certs/superlink/superexec.secret",
     ]
 
 
 def serverapp_cmd(insecure: bool) -> list[str]:
-    tls = ["--insecure"] if insecure else ["--root-certificates=/app/certs/ca.crt"]
+    tls = ["--insecure"] if insecure else [*SUPEREXEC_TLS]
     return ["--runtime-api-address=superlink:8000", *tls]
 
 
@@ -112,12 +121,13 @@ def supernode_cmd(index: int, n: int, insecure: bool) -> list[str]:
             "--ssl-certfile=/app/certs/node/runtime.pem",
             "--ssl-keyfile=/app/certs/node/runtime.key",
             "--ssl-ca-certfile=/app/certs/ca.crt",
+            "--superexec-auth-secret-file=/app/certs/node/superexec.secret",
         ]
     return [*cmd, f"--node-config={node_config(index, n)}"]
 
 
 def clientapp_cmd(i: int, insecure: bool) -> list[str]:
-    tls = ["--insecure"] if insecure else ["--root-certificates=/app/certs/ca.crt"]
+    tls = ["--insecure"] if insecure else [*SUPEREXEC_TLS]
     return [f"--runtime-api-address=supernode-{i}:{RUNTIME_PORT}", *tls]
 
 
@@ -157,7 +167,9 @@ services:
     image: feddifrc-superlink:${{FLWR_VERSION:-{FLWR_VERSION}}}
     command:
 {_list(superlink_cmd(False), 6)}    ports:
-      - "${{SUPERLINK_PORT:-8000}}:8000"   # Fleet, Control and Runtime APIs (one port)
+      # Fleet, Control and Runtime APIs (one port). SUPERLINK_BIND limits the host address it is
+      # published on (Docker-published ports bypass ufw/firewalld: see docs/deploy.md, Security).
+      - "${{SUPERLINK_BIND:-0.0.0.0}}:${{SUPERLINK_PORT:-8000}}:8000"
     volumes:
       - superlink-state:/app/state        # registered nodes, runs (--database)
       - ./certs/ca.crt:/app/certs/ca.crt:ro
@@ -173,6 +185,7 @@ services:
       - runs:/app/feddifrc-runs           # outputs-dir default (~/feddifrc-runs): results.json, checkpoints
       - server-cache:/app/.cache          # test-set downloads / dataset cache
       - ./certs/ca.crt:/app/certs/ca.crt:ro
+      - ./certs/superlink/superexec.secret:/app/certs/superexec.secret:ro
     environment: *flower-env
     depends_on: [superlink]
     restart: unless-stopped
@@ -198,6 +211,7 @@ services:
 {_list(clientapp_cmd(i, False), 6)}    volumes:
       - node-{i}-cache:/app/.cache        # feature cache, HF_HOME (SD weights), datasets
       - ./certs/ca.crt:/app/certs/ca.crt:ro
+      - ./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro
     environment: *flower-env
     deploy:
       resources:
@@ -221,6 +235,7 @@ def render_insecure(gpus: list[str], args: str) -> str:
     # certificate mounts, so this works before scripts/make_certs.sh has run.
     out.append(
         f"  superlink:\n    command:\n{_list(superlink_cmd(True), 6)}"
+        "    ports: !override\n      - 127.0.0.1:${SUPERLINK_PORT:-8000}:8000   # plain text: this host\n"
         "    volumes: !override\n      - superlink-state:/app/state\n"
     )
     out.append(

@@ -20,6 +20,15 @@
 #                                TLS certificate for the node's local Runtime API (the
 #                                SuperNode <-> ClientApp SuperExec link). SANs: supernode-<i>,
 #                                supernode, localhost, 127.0.0.1, ::1.
+#   superlink/superexec.secret   shared secrets of the Runtime API (--superexec-auth-secret-file):
+#   supernode-<i>/superexec.secret
+#                                the SuperLink and the SuperExec running the ServerApp share the
+#                                first; SuperNode i and its ClientApp SuperExec share the second.
+#   bundles/<machine>/           what each machine receives, laid out like OUT_DIR (copy a
+#                                bundle's contents into that machine's docker/certs/):
+#                                server (ca.crt, superlink/), supernode-<i> (ca.crt,
+#                                supernode-<i>/), workstation (ca.crt and the public keys to
+#                                register). ca.key is in no bundle; no machine gets another's keys.
 #
 # SAN arguments: "DNS:name", "IP:addr", or a bare value (an IPv4/IPv6 literal becomes IP:,
 # anything else DNS:). Use the SuperLink's public host name and/or IP address, exactly as the
@@ -175,10 +184,36 @@ for ((i = 1; i <= NUM_NODES; i++)); do
   fi
 done
 
+# 4. Shared secrets of the Runtime APIs (raw bytes; both ends read the same file).
+for d in "$OUT_DIR/superlink" "$OUT_DIR"/supernode-*; do
+  if [[ -d "$d" && ! -f "$d/superexec.secret" ]]; then
+    openssl rand -hex 32 | tr -d '\n' > "$d/superexec.secret"
+    created+=("${d#"$OUT_DIR"/}/superexec.secret")
+  fi
+done
+
+# 5. Per-machine bundles: each machine gets only its own keys (rebuilt on every run).
+rm -rf "$OUT_DIR/bundles"
+bundle() {  # bundle NAME PATH... (paths relative to OUT_DIR)
+  local name="$1" rel; shift
+  for rel in ca.crt "$@"; do
+    mkdir -p "$OUT_DIR/bundles/$name/$(dirname "$rel")"
+    cp -pR "$OUT_DIR/$rel" "$OUT_DIR/bundles/$name/$rel"
+  done
+}
+bundle server superlink
+for ((i = 1; i <= NUM_NODES; i++)); do bundle "supernode-$i" "supernode-$i"; done
+pubs=()
+for ((i = 1; i <= NUM_NODES; i++)); do pubs+=("supernode-$i/auth.key.pub"); done
+bundle workstation ${pubs[@]+"${pubs[@]}"}
+
 # Public material readable by others (containers run as uid 49999); private keys stay 0600.
-chmod 755 "$OUT_DIR" "$OUT_DIR/superlink" "$OUT_DIR"/supernode-* 2>/dev/null || true
-chmod 644 "$OUT_DIR/ca.crt" "$OUT_DIR/superlink/server.pem" "$OUT_DIR"/supernode-*/runtime.pem \
-  "$OUT_DIR"/supernode-*/auth.key.pub 2>/dev/null || true
+for root in "$OUT_DIR" "$OUT_DIR"/bundles/*; do
+  chmod 755 "$root" "$root/superlink" "$root"/supernode-* 2>/dev/null || true
+  chmod 644 "$root/ca.crt" "$root/superlink/server.pem" "$root"/supernode-*/runtime.pem \
+    "$root"/supernode-*/auth.key.pub 2>/dev/null || true
+done
+chmod 755 "$OUT_DIR/bundles"
 rm -f "$OUT_DIR/ca.srl"
 
 openssl verify -CAfile "$OUT_DIR/ca.crt" "$OUT_DIR/superlink/server.pem" >/dev/null
@@ -192,6 +227,9 @@ fi
 echo "  SuperLink certificate SANs: $(openssl x509 -in "$OUT_DIR/superlink/server.pem" -noout \
   -ext subjectAltName 2>/dev/null | tail -n +2 | sed 's/^ *//')"
 cat <<EOF
+
+Per-machine bundles in $OUT_DIR/bundles: copy bundles/server/ to the server's docker/certs/,
+bundles/supernode-<i>/ to GPU machine i's, bundles/workstation/ to the workstation.
 
 Next steps (see docs/deploy.md):
   1. SuperLink: flower-superlink --enable-supernode-auth \\
@@ -208,5 +246,5 @@ Next steps (see docs/deploy.md):
          --auth-supernode-private-key $OUT_DIR/supernode-1/auth.key \\
          --node-config "partition-id=0 num-partitions=$NUM_NODES"
   Docker: the containers run as uid 49999, so on each machine make its private keys readable:
-       sudo chown 49999:49999 <the .key files that machine holds>
+       sudo chown 49999:49999 <the .key and superexec.secret files that machine holds>
 EOF

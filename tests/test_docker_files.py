@@ -558,6 +558,34 @@ def test_make_certs_is_incremental_and_force_renews(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "non-negative integer" in bad.stderr
 
 
+@needs_openssl
+def test_make_certs_bundles_give_each_machine_only_its_own_keys(certs: Path) -> None:
+    def files(d: Path) -> set[str]:
+        return {str(f.relative_to(d)) for f in d.rglob("*") if f.is_file()}
+
+    node = ["auth.key", "auth.key.pub", "runtime.key", "runtime.pem", "superexec.secret"]
+    want = {
+        "server": {"ca.crt", "superlink/server.pem", "superlink/server.key", "superlink/superexec.secret"},
+        "supernode-1": {"ca.crt", *(f"supernode-1/{n}" for n in node)},
+        "supernode-2": {"ca.crt", *(f"supernode-2/{n}" for n in node)},
+        "workstation": {"ca.crt", "supernode-1/auth.key.pub", "supernode-2/auth.key.pub"},
+    }
+    bundles = certs / "bundles"
+    assert {d.name for d in bundles.iterdir()} == set(want)
+    for name, expected in want.items():
+        assert files(bundles / name) == expected, name  # no ca.key, no other machine's keys
+        for rel in expected:
+            assert (bundles / name / rel).read_bytes() == (certs / rel).read_bytes()
+    # One Runtime API secret per SuperLink/SuperNode, shared with its SuperExec, private to its owner.
+    secrets = [
+        certs / "superlink" / "superexec.secret",
+        *(certs / f"supernode-{i}" / "superexec.secret" for i in (1, 2)),
+    ]
+    values = [p.read_text() for p in secrets]
+    assert len(set(values)) == 3 and all(re.fullmatch(r"[0-9a-f]{64}", v) for v in values)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in secrets)
+
+
 # ----------------------------------------------------------------------------- docs/deploy.md
 
 FLWR_GROUPS = {"supernode", "federation", "config", "app"}
