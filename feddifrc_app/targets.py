@@ -296,8 +296,13 @@ def client_targets(
     return *PREPARED.items[key], stats
 
 
-# (featurizer, dataset fingerprint) -> {image id: VAE latent (C, h, w)}: ~12 KB per image at 224 px.
-_LATENTS: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+# What a VAE latent depends on -> {image id: latent (C, h, w)}: ~12 KB per image at 224 px.
+_LATENTS: dict[tuple, dict[int, torch.Tensor]] = {}
+
+
+def _latent_key(feat: Featurizer, data: ImageData) -> tuple:
+    t = feat.teacher
+    return (t.weights_hash, str(t.device), str(t.dtype), feat.resolution, data.fingerprint)
 
 
 def conditioned_targets(
@@ -338,7 +343,7 @@ def conditioned_targets(
     tf = eval_transform(data)
     bs = cfg.diffusion.batch_size
     # The images are the same every round: their VAE latents are encoded once per process.
-    memo = _LATENTS.setdefault((id(feat), data.fingerprint), {})
+    memo = _LATENTS.setdefault(_latent_key(feat, data), {})
     for s in range(0, len(ids), bs):
         chunk = np.asarray(ids[s : s + bs])
         imgs = data.images[torch.as_tensor(chunk)]

@@ -325,7 +325,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
 
     # The images' VAE latents were encoded once: a later round re-encodes nothing, same numbers.
     feat = tg.featurizer_for(cfg, teacher_cache)
-    assert {int(i) for i in ids} <= set(tg._LATENTS[(id(feat), data.fingerprint)])  # other tests add more
+    assert {int(i) for i in ids} <= set(tg._LATENTS[tg._latent_key(feat, data)])  # other tests add more
 
     def no_encode(images):
         raise AssertionError("VAE encode called again for the same images")
