@@ -35,10 +35,10 @@ _watching = False
 def watch_for_stop() -> None:
     """Notice ``flwr stop`` while the ServerApp still runs.
 
-    Flower learns of a stop through the task heartbeat (every ~40 s), then raises SIGINT and runs
-    its exit handlers; in simulation the ServerApp is a thread that would go on until the forced
-    exit. This flag, set by an exit handler, is checked while waiting for replies and between
-    rounds, so no round starts or is saved after the stop is known.
+    Flower ends a stopped run's process through a signal and its exit handlers; in simulation the
+    ServerApp is a thread that would go on until the forced exit. This flag, set by an exit
+    handler, is checked while waiting for replies and between rounds, so no round starts or is
+    saved after the stop is known.
     """
     global _watching
     if not _watching:
