@@ -372,6 +372,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
         f"({results.get('partition')})"
         + (f"; teacher {teacher.get('model')}" if teacher else "")
+        + (f" (weights {teacher['weights-sha256'][:12]})" if teacher.get("weights-sha256") else "")
         + (
             "  [RANDOM-weight teacher: not evidence that FedDifRC helps]"
             if teacher.get("random-weights")

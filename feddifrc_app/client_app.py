@@ -76,6 +76,7 @@ def setup(msg: Message, context: Context) -> Message:
         t = teacher_identity(cfg.diffusion.model, node.resolve_cache_dir(cfg))  # no SD load
         info["teacher-model"] = t.model_id
         info["teacher-random-weights"] = bool(t.random_weights)
+        info["teacher-weights"] = t.weights_hash  # the server checks that every node runs the same teacher
         # Where this node's teacher runs (and the dtype in its cache key); no GPU for 'cuda' fails here.
         device = resolve_device(cfg.diffusion.device, "diffusion.device")
         info["teacher-device"] = (

@@ -43,6 +43,7 @@ def main(grid: Grid, context: Context) -> None:
     t0 = time.perf_counter()
     setup = fed.setup(fed.wait_for_nodes(), want_stats)
     check_classes(setup, fed, test)
+    check_teachers(setup, fed)
     basis = federated_basis(cfg, setup, results) if want_stats else None
     if resumed is not None and resumed[1].get("basis") is not None:
         basis = ArrayRecord(resumed[1]["basis"])
@@ -95,6 +96,21 @@ def check_classes(setup: dict[int, RecordDict], fed: Federation, test: ImageData
             )
 
 
+def check_teachers(setup: dict[int, RecordDict], fed: Federation) -> None:
+    """Every node's teacher has the same weights: features of different weights live in different
+    spaces, so neither one PCA basis nor the comparison of their targets would mean anything."""
+    weights: dict[str, list[int]] = {}
+    for n in sorted(setup, key=lambda n: (fed.partition_of[n], n)):
+        if "teacher-weights" in setup[n]["info"]:
+            weights.setdefault(str(setup[n]["info"]["teacher-weights"]), []).append(fed.partition_of[n])
+    if len(weights) > 1:
+        raise ValueError(
+            "the nodes run different diffusion teachers (weights sha256 -> partition ids: "
+            + "; ".join(f"{h[:12]} -> {p}" for h, p in weights.items())
+            + "): give every node the same diffusion.model files"
+        )
+
+
 def record_setup(
     cfg: Config,
     setup: dict[int, RecordDict],
@@ -111,6 +127,7 @@ def record_setup(
             devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(fed.partition_of[n])
         results["teacher"] = {
             "model": str(teacher[0]["teacher-model"]),
+            "weights-sha256": str(teacher[0]["teacher-weights"]),  # check_teachers: the same on every node
             "random-weights": bool(teacher[0]["teacher-random-weights"]),
             "devices": devices,  # "cuda float16" -> partition ids
         }

@@ -117,7 +117,11 @@ class Flower:
         return json.loads("\n".join(lines[start:]))
 
     def run(self, run_config: Path, timeout: float) -> tuple[str, str]:
-        """Submit one run, wait for it; (flwr ls status, reason or log tail)."""
+        """Submit one run, wait for it; (flwr ls status, reason or log tail).
+
+        The run's log streams into ``<run_config>.log`` until the SuperLink ends the stream (the
+        run finished): one `flwr` process per cell rather than a `flwr ls` every few seconds.
+        """
         args = ["run", ".", self.federation, "--run-config", str(run_config)]
         if self.federation_config:
             args += ["--federation-config", self.federation_config]
@@ -125,11 +129,24 @@ class Flower:
         if not ans.get("success"):
             return "submit-failed", json.dumps(ans)[-1500:]
         run_id, deadline = str(ans["run-id"]), time.monotonic() + timeout
+        with open(run_config.with_suffix(".log"), "wb") as log:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["flwr", "log", run_id, self.federation, "--stream"],
+                    cwd=self.app,
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    timeout=timeout,
+                )
         info: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+        while True:  # the stream ended (or timed out): the status says which
             info = (self.json("ls", self.federation, "--run-id", run_id).get("runs") or [{}])[0]
             if str(info.get("status", "")).startswith("finished"):
                 return str(info["status"]), str(info.get("status-details", ""))
+            if time.monotonic() >= deadline:
+                break
             time.sleep(3)
         subprocess.run(
             ["flwr", "stop", run_id, self.federation], cwd=self.app, env=self.env, capture_output=True

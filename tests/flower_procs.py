@@ -486,13 +486,34 @@ class FlowerProcs:
         return runs[0]
 
     def wait_for_run(self, run_id: int, connection: str, timeout: float, poll: float = 2.0) -> dict[str, Any]:
-        """Poll until the run's status starts with ``finished:``; return its record."""
+        """Wait until the run's status starts with ``finished:``; return its record.
+
+        One ``flwr log --stream`` (the SuperLink ends the stream when the run finishes; the log
+        lands in ``logs/run-<id>.log``) instead of a ``flwr ls`` every ``poll`` seconds: each
+        `flwr` call is a Python start-up, which on a loaded 2-core machine slows the run it
+        waits for. ``flwr ls`` polling only if the stream ends early.
+        """
         deadline = time.monotonic() + timeout
+        with open(self.logs / f"run-{run_id}.log", "ab") as out:
+            try:
+                subprocess.run(
+                    ["flwr", "log", str(run_id), connection, "--stream"],
+                    cwd=self.workdir,
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired:
+                pass  # reported below, with the run's last status
         info: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+        while True:
             info = self.run_info(run_id, connection)
             if str(info.get("status", "")).startswith("finished"):
                 return info
+            if time.monotonic() >= deadline:
+                break
             time.sleep(poll)
         raise TimeoutError(
             f"run {run_id} not finished after {timeout}s (last: {info.get('status')})\n"

@@ -20,6 +20,7 @@ from feddifrc_app import client_app
 from feddifrc_app import dataset as ds
 from feddifrc_app import targets as tg
 from feddifrc_app.config import ConfigError, load_config, load_node_config
+from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.projection import fit_basis, merge_client_stats, stats_from_arrays
 from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
@@ -129,6 +130,7 @@ def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: P
         assert info["teacher-model"] == "tiny-seed0"
         assert info["teacher-random-weights"] is True
         assert info["teacher-device"] == "cpu float32"
+        assert info["teacher-weights"] == teacher_identity("tiny-seed0", teacher_cache).weights_hash
         assert info["teacher-seconds"] >= 0
         stats = stats_from_arrays({k: v.numpy() for k, v in reply.content["pca-stats"].items()})
         assert sorted(stats) == [1, 2, 3]

@@ -1,13 +1,16 @@
-"""A real loopback deployment: TLS, SuperNode authentication, `flwr run`, a node lost mid-run.
+"""A loopback deployment in the shipped topology: TLS, SuperNode auth, `flwr run`, a node lost mid-run.
 
-Processes (all killed by PID, with their children, even when a test fails):
-``flower-superlink`` with TLS (certificates from ``scripts/make_certs.sh``) and
-``--enable-supernode-auth``; two ``flower-supernode``s whose public keys are
-registered with ``flwr supernode register``, each with its own Runtime API port,
-its own TLS Runtime API certificate and ``--node-config "partition-id=i
-num-partitions=2 cache-dir=..."``; a third SuperNode with an unregistered key.
-Everything listens on 127.0.0.1 at ports chosen at run time, under an isolated
-FLWR_HOME. See tests/flower_procs.py for the process harness.
+The processes and flags are those of docker/compose.yml, on 127.0.0.1 at ports chosen at
+run time under an isolated FLWR_HOME: ``flower-superlink --isolation process`` with TLS
+(certificates and SuperExec secrets from ``scripts/make_certs.sh``),
+``--enable-supernode-auth`` and ``--superexec-auth-secret-file``; a ``flower-superexec``
+that runs the ServerApp, dialling the SuperLink's Runtime API over TLS with the secret;
+two ``flower-supernode --isolation process`` whose public keys are registered with ``flwr
+supernode register``, each with a TLS Runtime API, its own secret and ``--node-config
+"partition-id=i num-partitions=2 cache-dir=..."``, and next to each the ``flower-superexec``
+that runs its ClientApps; a third SuperNode with an unregistered key. Every Flower process
+serves the gRPC health service the compose healthchecks probe. All are killed by PID, with
+their children, even when a test fails (tests/flower_procs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ class Deployment:
     procs: FlowerProcs
     certs: Path
     port: int
+    health_port: int  # the SuperLink's gRPC health service
     node_ids: dict[int, int] = field(default_factory=dict)  # supernode index -> registered id
 
     def register(self, i: int) -> int:
@@ -70,25 +75,48 @@ class Deployment:
         self.node_ids[i] = int(answer["node-id"])
         return self.node_ids[i]
 
+    runtime_ports: dict[int, int] = field(default_factory=dict)  # supernode index -> Runtime API port
+
     def start_supernode(self, i: int, num_partitions: int, cache_root: Path) -> FlowerProc:
-        """SuperNode i (partition i-1): TLS to the SuperLink, its auth key, a TLS Runtime API."""
+        """SuperNode i (partition i-1): TLS to the SuperLink, its auth key, a TLS Runtime API
+        for its SuperExec (process isolation, shared secret)."""
         node_dir = self.certs / f"supernode-{i}"
-        runtime_port = free_port()
+        self.runtime_ports[i] = runtime_port = free_port()
         cache = cache_root / f"cache-{i}"
         argv = [
             "flower-supernode",
             "--superlink", f"127.0.0.1:{self.port}",
             "--root-certificates", str(self.certs / "ca.crt"),
             "--auth-supernode-private-key", str(node_dir / "auth.key"),
+            "--isolation", "process",
             "--host", "127.0.0.1",
             "--port", str(runtime_port),
             "--ssl-certfile", str(node_dir / "runtime.pem"),
             "--ssl-keyfile", str(node_dir / "runtime.key"),
             "--ssl-ca-certfile", str(self.certs / "ca.crt"),
+            "--superexec-auth-secret-file", str(node_dir / "superexec.secret"),
             "--node-config",
             f'partition-id={i - 1} num-partitions={num_partitions} cache-dir="{cache}"',
         ]  # fmt: skip
         return self.procs.start(f"supernode-{i}", argv, ready_port=runtime_port)
+
+    def start_superexec(self, name: str, runtime_port: int, secret: Path) -> FlowerProc:
+        """A SuperExec on a Runtime API (TLS, the shared secret); ready once its health server is."""
+        health = free_port()
+        argv = [
+            "flower-superexec",
+            "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+            "--root-certificates", str(self.certs / "ca.crt"),
+            "--superexec-auth-secret-file", str(secret),
+            "--health-server-address", f"127.0.0.1:{health}",
+        ]  # fmt: skip
+        return self.procs.start(name, argv, ready_port=health)
+
+    def start_node(self, i: int, num_partitions: int, cache_root: Path) -> None:
+        """A GPU machine of docker/compose.supernode.yml: SuperNode i and its ClientApp SuperExec."""
+        self.start_supernode(i, num_partitions, cache_root)
+        secret = self.certs / f"supernode-{i}" / "superexec.secret"
+        self.start_superexec(f"superexec-clientapp-{i}", self.runtime_ports[i], secret)
 
 
 @contextlib.contextmanager
@@ -97,11 +125,13 @@ def deploy(workdir: Path, registered: int = 2, total_keys: int = 3) -> Iterator[
     certs = make_certs(workdir / "certs", total_keys)
     with FlowerProcs(workdir / "flower") as procs:
         try:
-            port = free_port()
+            port, health = free_port(), free_port()
             procs.start(
                 "superlink",
                 [
                     "flower-superlink",
+                    "--isolation",
+                    "process",
                     "--ssl-ca-certfile",
                     str(certs / "ca.crt"),
                     "--ssl-certfile",
@@ -116,15 +146,20 @@ def deploy(workdir: Path, registered: int = 2, total_keys: int = 3) -> Iterator[
                     "--database",
                     str(workdir / "superlink-state.db"),
                     "--disable-runtime-dependency-installation",
+                    "--superexec-auth-secret-file",
+                    str(certs / "superlink" / "superexec.secret"),
+                    "--health-server-address",
+                    f"127.0.0.1:{health}",
                 ],  # fmt: skip
                 ready_port=port,
             )
             procs.add_connection(CONN, f"127.0.0.1:{port}", root_certificates=certs / "ca.crt")
-            dep = Deployment(procs, certs, port)
+            dep = Deployment(procs, certs, port, health)
+            dep.start_superexec("superexec-serverapp", port, certs / "superlink" / "superexec.secret")
             for i in range(1, registered + 1):
                 dep.register(i)
             for i in range(1, registered + 1):
-                dep.start_supernode(i, registered, workdir / "node-cache")
+                dep.start_node(i, registered, workdir / "node-cache")
             procs.wait_for_nodes_online(CONN, registered, timeout=90)
             yield dep
         except BaseException:
@@ -161,6 +196,27 @@ def test_superlink_serves_tls_with_the_dev_ca(deployment: Deployment, tmp_path: 
     other = make_certs(tmp_path / "other-ca", 0)
     with pytest.raises(ssl.SSLCertVerificationError):
         _handshake(deployment.port, other / "ca.crt", "localhost")
+
+
+def test_the_compose_healthcheck_probe_sees_a_serving_superlink(deployment: Deployment) -> None:
+    from test_docker_files import health_probe
+
+    probe, address = health_probe()
+    serving = subprocess.run(
+        [sys.executable, "-c", probe.replace(address, f"127.0.0.1:{deployment.health_port}")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serving.returncode == 0, serving.stderr
+    # Nothing serving there: unhealthy (non-zero), not a hang.
+    down = subprocess.run(
+        [sys.executable, "-c", probe.replace(address, f"127.0.0.1:{free_port()}")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode != 0 and "UNAVAILABLE" in down.stderr, down.stderr
 
 
 def test_registered_supernodes_are_online(deployment: Deployment) -> None:
@@ -211,20 +267,26 @@ def _results(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int) -> Any:
-    """Poll ``pred()`` until truthy; fail early (with logs) if the run finishes first."""
-    deadline = time.monotonic() + timeout
+def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int, every: float = 0.5) -> Any:
+    """Poll ``pred()`` every ``every`` s until truthy; fail early (with logs) if the run finishes first.
+
+    The run's status is asked at most every 10 s: each `flwr` call is a Python start-up that
+    competes with the run for the 2 cores."""
+    deadline, next_status = time.monotonic() + timeout, time.monotonic() + 10
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
-        status = dep.procs.run_info(run_id, CONN)["status"]
-        if str(status).startswith("finished"):
-            value = pred()
-            if value:
-                return value
-            pytest.fail(f"run finished ({status}) before {what}\n{dep.procs.run_log(run_id, CONN)[-6000:]}")
-        time.sleep(0.5)
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + 10
+            status = dep.procs.run_info(run_id, CONN)["status"]
+            if str(status).startswith("finished"):
+                value = pred()
+                if value:
+                    return value
+                log = dep.procs.run_log(run_id, CONN)[-6000:]
+                pytest.fail(f"run finished ({status}) before {what}\n{log}")
+        time.sleep(every)
     pytest.fail(
         f"timed out after {timeout}s waiting for {what}\n"
         f"{dep.procs.run_log(run_id, CONN)[-6000:]}\n{dep.procs.report()}"
@@ -258,15 +320,17 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
         _wait_for(lambda: round_done(1), "round 1 in results.json", 420, dep, run_id)
         t_r1 = time.monotonic() - t0
 
-        # Kill supernode-2 (and its ClientApp) hard while it works on the next round.
-        node = dep.procs.procs[f"supernode-{KILLED}"]
+        # Machine 2 dies while it works on the next round: SIGKILL its SuperNode and its
+        # SuperExec, with the ClientApp process the SuperExec runs.
+        superexec = dep.procs.procs[f"superexec-clientapp-{KILLED}"]
 
         def clientapp_running() -> bool:
-            return any("flwr-clientapp" in cmdline(p) for p in descendants(node.pid))
+            return any("flwr-clientapp" in cmdline(p) for p in descendants(superexec.pid))
 
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not clientapp_running():
             time.sleep(0.1)
+        dep.procs.kill(f"superexec-clientapp-{KILLED}", sig=signal.SIGKILL)
         dep.procs.kill(f"supernode-{KILLED}", sig=signal.SIGKILL)
         t_kill = time.monotonic() - t0
 
@@ -288,10 +352,10 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
         def node_status() -> str | None:
             return next((n["status"] for n in dep.procs.nodes(CONN) if int(n["node-id"]) == killed_id), None)
 
-        _wait_for(lambda: node_status() == "offline", "the killed node to be offline", 120, dep, run_id)
-        dep.start_supernode(KILLED, 2, tmp_path / "node-cache")
+        _wait_for(lambda: node_status() == "offline", "the killed node to be offline", 120, dep, run_id, 2)
+        dep.start_node(KILLED, 2, tmp_path / "node-cache")
         # Same key -> same node id: the registered one comes back online, no new node appears.
-        _wait_for(lambda: node_status() == "online", "the restarted node to be online", 90, dep, run_id)
+        _wait_for(lambda: node_status() == "online", "the restarted node to be online", 90, dep, run_id, 2)
         nodes_after = {int(n["node-id"]): n["status"] for n in dep.procs.nodes(CONN)}
         assert set(nodes_after) == set(dep.node_ids.values()), nodes_after
         back_round = max(r["round"] for r in _results(results_path)["rounds"])

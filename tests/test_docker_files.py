@@ -296,6 +296,34 @@ def test_compose_files_parse_and_pin_the_flwr_images() -> None:
                 assert args["FLWR_VERSION"] == f"${{FLWR_VERSION:-{FLWR_VERSION}}}"
 
 
+def health_probe(compose: str = "compose.yml") -> tuple[str, str]:
+    """(the healthcheck's Python probe, the host:port it dials) of ``compose``."""
+    test = load_compose(compose)["x-healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"], test
+    m = re.search(r"insecure_channel\('([^']+)'\)", test[3])
+    assert m, test[3]
+    return test[3], m.group(1)
+
+
+@pytest.mark.parametrize("compose", SECURE_FILES)
+def test_every_service_is_health_checked_and_its_logs_rotate(compose: str) -> None:
+    probe, address = health_probe(compose)
+    assert health_probe() == (probe, address)  # one probe for every file
+    insecure = load_compose("compose.insecure.yml")["services"] if compose == "compose.yml" else {}
+    for name, svc in load_compose(compose)["services"].items():
+        # The probe dials the health server that the service's own command starts...
+        for cmd in (svc["command"], *([insecure[name]["command"]] if name in insecure else [])):
+            assert f"--health-server-address={address}" in cmd, f"{compose}/{name}: {cmd}"
+        assert svc["healthcheck"]["test"][3] == probe and svc["healthcheck"]["retries"] >= 1
+        # ...json-file logs are capped (unbounded by default)...
+        assert svc["logging"]["driver"] == "json-file", name
+        assert re.fullmatch(r"\d+m", svc["logging"]["options"]["max-size"]), name
+        assert int(svc["logging"]["options"]["max-file"]) >= 1, name
+        # ...and a service starts once what it dials is healthy, not merely started.
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert cond == {"condition": "service_healthy"}, f"{compose}/{name} -> {dep}: {cond}"
+
+
 @pytest.mark.parametrize(("compose", "name"), [(c, n) for c, n, _, _ in commands()])
 def test_compose_flags_exist_in_the_installed_flower_commands(compose: str, name: str) -> None:
     svc = load_compose(compose)["services"][name]

@@ -48,8 +48,11 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     s = r["summary"]
     assert s["final-accuracy"] == r["rounds"][-1]["test-accuracy"]
     assert s["best-accuracy"] == max(x["test-accuracy"] for x in r["rounds"][1:])
+    from feddifrc_app.diffusion.pipeline import teacher_identity
+
     assert r["teacher"] == {
         "model": "tiny-mnist",
+        "weights-sha256": teacher_identity("tiny-mnist", tmp_path / "ident").weights_hash,
         "random-weights": False,
         "devices": {"cpu float32": [0, 1]},  # 'auto' on a machine without CUDA
     }  # the packaged teacher, found from the FAB

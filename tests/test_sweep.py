@@ -145,6 +145,9 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
         if m == "fednova":
             assert metrics["fednova-a"] > metrics["local-steps"]  # momentum 0.9: a_i > tau_i
     assert "| moon | " in (out / "table.md").read_text()
+    # Each cell's ServerApp log is kept beside its run config.
+    cell_log = (out / "cells" / f"mnist5k-{BASELINES[0]}-s0.log").read_text()
+    assert f"run directory: {out / 'runs' / f'mnist5k-{BASELINES[0]}-s0'}" in cell_log, cell_log[-3000:]
 
     # The diverged run: reported failed by flwr ls, strict JSON, the last finite model kept.
     assert "diverged" in state["diverge-s0"]["reason"]
