@@ -110,7 +110,8 @@ def _splits(s: str) -> list[str]:
 # --------------------------------------------------------------------------- extract
 
 
-def _add_extract(p: argparse.ArgumentParser) -> None:
+def _add_run_config_args(p: argparse.ArgumentParser) -> None:
+    """--app, --run-config and --cache-dir: the run config and node cache a command works on."""
     p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
     p.add_argument(
         "--run-config",
@@ -118,14 +119,18 @@ def _add_extract(p: argparse.ArgumentParser) -> None:
         metavar="FILE_OR_PAIRS",
         help='overrides, like flwr run: conf/X.toml or "key=value key2=value2" (repeatable)',
     )
-    p.add_argument("--num-partitions", type=int, default=10, help="clients the training set is split into")
-    p.add_argument("--partitions", default=None, help="only these partition ids, e.g. 0,3 (default: all)")
-    p.add_argument("--split", default="train", help="train, test or train,test (test = the whole test set)")
     p.add_argument(
         "--cache-dir",
         default=None,
         help="node cache folder (default: diffusion.cache-dir or ~/.cache/feddifrc)",
     )
+
+
+def _add_extract(p: argparse.ArgumentParser) -> None:
+    _add_run_config_args(p)
+    p.add_argument("--num-partitions", type=int, default=10, help="clients the training set is split into")
+    p.add_argument("--partitions", default=None, help="only these partition ids, e.g. 0,3 (default: all)")
+    p.add_argument("--split", default="train", help="train, test or train,test (test = the whole test set)")
     p.add_argument("--chunk", type=int, default=EXTRACT_CHUNK, help="images computed between cache writes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -242,6 +247,48 @@ def _check(cfg: Config, cache_dir: Path, data: Any, split: str, ids: Any, which:
     )
     shown = {k: v for k, v in fields.items() if k not in ("format", "version", "prompts")}
     print(f"  the key is made of: {shown}, {len(fields['prompts'])} prompts")
+
+
+# --------------------------------------------------------------------------- fetch
+
+
+def _add_fetch(p: argparse.ArgumentParser) -> None:
+    _add_run_config_args(p)
+    p.add_argument("--split", default="train,test", help="dataset splits to fetch: train, test or train,test")
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download (online) or verify (offline) what a run config needs on a node, and say where it is.
+
+    The teacher's weights go to the Hugging Face cache (HF_HOME) and the dataset splits to
+    dataset.data-dir: run this where there is internet, then copy those folders to an offline
+    node (or run it on the node itself, offline, to check that they are complete)."""
+    cfg = load_app_config(args.app, args.run_config)
+    cache_dir = resolve_cache_dir(cfg, args.cache_dir)
+
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from feddifrc_app.dataset import DatasetUnavailableError, load_dataset
+    from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
+
+    try:
+        if cfg.uses_diffusion:
+            ident = teacher_identity(cfg.diffusion.model, cache_dir)
+            print(
+                f"teacher {ident.model_id}: weights sha256 {ident.weights_hash} in {ident.folder}"
+                + (" (RANDOM weights: plumbing only)" if ident.random_weights else "")
+            )
+        for split in _splits(args.split):
+            data = load_dataset(cfg.dataset, split, seed=cfg.seed)
+            print(f"dataset {data.name}/{split}: {len(data)} images, {data.num_classes} classes")
+    except (TeacherLoadError, DatasetUnavailableError) as e:
+        raise CLIError(str(e)) from None
+    print(
+        f"to seed an offline node, copy {cfg.dataset.data_dir} (datasets)"
+        + (f" and {HF_HUB_CACHE} (hub teacher weights)" if cfg.uses_diffusion else "")
+        + " to the same paths there (in the images: under /app/.cache, the node's cache volume)"
+    )
+    return 0
 
 
 # --------------------------------------------------------------------------- make-tiny
@@ -531,6 +578,11 @@ COMMANDS: dict[
         "build the embedded tiny random-weight teacher and print its folder",
         _add_make_tiny,
         cmd_make_tiny,
+    ),
+    "fetch": (
+        "download (or, offline, verify) the teacher weights and dataset a run config needs on a node",
+        _add_fetch,
+        cmd_fetch,
     ),
     "report": (
         "print a run's per-round table and summary (final, best, mean of last 5)",

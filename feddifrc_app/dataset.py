@@ -323,12 +323,13 @@ def image_folder_classes(root: str | os.PathLike[str]) -> list[str]:
 
     With split folders these are the folders of ``root/train``; otherwise those of ``root``.
     """
-    train_root, _ = _image_folder_layout(Path(root))
-    return _class_folders(train_root)
+    train_root, test_root = _image_folder_layout(Path(root))
+    return _class_folders(train_root or test_root)
 
 
-def _image_folder_layout(root: Path) -> tuple[Path, Path | None]:
-    """(train root, test root) or (class root, None) when there are no split folders."""
+def _image_folder_layout(root: Path) -> tuple[Path | None, Path | None]:
+    """(train root, test root); (class root, None) when there are no split folders; and
+    (None, test root) for a folder holding only test/ (or val/): the server's test set."""
     if not root.is_dir():
         raise DatasetUnavailableError(
             f"dataset 'image-folder': data dir {root} does not exist; set dataset.data-dir to a folder of "
@@ -339,6 +340,9 @@ def _image_folder_layout(root: Path) -> tuple[Path, Path | None]:
             if (root / name).is_dir():
                 return root / "train", root / name
         raise DatasetUnavailableError(f"image folder {root} has train/ but neither test/ nor val/")
+    subfolders = [p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if subfolders in (["test"], ["val"]):
+        return None, root / subfolders[0]
     return root, None
 
 
@@ -386,14 +390,20 @@ def _scan(root: Path, classes: list[str], size: int) -> tuple[torch.Tensor, np.n
 def _load_image_folder(cfg: DatasetConfig, split: str) -> Loaded:
     root = Path(cfg.data_dir)
     train_root, test_root = _image_folder_layout(root)
-    classes = list(cfg.classes) or _class_folders(train_root)
+    if train_root is None and split == "train":
+        raise DatasetUnavailableError(
+            f"image folder {root} holds only {test_root.name}/: a test set (the server's); a node "
+            "trains on class folders, or on train/ beside test/"
+        )
+    class_root = train_root or test_root
+    classes = list(cfg.classes) or _class_folders(class_root)
     if len(classes) < 2:
         raise ValueError(
-            f"image folder {train_root}: one class ({classes[0]!r}); a classifier needs at least 2"
+            f"image folder {class_root}: one class ({classes[0]!r}); a classifier needs at least 2"
         )
     names = [c.replace("_", " ") for c in classes]
     if len(set(names)) != len(names):
-        raise ValueError(f"image folder {train_root}: class folders collide once '_' -> ' ': {classes}")
+        raise ValueError(f"image folder {class_root}: class folders collide once '_' -> ' ': {classes}")
     if test_root is not None:
         images, labels = _scan(train_root if split == "train" else test_root, classes, cfg.image_size)
         return images, labels, names, IMAGENET_STATS

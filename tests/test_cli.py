@@ -104,6 +104,35 @@ def test_extract_fedavg_needs_no_teacher(capsys):
     assert "nothing to extract" in capsys.readouterr().out
 
 
+def test_fetch_names_the_teacher_weights_and_dataset_splits_and_fails_offline_in_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    from feddifrc_app.dataset import load_dataset
+    from feddifrc_app.diffusion.pipeline import teacher_identity
+
+    assert cli.main(["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    cfg = cli.load_app_config(str(ROOT), None)
+    ident = teacher_identity("tiny-mnist", tmp_path)
+    assert f"teacher tiny-mnist: weights sha256 {ident.weights_hash} in {ident.folder}" in out
+    for split in ("train", "test"):
+        n = len(load_dataset(cfg.dataset, split, seed=cfg.seed))
+        assert f"dataset mnist-5k/{split}: {n} images, 10 classes" in out
+    assert f"copy {cfg.dataset.data_dir} (datasets)" in out
+
+    # Offline, a hub id that is not in the cache: one line saying how to seed it, exit 2.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path), "--split", "test"]
+    assert cli.main([*argv, "--run-config", "diffusion.model='nobody/no-such-model'"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feddifrc fetch: error: diffusion model 'nobody/no-such-model' is not in")
+    assert "hf download nobody/no-such-model" in err and err.count("\n") == 1
+    # FedAvg needs no teacher: only the dataset.
+    assert cli.main([*argv, "--run-config", "method='fedavg'"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher" not in out.splitlines()[0] and "dataset mnist-5k/test" in out
+
+
 def test_resolve_cache_dir(tmp_path):
     cfg = cli.load_app_config(ROOT, None)
     assert cli.resolve_cache_dir(cfg, str(tmp_path)) == tmp_path.resolve()

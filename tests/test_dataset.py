@@ -290,6 +290,18 @@ def test_image_folder_with_split_folders(tmp_path: Path) -> None:
         load_dataset(cfg, "test")
 
 
+def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path) -> None:
+    # The server of image-folder sites has no training images: just test/ (or val/).
+    for cls in ("cat", "zebra"):
+        _png(tmp_path / "test" / cls / "0.png", COLOURS[cls], (8, 8))
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    te = load_dataset(dataclasses.replace(cfg, classes=("cat", "dog_house", "zebra")), "test")
+    assert te.class_names == ["cat", "dog house", "zebra"] and te.labels.tolist() == [0, 2]
+    assert image_folder_classes(tmp_path) == ["cat", "zebra"]  # without dataset.classes: its folders
+    with pytest.raises(DatasetUnavailableError, match="holds only test/: a test set"):
+        load_dataset(cfg, "train")  # a node pointed at it says so instead of training on "test"
+
+
 def test_image_folder_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(DatasetUnavailableError, match=str(missing)):

@@ -656,6 +656,42 @@ def test_deploy_doc_commands_use_existing_flags() -> None:
                 assert keys <= flat, f"docs/deploy.md: unknown run-config keys {keys - flat}"
 
 
+def _image_paths() -> dict[str, Path]:
+    """Where the superexec image's COPY lines put repository paths: {image path: repo path}."""
+    text = (DOCKER / "superexec.Dockerfile").read_text()
+    out = {}
+    for line in re.findall(r"^COPY (?:--\S+ )*(.+)$", text, re.M):
+        *srcs, dest = line.split()
+        for src in srcs:
+            out[dest.rstrip("/") + ("/" + src if dest.endswith("/") else "")] = ROOT / src
+    return out
+
+
+def _doc_feddifrc_commands(text: str) -> list[list[str]]:
+    """`feddifrc <sub> ...` of the code blocks, also when run as a container's entrypoint."""
+    cmds = []
+    for block in re.findall(r"```(?:bash|console|sh|shell)\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            argv = [a for a in shlex.split(line.strip(), comments=True) if not a.startswith("$")]
+            if "--entrypoint" in argv and argv[argv.index("--entrypoint") + 1] == "feddifrc":
+                argv = ["feddifrc", *argv[argv.index("--entrypoint") + 3 :]]  # skip the service name
+            if argv[:1] == ["feddifrc"] and len(argv) > 1:
+                cmds.append(argv)
+    return cmds
+
+
+def test_deploy_doc_feddifrc_commands_use_existing_flags_and_files_the_image_has() -> None:
+    cmds = _doc_feddifrc_commands(DEPLOY_DOC.read_text())
+    assert any(c[1] == "extract" and "--check" in c for c in cmds), "no `feddifrc extract --check` in the doc"
+    image = _image_paths()
+    for argv in cmds:
+        check_flags(tuple(argv[:2]), argv[2:], f"docs/deploy.md: {' '.join(argv)}")
+        for arg in argv[2:]:
+            src = next((image[d] / arg[len(d) :].lstrip("/") for d in image if arg.startswith(d + "/")), None)
+            if arg.startswith("/app/") and arg.endswith(".toml"):
+                assert src is not None and src.is_file(), f"docs/deploy.md: the image has no {arg}"
+
+
 def _flatten_keys(table: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for k, v in table.items():
