@@ -65,6 +65,7 @@ class Deployment:
     port: int
     health_port: int  # the SuperLink's gRPC health service
     node_ids: dict[int, int] = field(default_factory=dict)  # supernode index -> registered id
+    runtime_ports: dict[int, int] = field(default_factory=dict)  # supernode index -> Runtime API port
 
     def register(self, i: int) -> int:
         """`flwr supernode register` supernode-i's public key; returns the node id."""
@@ -74,8 +75,6 @@ class Deployment:
         assert answer.get("success"), answer
         self.node_ids[i] = int(answer["node-id"])
         return self.node_ids[i]
-
-    runtime_ports: dict[int, int] = field(default_factory=dict)  # supernode index -> Runtime API port
 
     def start_supernode(self, i: int, num_partitions: int, cache_root: Path) -> FlowerProc:
         """SuperNode i (partition i-1): TLS to the SuperLink, its auth key, a TLS Runtime API
