@@ -19,6 +19,18 @@ configured widths (fitted label-free on these features) and the paper's TDCL los
   prompt) that a linear student on the pixels reaches, 5-fold, in the teacher's own space
   and in the fused (PCA) space that the app's TDCL uses. ln 10 = 2.30 is chance.
 
+- **NDCR geometry**: NDCR compares unit vectors of centred (PCA) targets, so what its targets
+  teach is read in that geometry, without rescaling features: 5-fold nearest-class-centroid
+  (cosine) accuracy and an unscaled logistic-regression probe of the unit NDCR targets, beside
+  the same numbers for the centred raw pixels (what the student sees anyway) and the TDCL
+  positives (the image under its true-class prompt: label leakage, for scale). Variants of the
+  target: the basis fitted on the NDCR prompt's rows only (not on all prompts' rows), and the
+  teacher's own space (pooled blocks, each unit-normalised, concatenated, centred).
+- **view match**: mean cosine, in NDCR's geometry, between the target of an image and the
+  target of the same image shifted as the student's augmentation shifts it (pad 4, random
+  crop): what NDCR aligns to when the student sees the augmented view (``loss.ndcr-view =
+  "augmented"``); the clean view (the default) aligns to the target of the image it embeds (1).
+
 Targets: probe >= 0.85 for the trained teacher and <= 0.5 for the control; prompt effect
 >= 0.1 and <= 0.01. The script prints a table and writes teacher_quality.json.
 """
@@ -40,7 +52,13 @@ sys.path.insert(0, str(ROOT))
 
 from feddifrc_app.cli import load_app_config  # noqa: E402
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset  # noqa: E402
-from feddifrc_app.diffusion.projection import client_stats, clip_widths, fit_basis, fuse, merge_client_stats  # noqa: E402
+from feddifrc_app.diffusion.projection import (  # noqa: E402
+    client_stats,
+    clip_widths,
+    fit_basis,
+    fuse,
+    merge_client_stats,
+)
 from feddifrc_app.diffusion.prompts import teacher_prompts  # noqa: E402
 from feddifrc_app.files import write_json  # noqa: E402
 from feddifrc_app.losses import tdcl_paper  # noqa: E402
@@ -134,17 +152,78 @@ def student_tdcl(
     return float(np.mean(out))
 
 
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True).clip(1e-12)
+
+
+def ndcr_geometry(x: np.ndarray, y: np.ndarray, folds: int) -> tuple[float, float]:
+    """(nearest-class-centroid accuracy, unscaled linear-probe accuracy) of unit vectors ``x`` (N, D),
+    5-fold: what the cosine geometry NDCR trains in separates, with no per-feature rescaling."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+    from sklearn.neighbors import NearestCentroid
+
+    u, cv = _unit(x), StratifiedKFold(folds, shuffle=True, random_state=0)
+    ncc = cross_val_score(NearestCentroid(metric="euclidean"), u, y, cv=cv).mean()  # unit: cos order
+    lin = cross_val_score(LogisticRegression(C=1.0, max_iter=3000), u, y, cv=cv).mean()
+    return float(ncc), float(lin)
+
+
+def shifted(test, seed: int = 0):
+    """The split with each image shifted as ``train_transform`` does (pad 4, random crop; no flip)."""
+    import torchvision.transforms.v2.functional as TF
+
+    from feddifrc_app.dataset import CROP_PADDING, ImageData, fingerprint_of
+
+    g, p, size = torch.Generator().manual_seed(seed), CROP_PADDING, test.image_size
+    imgs = torch.stack(
+        [
+            TF.crop(im, *[v - p for v in torch.randint(0, 2 * p + 1, (2,), generator=g).tolist()], size, size)
+            for im in test.images
+        ]
+    )
+    split = f"{test.split}-shifted{seed}"
+    fp = fingerprint_of(test.name, split, test.class_names, test.labels, imgs)
+    return ImageData(test.name, split, imgs, test.labels, test.class_names, fp, test.mean, test.std)
+
+
 def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
     raw, fused, k = teacher_features(cfg, cache_dir, test)
     y = test.labels
     pixels = test.images[:, 0].reshape(len(test), -1).numpy()
     tau = cfg.loss.temperature
-    return {
+    prompts = teacher_prompts(cfg, test.class_names)
+    pooled, _ = pooled_features(cfg, cache_dir, test, np.arange(len(test)), prompts)
+    blocks = cfg.diffusion.blocks
+    widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in blocks])
+    own = fit_basis(
+        client_stats({b: pooled[b][:, -1:] for b in blocks}), widths, blocks, mode="federated-pca"
+    )
+    basis = fit_basis(merge_client_stats([client_stats(pooled)]), widths, blocks, mode="federated-pca")
+    moved = shifted(test)
+    # The NDCR prompt alone for the shifted images (a tenth of the UNet rows).
+    pooled_moved, _ = pooled_features(cfg, cache_dir, moved, np.arange(len(test)), prompts[-1:])
+    ndcr, ndcr_moved = fuse(pooled, basis)[:, -1], fuse(pooled_moved, basis)[:, 0]
+    teacher_space = raw[:, -1] - raw[:, -1].mean(0)
+    out = {
         "probe": probe_accuracy(fused[:, -1], y, folds),
         "prompt-effect": prompt_effect(raw[:, :k]),
         "student-tdcl-raw": student_tdcl(pixels, raw[:, :k], y, folds, tau),
         "student-tdcl-fused": student_tdcl(pixels, fused[:, :k], y, folds, tau),
+        "view-match-cos": float((_unit(ndcr) * _unit(ndcr_moved)).sum(-1).mean()),
+        # mean squared cosine of a unit target to the targets' mean direction: energy all share
+        "ndcr-shared-direction": float(((_unit(ndcr) @ _unit(_unit(ndcr).mean(0))) ** 2).mean()),
     }
+    variants = {
+        "ndcr": ndcr,
+        "ndcr-own-basis": fuse({b: pooled[b][:, -1:] for b in blocks}, own)[:, 0],
+        "ndcr-teacher-space": teacher_space,
+        "tdcl-positive": fused[np.arange(len(y)), y],
+        "pixels": pixels - pixels.mean(0),
+    }
+    for name, x in variants.items():
+        out[f"{name}-ncc"], out[f"{name}-linear"] = ndcr_geometry(x, y, folds)
+    return out
 
 
 def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int) -> None:
@@ -163,6 +242,23 @@ def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int)
             f"| {label} | {m['probe']:.3f} | {m['prompt-effect']:.4f} | {m['student-tdcl-raw']:.3f} | "
             f"{m['student-tdcl-fused']:.3f} |"
         )
+    print(
+        "\nNDCR geometry (unit vectors, no rescaling; 5-fold nearest-class-centroid / unscaled "
+        "linear probe)\n"
+    )
+    print(
+        "| teacher | NDCR targets | same, basis fitted on NDCR rows only | same, teacher space | "
+        "TDCL positives (label leak) | centred pixels | view match: cos(target, target of the "
+        "shifted view) | share of a target on the mean direction |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, m in rows.items():
+        cells = [
+            f"{m[f'{v}-ncc']:.3f} / {m[f'{v}-linear']:.3f}"
+            for v in ("ndcr", "ndcr-own-basis", "ndcr-teacher-space", "tdcl-positive", "pixels")
+        ]
+        tail = f"{m['view-match-cos']:.3f} | {m['ndcr-shared-direction']:.3f}"
+        print(f"| {label} | {' | '.join(cells)} | {tail} |")
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ CONDITIONS = ("none", "global-model")
 LOSS_VARIANTS = ("paper", "code")
 NORMALISERS = ("none", "mean-distance")
 NDCR_SPACES = ("unit", "raw")
+NDCR_VIEWS = ("clean", "augmented")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -146,6 +147,7 @@ class LossConfig:
     num_negatives: int = key(lo=0)
     tdcl_normaliser: str = key(choices=NORMALISERS)
     ndcr_space: str = key(choices=NDCR_SPACES)
+    ndcr_view: str = key(choices=NDCR_VIEWS)  # which view NDCR aligns: the student's or the target's
 
 
 @dataclass(frozen=True)

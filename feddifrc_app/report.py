@@ -23,20 +23,30 @@ def _save(fig: plt.Figure, path: Path) -> None:
 
 
 def plot_accuracy(results: dict[str, Any], path: Path) -> None:
-    """Test accuracy per round (round 0 = the initial model), with the summary in the title."""
-    rounds = [r["round"] for r in results["rounds"] if r.get("test-accuracy") is not None]
-    accs = [100 * r["test-accuracy"] for r in results["rounds"] if r.get("test-accuracy") is not None]
+    """Validation and test accuracy per round (round 0 = the initial model), summary in the title."""
     s = results.get("summary", {})
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(rounds, accs, marker="o", ms=3)
+    for split in ("val", "test"):
+        rows = [r for r in results["rounds"] if r.get(f"{split}-accuracy") is not None]
+        if rows:
+            ax.plot(
+                [r["round"] for r in rows],
+                [100 * r[f"{split}-accuracy"] for r in rows],
+                marker="o",
+                ms=3,
+                label={"val": "validation", "test": "test"}[split],
+            )
+    ax.legend(fontsize=8)
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("accuracy (%)")
     title = f"{results.get('method', '')} / {results.get('strategy', '')} on {results.get('dataset', '')}"
     if s.get("final-accuracy") is not None:
         title += (
             f"\nfinal {100 * s['final-accuracy']:.2f}  best {100 * s['best-accuracy']:.2f}  "
             f"mean-last-5 {100 * s['mean-last-5-accuracy']:.2f}"
         )
+        if s.get("test-at-val-best-accuracy") is not None:
+            title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
     if results.get("teacher", {}).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
@@ -65,7 +75,8 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
 
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text per-round table plus the summary line."""
-    keys = "round test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds".split()
+    keys = "round val-accuracy test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds"
+    keys = keys.split()
     lines = ["  ".join(f"{k:>13}" for k in keys)]
     for r in results["rounds"]:
         row = []
@@ -81,6 +92,11 @@ def format_table(results: dict[str, Any]) -> str:
             f"final {100 * s['final-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%  "
             f"mean of last 5 {100 * s['mean-last-5-accuracy']:.2f}%"
         )
+        if s.get("test-at-val-best-accuracy") is not None:
+            lines[-1] += (
+                f"  test at the best validation round ({s['val-best-round']}) "
+                f"{100 * s['test-at-val-best-accuracy']:.2f}%"
+            )
     return "\n".join(lines)
 
 

@@ -33,11 +33,12 @@ def _finite(arrays: ArrayRecord) -> bool:
 
 
 class CentralEvaluator:
-    """Test accuracy of the global model on the server (a linear probe for the self-supervised method)."""
+    """Validation and test accuracy of the global model on the server, every round (a linear probe
+    for the self-supervised method). Choices are read from validation; test is the endpoint."""
 
-    def __init__(self, cfg: Config, test: ImageData) -> None:
+    def __init__(self, cfg: Config, test: ImageData, val: ImageData | None) -> None:
         self.cfg, self.device = cfg, resolve_device(cfg.train.device, "train.device")
-        self.test = self._loader(test)
+        self.splits = {"val": self._loader(val) if val is not None else None, "test": self._loader(test)}
         # The training split is needed centrally only for the self-supervised linear probe.
         ssl = cfg.method == "feddifrc-ssl"
         self.train = self._loader(load_dataset(cfg.dataset, "train", seed=cfg.seed)) if ssl else None
@@ -52,13 +53,19 @@ class CentralEvaluator:
         )
 
     def __call__(self, model: torch.nn.Module) -> dict[str, float | None]:
-        if self.train is None:
-            m = evaluate(model, self.test, self.device)
-            return {"test-accuracy": m["accuracy"], "test-loss": m["loss"]}
-        ftr, ytr, _ = embed(model, self.train, self.device)
-        fte, yte, _ = embed(model, self.test, self.device)
-        acc = linear_probe(ftr, ytr, fte, yte, epochs=self.cfg.ssl.probe_epochs, seed=self.cfg.seed)
-        return {"test-accuracy": acc, "test-loss": None}
+        out: dict[str, float | None] = {}
+        fit = embed(model, self.train, self.device) if self.train is not None else None
+        for name, loader in self.splits.items():
+            if loader is None:
+                out |= {f"{name}-accuracy": None, f"{name}-loss": None}
+            elif fit is None:
+                m = evaluate(model, loader, self.device)
+                out |= {f"{name}-accuracy": m["accuracy"], f"{name}-loss": m["loss"]}
+            else:
+                f, y, _ = embed(model, loader, self.device)
+                acc = linear_probe(fit[0], fit[1], f, y, epochs=self.cfg.ssl.probe_epochs, seed=self.cfg.seed)
+                out |= {f"{name}-accuracy": acc, f"{name}-loss": None}
+        return out
 
 
 class RoundLoop:
@@ -117,7 +124,13 @@ class RoundLoop:
                 check_stop()  # a round that ends after the stop is not saved
                 self.results["rounds"].append(row)
                 self.save(rnd)
-                log.info("round %d: test accuracy %.4f (%.1fs)", rnd, row["test-accuracy"], row["seconds"])
+                log.info(
+                    "round %d: val accuracy %s, test accuracy %.4f (%.1fs)",
+                    rnd,
+                    "-" if row["val-accuracy"] is None else f"{row['val-accuracy']:.4f}",
+                    row["test-accuracy"],
+                    row["seconds"],
+                )
         except BaseException as e:
             self.record_end(e)
             raise

@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from feddifrc_app import log, report
 from feddifrc_app.config import Config, load_config
-from feddifrc_app.dataset import ImageData, load_dataset
+from feddifrc_app.dataset import ImageData, load_dataset, load_validation
 from feddifrc_app.diffusion.projection import fit_basis, fused_widths, merge_client_stats, stats_from_arrays
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
@@ -50,7 +50,15 @@ def main(grid: Grid, context: Context) -> None:
     results["setup-seconds"] = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
 
-    rounds = RoundLoop(cfg, fed, run, results, CentralEvaluator(cfg, test), test.num_classes, basis)
+    rounds = RoundLoop(
+        cfg,
+        fed,
+        run,
+        results,
+        CentralEvaluator(cfg, test, load_validation(cfg.dataset)),
+        test.num_classes,
+        basis,
+    )
     if resumed is not None:
         rounds.resume(*resumed, run_id=context.run_id)
     rounds.run_all()

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from feddifrc_app import losses
 from feddifrc_app.config import Config, LossConfig
+from feddifrc_app.dataset import clean_batch
 
 if TYPE_CHECKING:  # only the type: training never touches the teacher itself
     from feddifrc_app.targets import TeacherTargets
@@ -80,16 +81,30 @@ def train_local(
     seen = steps = 0
     correct = torch.zeros((), dtype=torch.int64, device=device)
     t0 = time.perf_counter()
+    # NDCR's target was computed from the un-augmented image: align that view's embedding, in the
+    # same forward pass as the augmented batch (one call, BatchNorm statistics over both).
+    clean_view = (
+        use_teacher and lc.ndcr_weight > 0 and lc.ndcr_view == "clean" and loader.dataset.transform.random
+    )
+    data = loader.dataset.data if clean_view else None
     for _ in range(tc.local_epochs):
         for x, y, idx in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            z, logits = model(x)
+            b = y.shape[0]
+            if clean_view:
+                z_all, logits_all = model(torch.cat([x, clean_batch(data, idx).to(device)]))
+                z, logits, z_ndcr = z_all[:b], logits_all[:b], z_all[b:]
+            else:
+                z, logits = model(x)
+                z_ndcr = z
             reps = ndcr = None
             if use_teacher:
                 reps, ndcr = targets.take(idx)
                 reps = None if reps is None else reps.to(device)
                 ndcr = None if ndcr is None else ndcr.to(device)
-            parts = _loss_parts(logits, y, z, reps, ndcr, lc, ssl=ssl, use_teacher=use_teacher, gen=gen)
+            parts = _loss_parts(
+                logits, y, z, reps, ndcr, lc, ssl=ssl, use_teacher=use_teacher, gen=gen, ndcr_z=z_ndcr
+            )
             loss = parts["total"]
             if extra_term is not None:
                 parts[extra_term[0]] = extra_term[1](x, z)
@@ -105,8 +120,7 @@ def train_local(
             opt.step()
             steps += 1
             if use_teacher and ndcr is not None:
-                parts["ndcr-cosine"] = losses.cosine_alignment(z.detach(), ndcr)
-            b = y.shape[0]
+                parts["ndcr-cosine"] = losses.cosine_alignment(z_ndcr.detach(), ndcr)
             seen += b
             if not ssl:
                 correct += (logits.argmax(1) == y).sum()
@@ -145,6 +159,7 @@ def _loss_parts(
     ssl: bool,
     use_teacher: bool,
     gen: torch.Generator,
+    ndcr_z: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     if not use_teacher:
         ce = F.cross_entropy(logits, y)
@@ -164,6 +179,7 @@ def _loss_parts(
         normaliser=lc.tdcl_normaliser,
         ndcr_space=lc.ndcr_space,
         generator=gen,
+        ndcr_z=ndcr_z,
     )
     if ssl:
         del parts["ce"]  # not a loss term here: no "train-ce" metric (it would read as a CE of 0)

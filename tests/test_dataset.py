@@ -30,6 +30,7 @@ from feddifrc_app.dataset import (
     eval_transform,
     image_folder_classes,
     load_dataset,
+    load_validation,
     make_loader,
     stratified_subset,
     train_transform,
@@ -56,9 +57,11 @@ def digits_test() -> ImageData:
 
 
 def test_digits_shapes_dtypes_labels_names(digits_train: ImageData, digits_test: ImageData) -> None:
-    assert len(digits_train) + len(digits_test) == 1797
+    val = load_dataset(dcfg(), "val")
+    assert len(digits_train) + len(val) + len(digits_test) == 1797
     assert len(digits_test) == 359  # round(0.2 * 1797)
-    for d in (digits_train, digits_test):
+    assert len(val) == 144  # round(0.1 * 1438), held out of the training split
+    for d in (digits_train, val, digits_test):
         assert d.images.dtype == torch.uint8 and d.images.shape[1:] == (3, 32, 32)
         assert d.labels.dtype == np.int64 and d.labels.shape == (len(d),)
         assert set(d.labels.tolist()) == set(range(10)) and d.num_classes == 10
@@ -96,9 +99,16 @@ def test_digits_split_is_fixed_disjoint_and_stratified(
     raw = load_digits().images.reshape(1797, -1)
     n_dup = 1797 - len(np.unique(raw, axis=0))
     assert sum(t in tr for t in te) <= n_dup
-    counts_test = np.bincount(digits_test.labels, minlength=10)
-    counts_all = counts_test + np.bincount(digits_train.labels, minlength=10)
+    val = load_dataset(dcfg(), "val")
+    assert not {img.tobytes() for img in val.images.numpy()} & tr - {t for t in te}  # val is not in train
+    counts_test, counts_val = (
+        np.bincount(digits_test.labels, minlength=10),
+        np.bincount(val.labels, minlength=10),
+    )
+    counts_rest = counts_val + np.bincount(digits_train.labels, minlength=10)
+    counts_all = counts_test + counts_rest
     assert np.all(np.abs(counts_test - 0.2 * counts_all) <= 1)
+    assert np.all(np.abs(counts_val - 0.1 * counts_rest) <= 1)  # 10% of the training split, stratified
 
 
 def test_fingerprint_stable_and_split_specific(digits_train: ImageData, digits_test: ImageData) -> None:
@@ -181,7 +191,7 @@ def test_flip_policy_and_flip_draws() -> None:
 
 
 def test_indexed_dataset_returns_position_in_data(digits_train: ImageData) -> None:
-    indices = np.array([7, 3, 100, 1437])
+    indices = np.array([7, 3, 100, 1293])
     ds = IndexedDataset(digits_train, indices, eval_transform(digits_train))
     assert len(ds) == 4
     x, y, idx = ds[2]
@@ -259,7 +269,8 @@ def test_image_folder_without_split_folders(tmp_path: Path) -> None:
     tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
     assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
     assert tr.class_names == ["cat", "dog house", "zebra"]
-    assert (len(tr), len(te)) == (12, 3)
+    va = load_dataset(cfg, "val")
+    assert (len(tr), len(va), len(te)) == (11, 1, 3)  # 15 images: 3 test, then round(0.1 * 12) val
     assert np.bincount(te.labels).tolist() == [1, 1, 1]
     for d in (tr, te):
         assert d.images.shape[1:] == (3, 8, 8)  # non-square 10x6 -> 8x8 (shorter side, centre crop)
@@ -276,7 +287,7 @@ def test_image_folder_with_split_folders(tmp_path: Path) -> None:
     _png(tmp_path / "val" / "zebra" / "a.jpg", COLOURS["zebra"], (8, 8))
     cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
     tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
-    assert (len(tr), len(te)) == (9, 1)
+    assert (len(tr), len(load_dataset(cfg, "val")), len(te)) == (8, 1, 1)  # val: round(0.1 * 9) of train/
     assert te.class_names == tr.class_names and te.labels.tolist() == [2]  # label from train's class list
     assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
     # a node's own folder numbered by the federation's class list (here it lacks "cat" and adds "auk")
@@ -290,7 +301,7 @@ def test_image_folder_with_split_folders(tmp_path: Path) -> None:
         load_dataset(cfg, "test")
 
 
-def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path) -> None:
+def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path, caplog) -> None:
     # The server of image-folder sites has no training images: just test/ (or val/).
     for cls in ("cat", "zebra"):
         _png(tmp_path / "test" / cls / "0.png", COLOURS[cls], (8, 8))
@@ -300,6 +311,10 @@ def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path) -> N
     assert image_folder_classes(tmp_path) == ["cat", "zebra"]  # without dataset.classes: its folders
     with pytest.raises(DatasetUnavailableError, match="holds only test/: a test set"):
         load_dataset(cfg, "train")  # a node pointed at it says so instead of training on "test"
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        assert load_validation(cfg) is None  # nothing to hold out: the server evaluates test only
+    assert "no validation split" in caplog.text
+    assert len(load_validation(dcfg())) == 144  # digits: a real hold-out
 
 
 def test_image_folder_errors(tmp_path: Path) -> None:
@@ -403,8 +418,10 @@ def test_cifar10_from_hf_cache_and_decoded_cache(tmp_path: Path, caplog: pytest.
     )
     cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
     tr = load_dataset(cfg, "train")
-    assert tr.class_names == CIFAR10_NAMES and tr.labels.tolist() == [0, 1, 2, 9, 1, 0]
-    assert tr.images.shape == (6, 3, 32, 32)
+    # one image (round(0.1 * 6)) is the validation hold-out: the largest class share, class 0
+    assert tr.class_names == CIFAR10_NAMES and tr.labels.tolist() == [0, 1, 2, 9, 1]
+    assert load_dataset(cfg, "val").labels.tolist() == [0]
+    assert tr.images.shape == (5, 3, 32, 32)
     assert tr.images[4, :, 0, 0].tolist() == [40, 215, 7]  # order and RGB channels kept
     assert tr.mean == (0.4914, 0.4822, 0.4465)
     cached = list((tmp_path / "feddifrc-decoded").glob("cifar10-train-32px-*.npz"))
@@ -489,9 +506,15 @@ def test_cifar10_from_torchvision_batches(tmp_path: Path, monkeypatch: pytest.Mo
     raw = _write_torchvision_cifar10(tmp_path, monkeypatch)
     cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
     tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
-    assert (len(tr), len(te)) == (10, 2) and tr.class_names == CIFAR10_NAMES
-    # rows are channel-major 3x32x32, batches in order
-    assert np.array_equal(tr.images.numpy().reshape(10, -1), raw[:10])
+    va = load_dataset(cfg, "val")
+    assert (len(tr), len(va), len(te)) == (9, 1, 2) and tr.class_names == CIFAR10_NAMES
+    # rows are channel-major 3x32x32, batches in order; the hold-out is one row of them
+    rows = [
+        next(i for i in range(10) if np.array_equal(raw[i], im)) for im in tr.images.numpy().reshape(9, -1)
+    ]
+    assert rows == sorted(rows) and len(set(rows)) == 9
+    held = (set(range(10)) - set(rows)).pop()
+    assert np.array_equal(va.images.numpy().reshape(1, -1)[0], raw[held])
     assert np.array_equal(te.images.numpy().reshape(2, -1), raw[10:])
     os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
     for f in (tmp_path / "feddifrc-decoded").iterdir():
@@ -638,7 +661,14 @@ def test_mnist5k_normalisation_comes_from_the_train_split_and_resizes() -> None:
     train = load_dataset(mnist_cfg(), "train")
     px = train.images[:, 0].double() / 255
     assert train.mean[0] == pytest.approx(float(px.mean())) and train.std[0] == pytest.approx(float(px.std()))
-    assert load_dataset(mnist_cfg(), "public").mean == train.mean  # one normalisation for every split
+    public = load_dataset(mnist_cfg(), "public")
+    assert public.mean == train.mean  # one normalisation for every split
+    val = load_dataset(mnist_cfg(), "val")  # the validation split is the public one, nothing carved
+    assert (
+        len(train) == 2500
+        and torch.equal(val.images, public.images)
+        and val.fingerprint != public.fingerprint
+    )
     small = load_dataset(mnist_cfg(image_size=16), "test")
     assert small.images.shape == (1000, 3, 16, 16)
     assert not train_transform(train).flip  # a mirrored digit is another symbol

@@ -378,6 +378,17 @@ def test_feddifrc_loss_total_and_parts():
     assert out["total"].item() == pytest.approx(ce + 0.5 * tdcl + 2.0 * ndcr, rel=1e-6)
 
 
+def test_ndcr_aligns_ndcr_z_when_given():
+    # NDCR reads ndcr_z (another view's embedding), TDCL and CE read z.
+    z, reps, y = case_a()
+    h = t([[1.0, 1.0], [0.0, 0.0]])
+    kw = dict(variant="paper", tdcl_weight=1.0, ndcr_weight=1.0, temperature=0.5, ndcr_space="raw")
+    plain = feddifrc_loss(None, y, z, reps, h, **kw)
+    other = feddifrc_loss(None, y, z, reps, h, ndcr_z=h.clone(), **kw)
+    assert other["ndcr"].item() == 0.0 and plain["ndcr"].item() == pytest.approx(2.5)
+    assert other["tdcl"].item() == pytest.approx(plain["tdcl"].item())
+
+
 def test_zero_weights_switch_terms_off_and_skip_computation(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a zero-weight term was computed")

@@ -15,12 +15,32 @@ from feddifrc_app.outputs import RunDir, summarize
 from feddifrc_app.report import format_table, plot_accuracy, plot_label_distribution
 
 
+def _rows(test, val=None, first=1):
+    val = val or [None] * len(test)
+    return [
+        {"round": first + i, "test-accuracy": t, "val-accuracy": v}
+        for i, (t, v) in enumerate(zip(test, val, strict=True))
+    ]
+
+
 def test_summary_final_best_mean_last5():
-    s = summarize([0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35])
-    assert s["final-accuracy"] == 0.35
-    assert s["best-accuracy"] == 0.6
-    assert s["mean-last-5-accuracy"] == pytest.approx((0.3 + 0.4 + 0.2 + 0.6 + 0.35) / 5)
-    assert summarize([0.2]) == {"final-accuracy": 0.2, "best-accuracy": 0.2, "mean-last-5-accuracy": 0.2}
+    accs = [0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35, 0.5, 0.45, 0.55, 0.65]
+    s = summarize([{"round": 0, "test-accuracy": 0.9}, *_rows(accs)])  # round 0 is no training result
+    assert s["final-accuracy"] == 0.65
+    assert s["best-accuracy"] == 0.65
+    assert s["mean-last-5-accuracy"] == pytest.approx((0.35 + 0.5 + 0.45 + 0.55 + 0.65) / 5)
+    assert s["mean-last-10-accuracy"] == pytest.approx(sum(accs[1:]) / 10)
+    assert s["val-best-round"] is None and s["test-at-val-best-accuracy"] is None  # no validation
+    one = summarize(_rows([0.2]))
+    assert (one["final-accuracy"], one["best-accuracy"], one["mean-last-5-accuracy"]) == (0.2, 0.2, 0.2)
+    assert summarize([])["final-accuracy"] is None
+
+
+def test_summary_reads_the_checkpoint_round_off_validation_not_test():
+    # Test peaks in round 2, validation in rounds 3 and 4 (ties: the first): test at round 3.
+    s = summarize(_rows([0.5, 0.9, 0.6, 0.7], val=[0.4, 0.5, 0.8, 0.8]))
+    assert (s["val-best-round"], s["val-best-accuracy"], s["test-at-val-best-accuracy"]) == (3, 0.8, 0.6)
+    assert s["best-accuracy"] == 0.9  # still reported beside it, as the paper's code does
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
@@ -67,7 +87,8 @@ def test_run_dir_results_and_checkpoints(tmp_path):
     run.save_results(results)
     saved = json.loads(run.results_path.read_text())
     # round 0 (the untrained model) is not part of the summary
-    assert saved["summary"] == {"final-accuracy": 0.4, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.45}
+    s = saved["summary"]
+    assert (s["final-accuracy"], s["best-accuracy"], s["mean-last-5-accuracy"]) == (0.4, 0.5, 0.45)
     for r in (1, 2, 3):
         run.save_checkpoint(r, {"round": r, "model": {"w": torch.full((2,), float(r))}}, keep=2)
     assert [p.name for p in run.checkpoints()] == ["round-0002.pt", "round-0003.pt"]
@@ -192,7 +213,7 @@ def test_plots_are_png(tmp_path):
                 "train-metrics": {"train-ce": 1.5},
             },
         ],
-        "summary": summarize([0.6]),
+        "summary": summarize([{"round": 1, "test-accuracy": 0.6}]),
     }
     plot_accuracy(results, tmp_path / "acc.png")
     plot_label_distribution(np.array([[3, 0], [1, 2]]), ["a", "b"], tmp_path / "dist.png", "t")

@@ -45,9 +45,12 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
         assert -1.0 <= m["train-ndcr-cosine"] <= 1.0
         assert row["failures"] == [] and sorted(row["nodes"]) == [0, 1]
         assert 0.0 <= row["test-accuracy"] <= 1.0 and row["seconds"] > 0
+        assert 0.0 <= row["val-accuracy"] <= 1.0 and row["val-loss"] > 0  # mnist-5k's public split
     s = r["summary"]
     assert s["final-accuracy"] == r["rounds"][-1]["test-accuracy"]
     assert s["best-accuracy"] == max(x["test-accuracy"] for x in r["rounds"][1:])
+    chosen = max(r["rounds"][1:], key=lambda x: x["val-accuracy"])  # the checkpoint round, read off val
+    assert (s["val-best-round"], s["test-at-val-best-accuracy"]) == (chosen["round"], chosen["test-accuracy"])
     from feddifrc_app.diffusion.pipeline import teacher_identity
 
     assert r["teacher"] == {

@@ -21,7 +21,7 @@ from conftest import make_config
 
 from feddifrc_app import targets as tg
 from feddifrc_app.config import Config, load_node_config
-from feddifrc_app.dataset import client_split, eval_transform, make_loader
+from feddifrc_app.dataset import clean_batch, client_split, eval_transform, make_loader
 from feddifrc_app.diffusion.projection import fuse
 from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
@@ -185,6 +185,42 @@ def test_feddifrc_round_metrics_are_the_losses_of_the_starting_model(sup: Client
     assert m["train-ce"] == pytest.approx(float(ce), rel=1e-4)
     assert m["train-total"] == pytest.approx(m["train-ce"] + m["train-tdcl"] + m["train-ndcr"], rel=1e-5)
     assert m["train-accuracy"] == pytest.approx(float((logits.argmax(1) == y).double().mean()))
+
+
+@pytest.mark.parametrize("view", ["clean", "augmented"])
+def test_ndcr_aligns_the_view_its_target_was_computed_from(sup: Client, view: str) -> None:
+    # One augmented batch of all 10 images. "clean": NDCR on the un-augmented images' embeddings,
+    # computed in the same forward pass (BatchNorm over both views); CE and TDCL on the augmented.
+    loss = dataclasses.replace(sup.cfg.loss, ndcr_view=view)
+    cfg = dataclasses.replace(sup.cfg, loss=loss, train=dataclasses.replace(sup.cfg.train, batch_size=64))
+    t = targets_for(sup, cfg)
+    start = fresh_model()
+    model = copy.deepcopy(start)
+    _, m, _ = run(sup, cfg, model=model, targets=t)
+    x_aug, y, idx = next(iter(loader_for(sup, cfg)))  # the same seeded batch the run saw
+    tf = eval_transform(sup.data)
+    clean = torch.stack([tf(sup.data.images[int(i)]) for i in idx])
+    start.train()
+    with torch.no_grad():
+        if view == "clean":
+            z_all, logits_all = start(torch.cat([x_aug, clean]))
+            z, logits, z_ndcr = z_all[:10], logits_all[:10], z_all[10:]
+        else:
+            z, logits = start(x_aug)
+            z_ndcr = z
+    _, h = t.take(idx)
+    cos_h = F.cosine_similarity(z_ndcr.double(), h.double(), dim=-1)
+    assert not torch.equal(x_aug, clean)  # the views differ
+    assert m["train-ndcr"] == pytest.approx(float((2.0 - 2.0 * cos_h).mean()), rel=1e-4)
+    assert m["train-ndcr-cosine"] == pytest.approx(float(cos_h.mean()), abs=1e-5)
+    assert m["train-ce"] == pytest.approx(float(F.cross_entropy(logits.double(), y)), rel=1e-4)
+
+
+def test_clean_batch_is_the_eval_transform(sup: Client) -> None:
+    idx = torch.as_tensor(sup.ids[[3, 0, 7]])
+    tf = eval_transform(sup.data)
+    want = torch.stack([tf(sup.data.images[int(i)]) for i in idx])
+    assert torch.allclose(clean_batch(sup.data, idx), want, atol=1e-6)
 
 
 def test_gradients_reach_the_classifier_and_never_the_teacher(sup: Client) -> None:
