@@ -7,7 +7,7 @@
         so a killed run continues where it stopped and a finished one recomputes nothing.
     feddifrc make-tiny [--cache-dir DIR] [--seed 0]
         Build the embedded tiny RANDOM-weight teacher and print its folder.
-    feddifrc pretrain-teacher --out DIR [--app .] [--run-config ...] [--seed 0]
+    feddifrc pretrain-teacher --out DIR [--force] [--app .] [--run-config ...] [--seed 0]
                      [--vae-steps 300] [--unet-steps 1200] [--batch-size 64]
         Train the tiny text-to-image teacher on the dataset's PUBLIC split (mnist-5k)
         under the run config's class prompts and write a diffusers SD folder
@@ -323,7 +323,15 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
     d = PretrainRecipe()
     p.add_argument(
-        "--out", required=True, help="folder to write the diffusers pipeline to (replaced atomically)"
+        "--out",
+        required=True,
+        help="folder to write the diffusers pipeline to (replaced atomically): missing, empty, or an "
+        "earlier pretrain-teacher output",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out folder holding other files (never the working directory or the app)",
     )
     p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
     p.add_argument(
@@ -344,9 +352,19 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+    from feddifrc_app.diffusion.pretrain import (
+        OutFolderError,
+        PretrainRecipe,
+        check_out_folder,
+        pretrain_teacher,
+    )
     from feddifrc_app.diffusion.prompts import teacher_prompts
 
+    protected = [Path(args.app)]
+    try:  # before anything is loaded or trained
+        check_out_folder(Path(args.out), args.force, protected)
+    except OutFolderError as e:
+        raise CLIError(str(e)) from None
     cfg = load_app_config(args.app, args.run_config)
     if cfg.dataset.name != "mnist-5k":
         raise CLIError(
@@ -367,17 +385,22 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     prompts = teacher_prompts(dataclasses.replace(cfg, method="feddifrc"), data.class_names)[
         : data.num_classes
     ]
-    out = pretrain_teacher(
-        data.images,
-        data.labels,
-        prompts,
-        Path(args.out),
-        recipe,
-        name=args.name,
-        data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
-        "the federated train and test splits.",
-        progress=not args.no_progress,
-    )
+    try:
+        out = pretrain_teacher(
+            data.images,
+            data.labels,
+            prompts,
+            Path(args.out),
+            recipe,
+            name=args.name,
+            data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
+            "the federated train and test splits.",
+            progress=not args.no_progress,
+            force=args.force,
+            protected=protected,
+        )
+    except OutFolderError as e:  # the folder changed while the teacher trained
+        raise CLIError(str(e)) from None
     print(out)
     return 0
 

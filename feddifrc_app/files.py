@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,19 +54,27 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_folder(path: Path) -> Iterator[Path]:
+def atomic_folder(
+    path: Path, tag: str = "", may_replace: Callable[[Path], None] | None = None
+) -> Iterator[Path]:
     """Yield a temp sibling folder to fill; on success it replaces ``path`` as a whole.
 
     An existing ``path`` is moved aside first and put back if the swap fails, so a
     failure at any point leaves the previous folder (or nothing) in place.
+    ``may_replace(path)`` runs just before an existing ``path`` is replaced and raises to
+    keep it (the caller's ownership check, repeated at the last moment). ``tag`` prefixes the
+    temp names (``.<name>.<tag>tmp-<pid>-<hex>``, ``.<name>.<tag>old-...``) so that one
+    writer can find and remove what a killed run of itself left (:func:`stale_siblings`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(path, "tmp")
+    tmp = _sibling(path, f"{tag}tmp")
     tmp.mkdir()
     try:
         yield tmp
         if path.exists():
-            trash = _sibling(path, "old")
+            if may_replace is not None:
+                may_replace(path)
+            trash = _sibling(path, f"{tag}old")
             os.replace(path, trash)
             try:
                 os.replace(tmp, path)
@@ -78,6 +87,30 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True
+
+
+def stale_siblings(path: Path, tag: str) -> tuple[list[Path], list[Path]]:
+    """(temp folders, moved-aside old folders) that :func:`atomic_folder` with ``tag`` left next
+    to ``path`` in processes of this machine that no longer exist (killed mid-write)."""
+    pat = re.compile(rf"^\.{re.escape(path.name)}\.{re.escape(tag)}(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    out: dict[str, list[Path]] = {"tmp": [], "old": []}
+    if not path.parent.is_dir():
+        return [], []
+    for p in sorted(path.parent.iterdir()):
+        m = pat.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not _pid_alive(int(m.group(2))):
+            out[m.group(1)].append(p)
+    return out["tmp"], out["old"]
 
 
 def ensure_writable_dir(path: Path, key: str) -> Path:
