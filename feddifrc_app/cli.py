@@ -546,7 +546,7 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from feddifrc_app.report import write_sweep_table
-    from feddifrc_app.sweep import Flower, Sweep, make_cells, run_sweep
+    from feddifrc_app.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
 
     if args.seeds < 1:
         raise CLIError(f"--seeds {args.seeds}: expected >= 1")
@@ -554,13 +554,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if missing:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
     app, out = Path(args.app).resolve(), Path(args.out).resolve()
-    sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
-    cells = make_cells(
-        [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
-    )
     try:
+        sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
+        cells = make_cells(
+            [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
+        )
         sweep.validate(cells)
-    except ConfigError as e:
+    except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
     try:
@@ -584,7 +584,10 @@ def cmd_table(args: argparse.Namespace) -> int:
     out = Path(args.sweep_dir).expanduser().resolve()
     if not (out / "sweep.json").is_file():
         raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
-    print(write_sweep_table(out))
+    try:
+        print(write_sweep_table(out))
+    except ValueError as e:  # an unreadable sweep.json, named
+        raise CLIError(str(e)) from None
     return 0
 
 

@@ -32,6 +32,26 @@ from feddifrc_app.outputs import RESUME_MAY_CHANGE
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
+# Keys the sweep sets on every cell (after the conf, --set and --grid): a user value for one
+# would be overwritten silently, so it is refused, with what to use instead.
+SWEEP_OWNED = {
+    "seed": "the sweep sets each cell's seed: use --seeds N (seeds 0..N-1)",
+    "outputs-dir": "the sweep writes every cell under <--out>/runs",
+    "run-name": "the sweep names every cell's run folder after the cell",
+    "resume-from": "the sweep resumes an interrupted cell itself: rerun the same sweep command",
+}
+
+
+class SweepError(ValueError):
+    """A sweep that cannot be run as asked (one line, naming the key, file or flag)."""
+
+
+def refuse_owned_keys(keys: Any, where: str) -> None:
+    """``SweepError`` naming the first key of ``keys`` (from ``where``) that the sweep sets itself."""
+    for k in keys:
+        if k in SWEEP_OWNED:
+            raise SweepError(f"{where}: key '{k}' is set by the sweep, not by you ({SWEEP_OWNED[k]})")
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -51,6 +71,7 @@ class Cell:
 
 def make_cells(confs: list[str], seeds: list[int], grid: dict[str, list[Any]]) -> list[Cell]:
     """Every conf x every combination of grid values x every seed (seed varies slowest)."""
+    refuse_owned_keys(grid, "--grid")
     keys = sorted(grid)
     combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(grid[k] for k in keys))]
     out = []
@@ -175,17 +196,31 @@ class Sweep:
     """The cells of one sweep folder, their run configs, and running them in order."""
 
     def __init__(self, out: Path, app: Path, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+        refuse_owned_keys(overrides, "--set")
+        if out.exists() and not out.is_dir():
+            raise SweepError(
+                f"--out {out} is a file; pass a folder for the sweep (new, or an earlier sweep's)"
+            )
         self.out, self.app, self.defaults, self.overrides = out, app, defaults, overrides
         self.runs, self.state_path = out / "runs", out / "sweep.json"
         self.state: dict[str, dict[str, Any]] = {}
         if self.state_path.is_file():
-            self.state = json.loads(self.state_path.read_text()).get("cells", {})
+            try:
+                self.state = json.loads(self.state_path.read_text())["cells"]
+                if not isinstance(self.state, dict):
+                    raise TypeError("'cells' is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise SweepError(
+                    f"{self.state_path} is unreadable ({type(e).__name__}: {e}); the runs under "
+                    f"{self.runs} are intact: move sweep.json aside and rerun to rebuild it"
+                ) from None
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
         """The flat run config of ``cell`` (without resume-from)."""
         from feddifrc_app.cli import parse_run_config
 
         conf = parse_run_config([cell.conf]) if cell.conf else {}
+        refuse_owned_keys(conf, cell.conf)
         return {
             **conf,
             **self.overrides,
@@ -215,16 +250,10 @@ class Sweep:
     def finished(self, cell: Cell, cfg: Config) -> dict[str, Any] | None:
         if self.stale(cell, cfg):
             return None
-        try:
-            r = json.loads((self.runs / cell.name / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
-        done = (
-            r.get("status") == "completed"
-            and r["rounds"]
-            and r["rounds"][-1]["round"] == cfg.num_server_rounds
-        )
-        return r if done else None
+        from feddifrc_app.report import completed_results
+
+        r, _ = completed_results(self.runs / cell.name, cfg.num_server_rounds)
+        return r
 
     def submit_file(self, cell: Cell) -> Path:
         """Write cells/<name>.toml; an interrupted cell resumes from its last checkpoint."""
