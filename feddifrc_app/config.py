@@ -42,6 +42,19 @@ NDCR_VIEWS = ("clean", "augmented")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+# ResNet-10's stage strides (model.py builds it from these): a 3x3 stride-2 conv, padding 1,
+# maps S to ceil(S / 2), so the last stage is ceil(S / 8) pixels wide.
+RESNET10_STRIDES = (1, 2, 2, 2)
+
+
+def last_stage_size(image_size: int) -> int:
+    """Side of ResNet-10's last feature map for ``image_size`` px inputs (8 px -> 1x1)."""
+    s = image_size
+    for stride in RESNET10_STRIDES:
+        s = -(-s // stride)
+    return s
+
+
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
@@ -399,6 +412,15 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "diffusion.channels",
             raw["diffusion.channels"],
             f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
+        )
+    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
+        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
+        # every step on every node, so refuse it before any work.
+        raise ConfigError(
+            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
+            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
+            "value per channel and every training step fails; use train.batch-size >= 2 or "
+            "dataset.image-size >= 9"
         )
     name = v["run-name"]
     if name.startswith(".") or any(c in name for c in "/\\"):

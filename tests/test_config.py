@@ -171,3 +171,13 @@ def test_cache_dir_precedence(tmp_path):
     assert node.resolve_cache_dir(cfg) == tmp_path / "node"
     node = load_node_config({"partition-id": 0, "num-partitions": 1})
     assert node.resolve_cache_dir(cfg) == tmp_path / "run"
+
+
+def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError) as e:
+        make_config(method="fedavg", dataset__image_size=8, train__batch_size=1)
+    msg = str(e.value)
+    assert msg.startswith("config keys 'train.batch-size' = 1 and 'dataset.image-size' = 8: ")
+    assert "one value per channel" in msg and "train.batch-size >= 2 or dataset.image-size >= 9" in msg
+    make_config(method="fedavg", dataset__image_size=8, train__batch_size=2)  # 2 values per channel
+    make_config(method="fedavg", dataset__image_size=9, train__batch_size=1)  # last stage 2x2

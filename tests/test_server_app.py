@@ -36,3 +36,48 @@ def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> No
     bad, fed = _setup(p0={"class-names": ["cat", "dog"]}, p1={"class-names": ["dog", "cat"]})
     with pytest.raises(ValueError, match=r"node 101 \(partition-id 1\) numbers its classes \['dog', 'cat'\]"):
         check_classes(bad, fed, test)
+
+
+class _FailingFederation:
+    """Two nodes that both fail every round, as with a batch BatchNorm cannot normalise."""
+
+    partition_of = {11: 0, 12: 1}
+
+    def sample(self, rnd: int) -> list[int]:
+        return [11, 12]
+
+    def view(self, chosen: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(get_node_ids=lambda: list(chosen))
+
+    def exchange(self, msgs, chosen):
+        reason = "ValueError: Expected more than 1 value per channel when training"
+        return [], [{"node": n, "partition-id": self.partition_of[n], "reason": reason} for n in chosen]
+
+
+def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path) -> None:
+    import json
+
+    from conftest import make_config
+
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import MAX_EMPTY_ROUNDS, NoUpdateError, RoundLoop
+
+    cfg = make_config(method="fedavg", num_server_rounds=3)
+    (tmp_path / "run").mkdir()
+    run = RunDir(tmp_path / "run")
+    results: dict = {"rounds": [], "resumed": []}
+
+    def evaluator(model):
+        return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
+
+    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10, None)
+    with pytest.raises(NoUpdateError) as e:
+        loop.run_all()
+    assert MAX_EMPTY_ROUNDS == 1
+    msg = str(e.value)
+    assert msg.startswith("round 1: no node returned a usable update (2 of 2 nodes failed; first failure: ")
+    assert "Expected more than 1 value per channel" in msg
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk["status"] == "failed" and on_disk["error"] == f"NoUpdateError: {msg}"
+    assert [r["round"] for r in on_disk["rounds"]] == [0, 1] and len(on_disk["rounds"][1]["failures"]) == 2
+    assert not list((tmp_path / "run").rglob("round-*.pt"))  # an untrained round is not checkpointed
