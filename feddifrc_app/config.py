@@ -55,6 +55,9 @@ def last_stage_size(image_size: int) -> int:
     return s
 
 
+# Longest timeout (seconds) a key accepts: 30 days; 1e308 would overflow the waits it feeds.
+MAX_TIMEOUT_S = 30 * 86400
+
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
@@ -101,7 +104,9 @@ class PartitionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = key(choices=MODELS)
-    width: int = key(lo=1, hi=1024)  # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512)
+    # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512). Parameters grow as
+    # width^2: 256 is ~78 M (16x the paper's network); 1024 would be ~1.25 G, not a client model.
+    width: int = key(lo=1, hi=256)
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,8 @@ class StrategyConfig:
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
-    round_timeout: float = key(lo=0.0, lo_open=True)
-    setup_timeout: float = key(lo=0.0, lo_open=True)
+    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
+    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,8 @@ def _as_bool(key: str, v: Any) -> bool:
 def _as_str(key: str, v: Any) -> str:
     if not isinstance(v, str):
         raise _fail(key, v, "expected a string")
+    if "\0" in v:  # no path, name or prompt holds one; os calls would raise a bare ValueError
+        raise _fail(key, v, "contains a NUL byte (\\x00); remove it")
     return v
 
 
@@ -406,7 +413,8 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise _fail("diffusion.blocks", raw["diffusion.blocks"], "expected distinct up_block indices in 0..3")
     if any(c < 1 for c in channels):
         raise _fail("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
-    if sum(channels) != 8 * width:
+    if v["method"] in ("feddifrc", "feddifrc-ssl") and sum(channels) != 8 * width:
+        # (the methods without a teacher never read diffusion.*)
         # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
         raise _fail(
             "diffusion.channels",
@@ -436,6 +444,15 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             v["diffusion.prompt-template"],
             "must contain '{}' where the class name goes",
         )
+    try:  # what teacher_prompts does with it on every node
+        v["diffusion.prompt-template"].format("class name")
+    except (IndexError, KeyError, ValueError) as e:
+        raise _fail(
+            "diffusion.prompt-template",
+            v["diffusion.prompt-template"],
+            f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
+            "and write a literal brace as '{{' or '}}'",
+        ) from None
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):

@@ -181,3 +181,38 @@ def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_is_refused_naming_the_keys(
     assert "one value per channel" in msg and "train.batch-size >= 2 or dataset.image-size >= 9" in msg
     make_config(method="fedavg", dataset__image_size=8, train__batch_size=2)  # 2 values per channel
     make_config(method="fedavg", dataset__image_size=9, train__batch_size=1)  # last stage 2x2
+
+
+@pytest.mark.parametrize(
+    "k",
+    ["outputs-dir", "resume-from", "dataset.data-dir", "diffusion.cache-dir", "diffusion.model", "run-name"],
+)
+def test_a_nul_byte_in_a_string_key_is_a_config_error_naming_it(k):
+    cfg = default_run_config()
+    cfg[k] = "/tmp/a\0b"
+    with pytest.raises(ConfigError, match=f"config key '{k}' = .* contains a NUL byte"):
+        load_config(cfg)
+
+
+def test_prompt_template_must_format_with_one_class_name():
+    for bad, err in [("{}{}", "IndexError"), ("a {} {name}", "KeyError"), ("{} {", "ValueError")]:
+        with pytest.raises(ConfigError, match=f"'diffusion.prompt-template' .*fails \\({err}") as e:
+            make_config(diffusion__prompt_template=bad)
+        assert "use exactly one '{}'" in str(e.value)
+    assert make_config(diffusion__prompt_template="a {{photo}} of {}").diffusion.prompt_template
+
+
+def test_absurd_sizes_and_timeouts_are_refused_and_fedavg_ignores_teacher_widths():
+    with pytest.raises(ConfigError, match=r"'model.width' = 1024 is invalid: expected a value in \[1, 256\]"):
+        make_config(method="fedavg", model__width=1024)
+    for k in ("strategy.round-timeout", "strategy.setup-timeout"):
+        cfg = default_run_config()
+        cfg[k] = 1e308
+        with pytest.raises(
+            ConfigError, match=f"'{k}' = 1e\\+308 is invalid: expected a value in \\(0, 2.592e\\+06\\]"
+        ):
+            load_config(cfg)
+    # FedAvg has no teacher: diffusion.channels (sized for width 64 here) does not constrain it.
+    assert make_config(method="fedavg", model__width=32).embedding_dim == 256
+    with pytest.raises(ConfigError, match="'diffusion.channels'"):
+        make_config(method="feddifrc", model__width=32)
