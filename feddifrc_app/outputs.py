@@ -203,11 +203,23 @@ class RunDir:
                 if _digest_path(path).read_text().strip() != hashlib.sha256(data).hexdigest():
                     raise ValueError("sha256 does not match its .sha256 file")
                 payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                _check_payload(path, payload)
             except Exception as e:  # noqa: BLE001 - a corrupt file must not end the resume
                 log.warning("checkpoint %s is not loaded (%s); trying the previous one", path, e)
                 continue
             return int(payload["round"]), payload
         return None
+
+
+def _check_payload(path: Path, payload: Any) -> None:
+    """A checkpoint is the round its name says, with a model state: a digest only proves the bytes
+    are the ones written, not that they are a checkpoint of this round (resume continues from it)."""
+    m = _CKPT.match(path.name)
+    rnd = payload.get("round") if isinstance(payload, dict) else None
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or m is None or rnd != int(m.group(1)):
+        raise ValueError(f"it says round {rnd!r}, its name round {int(m.group(1)) if m else '?'}")
+    if not isinstance(payload.get("model"), dict):
+        raise ValueError("it holds no model state")
 
 
 def _digest_path(path: Path) -> Path:

@@ -81,3 +81,20 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     assert on_disk["status"] == "failed" and on_disk["error"] == f"NoUpdateError: {msg}"
     assert [r["round"] for r in on_disk["rounds"]] == [0, 1] and len(on_disk["rounds"][1]["failures"]) == 2
     assert not list((tmp_path / "run").rglob("round-*.pt"))  # an untrained round is not checkpointed
+
+
+def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) -> None:
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.server_app import resumed_results
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    with pytest.raises(
+        FileNotFoundError, match=r"results.json is missing or holds no rounds, so the history"
+    ):
+        resumed_results(run, 3)
+    run.results_path.write_text('{"status": "stopped"}')  # no rounds: nothing to continue
+    with pytest.raises(FileNotFoundError, match="rounds 0..3 would be lost"):
+        resumed_results(run, 3)
+    run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
+    assert resumed_results(run, 3)["rounds"] == [{"round": 0}]
