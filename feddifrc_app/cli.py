@@ -540,7 +540,13 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
         key, sep, vals = item.partition("=")
         if not sep or not vals:
             raise CLIError(f"--grid {item!r}: expected KEY=V1,V2 with TOML values")
-        grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+        try:
+            grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+        except CLIError:
+            raise CLIError(
+                f"--grid {item!r}: each value must be TOML (a number, true/false, or a quoted string): "
+                f"""e.g. --grid "{key}='a','b'" """.rstrip()
+            ) from None
     return grid
 
 

@@ -80,6 +80,17 @@ def make_cells(confs: list[str], seeds: list[int], grid: dict[str, list[Any]]) -
             text = Path(conf).read_text() if conf else ""
             paper = float(m.group(1)) if (m := _PAPER.search(text)) else None
             out += [Cell(conf, seed, combo, paper) for combo in combos]
+    seen: dict[str, Cell] = {}
+    for c in out:  # a cell's name is its run folder: two cells must never share one
+        if (other := seen.setdefault(c.name, c)) is not c:
+            if other.conf == c.conf:
+                raise SweepError(
+                    f"cell {c.name!r} is asked for twice (a conf file or a --grid value repeated)"
+                )
+            raise SweepError(
+                f"conf files {other.conf} and {c.conf} give cells the same name {c.name!r} (the file "
+                "name without .toml), so they would share a run folder: rename one of the files"
+            )
     return out
 
 

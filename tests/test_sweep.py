@@ -250,3 +250,27 @@ def test_table_uses_only_completed_runs_of_the_configured_rounds_and_names_each_
     assert f"skipped gone: no config.json ({runs / 'gone' / 'config.json'})" in md
     assert md.count("skipped ") == 6 and md == (out / "table.md").read_text()
     assert len((out / "table.csv").read_text().splitlines()) == 2
+
+
+def test_cells_that_would_share_a_run_folder_are_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "x.toml").write_text('method = "fedavg"\n')
+    a, b = str(tmp_path / "a" / "x.toml"), str(tmp_path / "b" / "x.toml")
+    with pytest.raises(
+        SweepError, match=f"conf files {a} and {b} give cells the same name 'x-s0'.*rename one"
+    ):
+        make_cells([a, b], [0], {})
+    with pytest.raises(SweepError, match="cell 'x-alpha0.5-s0' is asked for twice"):
+        make_cells([a], [0], {"partition.alpha": [0.5, 0.5]})
+
+
+def test_an_unquoted_string_in_grid_says_how_to_quote_it():
+    with pytest.raises(cli.CLIError) as e:
+        cli._grid(["method=fedavg,moon"])
+    assert str(e.value) == (
+        "--grid 'method=fedavg,moon': each value must be TOML (a number, true/false, or a quoted string): "
+        """e.g. --grid "method='a','b'\""""
+    )
+    assert cli._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
