@@ -57,6 +57,12 @@ def last_stage_size(image_size: int) -> int:
 
 # Longest timeout (seconds) a key accepts: 30 days; 1e308 would overflow the waits it feeds.
 MAX_TIMEOUT_S = 30 * 86400
+# Bounds of every int / float key that sets no upper bound of its own: no count of rounds,
+# epochs, nodes, images or negatives reaches 2^31 - 1 (torch and numpy take int32/int64 there,
+# and 1e308 "rounds" would never end), and no weight, rate or temperature is above 1e9 (a large
+# learning rate below it is still accepted: the run reports it as diverged).
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e9
 
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
@@ -329,14 +335,19 @@ def _int_list(key: str, v: Any) -> tuple[int, ...]:
     return out
 
 
+def _bound(x: float) -> str:
+    """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _check_range(
     key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool
 ) -> None:
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (
         hi is not None and (v >= hi if hi_open else v > hi)
     ):
-        lo_s = "-inf" if lo is None else f"{lo:g}"
-        hi_s = "inf" if hi is None else f"{hi:g}"
+        lo_s = "-inf" if lo is None else _bound(lo)
+        hi_s = "inf" if hi is None else _bound(hi)
         raise _fail(
             key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
         )
@@ -351,7 +362,10 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
         return _as_bool(key, raw)
     if typ in (int, float):
         v = _as_int(key, raw) if typ is int else _as_float(key, raw)
-        _check_range(key, v, *rule["range"])
+        lo, hi, lo_open, hi_open = rule["range"]
+        if hi is None:
+            hi = MAX_INT if typ is int else MAX_FLOAT
+        _check_range(key, v, lo, hi, lo_open, hi_open)
         return v
     if typ == tuple[int, ...]:
         return _int_list(key, raw)
@@ -363,7 +377,12 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
             raise _fail(key, raw, f"expected one of {', '.join(rule['choices'])}")
         return s.strip().lower()
     if rule["path"]:
-        return _path(s.strip() or rule["empty"])
+        path = _path(s.strip() or rule["empty"])
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            # Every path key is a folder (written into, or a run directory): a file or a device
+            # here would fail later in someone else's words.
+            raise _fail(key, raw, f"{path} exists and is not a folder; expected a folder path")
+        return path
     return s
 
 
