@@ -489,6 +489,19 @@ def cmd_status(args: argparse.Namespace) -> int:
             cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
         s = r.get("summary", {})
         fails = sum(len(x.get("failures", [])) for x in rounds)
+        live = ""
+        if r.get("status") == "running":
+            from feddifrc_app.files import folder_holder
+
+            who = folder_holder(path.parent)
+            proc = r.get("process", {})
+            live = (
+                f"  running ({who})"
+                if who
+                else f"  DEAD: results.json says running but no process holds the folder (last pid "
+                f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
+                f"resume-from='{path.parent}'"
+            )
         acc = (
             f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
             if rounds and s.get("best-accuracy") is not None
@@ -496,7 +509,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         print(
             f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
-            f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}"
+            f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}"
         )
     print("live Flower status: `flwr ls <connection>`; logs: `flwr log <run-id> <connection>`")
     return 0

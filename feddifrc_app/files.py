@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,3 +128,72 @@ def ensure_writable_dir(path: Path, key: str) -> Path:
         what = "is not a folder" if path.exists() and not path.is_dir() else "is not writable"
         raise OSError(f"{key} = '{path}' {what} ({e.strerror or e}); set it to a writable folder") from None
     return path
+
+
+# --------------------------------------------------------------------------- folder ownership
+
+LOCK_NAME = ".lock"  # <folder>/.lock: flock'ed by the process that owns the folder, with who it is
+_HELD: dict[str, int] = {}  # folder -> fd of a lock this process holds (kept open until exit)
+
+
+class FolderInUse(RuntimeError):
+    """Another live process owns the folder (one line: who, since when, what to do)."""
+
+
+def _holder_text(fd: int) -> str:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        info = json.loads(os.read(fd, 4096) or b"{}")
+        return f"pid {info['pid']} on {info['host']} since {info['since']} ({info['what']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (its lock file does not say which)"
+
+
+def lock_folder(folder: Path, what: str) -> None:
+    """Own ``folder`` until this process exits: an exclusive flock on ``<folder>/.lock``, which
+    the kernel drops when the process dies however it dies (so a killed owner never leaves a
+    stale lock). Re-entrant within the process. ``FolderInUse`` names the holder otherwise.
+    flock is per machine: folders shared over NFS between machines are not covered."""
+    key = str(Path(folder).resolve())
+    if key in _HELD:
+        return
+    fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder_text(fd)
+        os.close(fd)
+        raise FolderInUse(f"{folder} is in use by {holder}; wait for it to end or stop it first") from None
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "what": f"{what}, {Path(sys.argv[0]).name if sys.argv and sys.argv[0] else 'python'}",
+    }
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(info).encode())
+    _HELD[key] = fd
+
+
+def release_folder(folder: Path) -> None:
+    """Give up a lock taken with :func:`lock_folder` (no-op if this process holds none)."""
+    fd = _HELD.pop(str(Path(folder).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor drops the flock
+
+
+def folder_holder(folder: Path) -> str | None:
+    """Which other live process owns ``folder`` ("pid N on HOST since T (what)"), or None."""
+    if str(Path(folder).resolve()) in _HELD:
+        return None  # this process: it may continue what it owns
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder_text(fd)
+    finally:
+        os.close(fd)
+    return None

@@ -8,6 +8,8 @@ timeouts are recorded per round.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
@@ -126,6 +128,9 @@ class RoundLoop:
 
     def run_all(self) -> None:
         self.results["status"] = "running"
+        # Who runs it: with the run directory's lock (files.lock_folder), how `feddifrc status`
+        # tells a live run from one whose process died without a word.
+        self.results["process"] = {"pid": os.getpid(), "host": socket.gethostname()}
         try:
             if self.first == 1:
                 self.results["rounds"] = [{"round": 0, **self.evaluate()}]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from feddifrc_app.config import Config, load_config, resumable
-from feddifrc_app.files import write_json
+from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.outputs import RESUME_MAY_CHANGE
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
@@ -160,7 +160,36 @@ class Flower:
         ans = self.json(*args)
         if not ans.get("success"):
             return "submit-failed", json.dumps(ans)[-1500:]
-        run_id, deadline = str(ans["run-id"]), time.monotonic() + timeout
+        run_id = str(ans["run-id"])
+        try:
+            return self._wait(run_id, run_config, timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C: the run would go on as an orphan writing into the cell's folder; stop it
+            # through Flower before the sweep exits.
+            print(f"\ninterrupted: stopping Flower run {run_id} (flwr stop) ...", flush=True)
+            self.stop(run_id)
+            raise
+
+    def stop(self, run_id: str, wait: float = 60) -> str:
+        """`flwr stop` the run and wait (bounded) until Flower says it finished; its last status."""
+        subprocess.run(
+            ["flwr", "stop", run_id, self.federation],
+            cwd=self.app,
+            env=self.env,
+            capture_output=True,
+            timeout=wait,
+        )
+        deadline, status = time.monotonic() + wait, ""
+        while time.monotonic() < deadline:
+            info = (self.json("ls", self.federation, "--run-id", run_id, timeout=wait).get("runs") or [{}])[0]
+            status = str(info.get("status", ""))
+            if status.startswith("finished"):
+                break
+            time.sleep(2)
+        return status
+
+    def _wait(self, run_id: str, run_config: Path, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
         with open(run_config.with_suffix(".log"), "wb") as log:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 subprocess.run(
@@ -180,9 +209,7 @@ class Flower:
             if time.monotonic() >= deadline:
                 break
             time.sleep(3)
-        subprocess.run(
-            ["flwr", "stop", run_id, self.federation], cwd=self.app, env=self.env, capture_output=True
-        )
+        self.stop(run_id)
         return "timeout", f"not finished after {timeout:.0f}s (last status {info.get('status')})"
 
     def close(self) -> None:
@@ -212,6 +239,15 @@ class Sweep:
             raise SweepError(
                 f"--out {out} is a file; pass a folder for the sweep (new, or an earlier sweep's)"
             )
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            # Owned for this process's life: a second sweep into the same --out would run every
+            # cell twice into the same run folders.
+            lock_folder(out, "feddifrc sweep")
+        except FolderInUse as e:
+            raise SweepError(f"sweep folder {e}: one sweep per --out") from None
+        except OSError as e:
+            raise SweepError(f"--out {out}: cannot create or lock it ({e.strerror or e})") from None
         self.out, self.app, self.defaults, self.overrides = out, app, defaults, overrides
         self.runs, self.state_path = out / "runs", out / "sweep.json"
         self.state: dict[str, dict[str, Any]] = {}
@@ -271,6 +307,11 @@ class Sweep:
         flat = self.cell_config(cell)
         run_dir = self.runs / cell.name
         cfg = load_config({**self.defaults, **flat})
+        if run_dir.is_dir() and (who := folder_holder(run_dir)):
+            raise SweepError(
+                f"run directory {run_dir} is in use by {who}: a run of this cell is still live (of an "
+                "interrupted sweep?); stop it (flwr stop <run-id>) or let it end, then rerun the sweep"
+            )
         if resumable(cfg) and any((run_dir / "checkpoints").glob("round-*.pt.sha256")):
             flat["resume-from"] = str(run_dir)
         elif run_dir.exists():
@@ -306,6 +347,9 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
             status, reason = flower.run(sweep.submit_file(cell), cell_timeout)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
             status, reason = "error", f"{type(e).__name__}: {e}"
+        except KeyboardInterrupt:  # Flower.run has stopped the cell's run
+            sweep.record(cell, status="stopped", reason="interrupted (Ctrl-C); rerun the sweep to resume")
+            raise
         done = sweep.finished(cell, configs[cell.name])
         if status != "finished:completed" or done is None:
             failures[cell.name] = f"{status}: {reason}".strip()

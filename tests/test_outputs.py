@@ -134,9 +134,13 @@ def test_resume_checks_the_config_and_names_what_changed(tmp_path):
 
 
 def test_outputs_dir_that_is_a_file_is_named(tmp_path):
+    from feddifrc_app.config import ConfigError
+
     (tmp_path / "f").write_text("x")
-    with pytest.raises(OSError, match="outputs-dir = '.*f': cannot create the run directory"):
-        RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f"), run_name="r"), 1)
+    with pytest.raises(ConfigError, match="'outputs-dir' = '.*f' is invalid: .*f exists and is not a folder"):
+        make_config(outputs_dir=str(tmp_path / "f"), run_name="r")
+    with pytest.raises(OSError, match="outputs-dir = '.*f/sub': cannot create the run directory"):
+        RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f" / "sub"), run_name="r"), 1)
 
 
 def test_partial_writes_of_a_killed_run_are_removed(tmp_path):
