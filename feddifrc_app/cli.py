@@ -563,6 +563,23 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
     return grid
 
 
+def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> None:
+    """A simulation with fewer SuperNodes than a cell's min-nodes would wait strategy.setup-timeout
+    (a day by default) for nodes that never come: refuse it before the first run."""
+    n = parse_run_config([federation_config]).get("num-supernodes") if federation_config else None
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise CLIError(f"--federation-config num-supernodes = {n!r}: expected an integer >= 1")
+    for name, cfg in configs.items():
+        if cfg.min_nodes > n:
+            raise CLIError(
+                f"cell {name}: min-nodes = {cfg.min_nodes} but --federation-config starts "
+                f"num-supernodes = {n}, so the run would wait for nodes that never connect; "
+                "lower min-nodes (--set) or start more SuperNodes"
+            )
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from feddifrc_app.report import write_sweep_table
     from feddifrc_app.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
@@ -578,9 +595,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         cells = make_cells(
             [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
         )
-        sweep.validate(cells)
+        configs = sweep.validate(cells)
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
+    _check_supernodes(args.federation_config, configs)
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
     try:
         failures = run_sweep(sweep, cells, flower, args.cell_timeout)

@@ -274,3 +274,14 @@ def test_an_unquoted_string_in_grid_says_how_to_quote_it():
         """e.g. --grid "method='a','b'\""""
     )
     assert cli._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
+
+
+def test_a_simulation_without_enough_supernodes_is_refused_before_any_run(tmp_path, capsys):
+    base = ["sweep", "--app", str(ROOT), "--out", str(tmp_path / "sw")]
+    assert cli.main([*base, "--federation-config", "num-supernodes=0"]) == 2
+    assert "num-supernodes = 0: expected an integer >= 1" in capsys.readouterr().err
+    argv = [*base, "--set", "min-nodes=3", "--federation-config", "num-supernodes=2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cell defaults-s0: min-nodes = 3 but --federation-config starts num-supernodes = 2" in err
+    assert err.count("\n") == 1 and not (tmp_path / "sw" / "flwr-home").exists()
