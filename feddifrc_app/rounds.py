@@ -169,12 +169,18 @@ class RoundLoop:
         )
 
     def no_update_error(self, row: dict[str, Any]) -> NoUpdateError:
-        failures = row["failures"]
-        first = f"; first failure: {failures[0]['reason']}" if failures else ""
+        failures, n = row["failures"], len(row["nodes"])
+        why = (
+            f"{len(failures)} of {n} nodes failed; first failure: {failures[0]['reason']}"
+            if failures
+            # Flower's strategies return nothing for replies they cannot combine (it logs why,
+            # e.g. "Skipping aggregation" for replies whose metric or array keys differ).
+            else f"{n} nodes replied but strategy '{self.cfg.strategy.name}' aggregated nothing; "
+            "the ServerApp log says why (e.g. replies with different metric keys)"
+        )
         return NoUpdateError(
-            f"round {row['round']}: no node returned a usable update ({len(failures)} of "
-            f"{len(row['nodes'])} nodes failed{first}); a run fails after {MAX_EMPTY_ROUNDS} such "
-            "round(s) in a row, since its model was not trained"
+            f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
+            f"{MAX_EMPTY_ROUNDS} such round(s) in a row, since its model was not trained"
         )
 
     def record_end(self, e: BaseException) -> None:

@@ -98,3 +98,34 @@ def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) ->
         resumed_results(run, 3)
     run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
     assert resumed_results(run, 3)["rounds"] == [{"round": 0}]
+
+
+def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) -> None:
+    from conftest import make_config
+
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import NoUpdateError, RoundLoop
+
+    class Replying(_FailingFederation):
+        def exchange(self, msgs, chosen):
+            return [object(), object()], []  # two replies, no failure
+
+    (tmp_path / "run").mkdir()
+    results: dict = {"rounds": [], "resumed": []}
+    loop = RoundLoop(
+        make_config(method="fedavg", num_server_rounds=2),
+        Replying(),
+        RunDir(tmp_path / "run"),
+        results,
+        lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
+        10,
+        None,
+    )
+    loop.strategy.aggregate_train = lambda rnd, replies: (None, None)  # as Flower's "Skipping aggregation"
+    with pytest.raises(
+        NoUpdateError,
+        match=r"round 1: no node returned a usable update \(2 nodes replied but "
+        r"strategy 'fedavg' aggregated nothing; the ServerApp log says why",
+    ):
+        loop.run_all()
+    assert results["status"] == "failed"
