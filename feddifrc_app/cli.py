@@ -480,39 +480,56 @@ def cmd_status(args: argparse.Namespace) -> int:
         except CLIError as e:
             print(f"{path.parent.name}: {e}")
             continue
-        rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
-        cfg_rounds = "?"
-        cfg_path = path.parent / "config.json"
-        if cfg_path.is_file():
-            import json
-
-            cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
-        s = r.get("summary", {})
-        fails = sum(len(x.get("failures", [])) for x in rounds)
-        live = ""
-        if r.get("status") == "running":
-            from feddifrc_app.files import folder_holder
-
-            who = folder_holder(path.parent)
-            proc = r.get("process", {})
-            live = (
-                f"  running ({who})"
-                if who
-                else f"  DEAD: results.json says running but no process holds the folder (last pid "
-                f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
-                f"resume-from='{path.parent}'"
-            )
-        acc = (
-            f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
-            if rounds and s.get("best-accuracy") is not None
-            else "no round finished yet"
-        )
-        print(
-            f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
-            f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}"
-        )
+        try:
+            print(_status_line(path, r))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign file
+            print(f"{path.parent.name}: {path} has an unexpected layout ({type(e).__name__}: {e})")
     print("live Flower status: `flwr ls <connection>`; logs: `flwr log <run-id> <connection>`")
     return 0
+
+
+def _status_line(path: Path, r: dict[str, Any]) -> str:
+    """One run of `feddifrc status`: progress, accuracy, failures, and how it ended or if it lives."""
+    import json
+
+    rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
+    cfg_rounds: Any = "?"
+    cfg_path = path.parent / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
+        except (OSError, ValueError, AttributeError) as e:
+            cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
+    s = r.get("summary", {})
+    fails = sum(len(x.get("failures", [])) for x in rounds)
+    live = ""
+    if r.get("status") == "running":
+        from feddifrc_app.files import folder_holder
+
+        who = folder_holder(path.parent)
+        proc = r.get("process", {})
+        live = (
+            f"  running ({who})"
+            if who
+            else f"  DEAD: results.json says running but no process holds the folder (last pid "
+            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
+            f"resume-from='{path.parent}'"
+        )
+    acc = (
+        f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
+        if rounds and s.get("best-accuracy") is not None
+        else "no round finished yet"
+    )
+    status = r.get("status")
+    ended = (
+        f"  {status}" + (f": {str(r['error']).splitlines()[0][:200]}" if r.get("error") else "")
+        if status not in (None, "running", "completed")
+        else ""
+    )
+    return (
+        f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
+    )
 
 
 # --------------------------------------------------------------------------- sweep / table

@@ -258,3 +258,20 @@ def test_fetch_with_a_truncated_mnist5k_cache_rebuilds_it_without_a_traceback(tm
     with np.load(path, allow_pickle=False) as z:  # rebuilt whole
         assert len(z["test"]) == 1000
     _mnist5k_arrays.cache_clear()
+
+
+def test_status_names_a_failed_run_and_an_unreadable_file_without_a_traceback(tmp_path, capsys):
+    import json
+
+    _fake_run(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text('{"num-server-rounds": ')  # truncated
+    r = json.loads((tmp_path / "a" / "results.json").read_text())
+    r.update(status="failed", error="NoUpdateError: round 1: no node returned a usable update\nmore")
+    (tmp_path / "a" / "results.json").write_text(json.dumps(r))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "results.json").write_text("[1, 2]")  # valid JSON, not a run's
+    assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"round 2/? ({tmp_path / 'a' / 'config.json'} unreadable: JSONDecodeError)" in out
+    assert out.count("  failed: NoUpdateError: round 1: no node returned a usable update\n") == 1
+    assert f"b: {tmp_path / 'b' / 'results.json'} has an unexpected layout (AttributeError" in out
