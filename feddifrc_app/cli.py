@@ -7,7 +7,7 @@
         so a killed run continues where it stopped and a finished one recomputes nothing.
     feddifrc make-tiny [--cache-dir DIR] [--seed 0]
         Build the embedded tiny RANDOM-weight teacher and print its folder.
-    feddifrc pretrain-teacher --out DIR [--app .] [--run-config ...] [--seed 0]
+    feddifrc pretrain-teacher --out DIR [--force] [--app .] [--run-config ...] [--seed 0]
                      [--vae-steps 300] [--unet-steps 1200] [--batch-size 64]
         Train the tiny text-to-image teacher on the dataset's PUBLIC split (mnist-5k)
         under the run config's class prompts and write a diffusers SD folder
@@ -323,7 +323,15 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
     d = PretrainRecipe()
     p.add_argument(
-        "--out", required=True, help="folder to write the diffusers pipeline to (replaced atomically)"
+        "--out",
+        required=True,
+        help="folder to write the diffusers pipeline to (replaced atomically): missing, empty, or an "
+        "earlier pretrain-teacher output",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out folder holding other files (never the working directory or the app)",
     )
     p.add_argument("--app", default=".", help="Flower app folder (its pyproject.toml holds the defaults)")
     p.add_argument(
@@ -344,9 +352,19 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+    from feddifrc_app.diffusion.pretrain import (
+        OutFolderError,
+        PretrainRecipe,
+        check_out_folder,
+        pretrain_teacher,
+    )
     from feddifrc_app.diffusion.prompts import teacher_prompts
 
+    protected = [Path(args.app)]
+    try:  # before anything is loaded or trained
+        check_out_folder(Path(args.out), args.force, protected)
+    except OutFolderError as e:
+        raise CLIError(str(e)) from None
     cfg = load_app_config(args.app, args.run_config)
     if cfg.dataset.name != "mnist-5k":
         raise CLIError(
@@ -367,17 +385,22 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     prompts = teacher_prompts(dataclasses.replace(cfg, method="feddifrc"), data.class_names)[
         : data.num_classes
     ]
-    out = pretrain_teacher(
-        data.images,
-        data.labels,
-        prompts,
-        Path(args.out),
-        recipe,
-        name=args.name,
-        data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
-        "the federated train and test splits.",
-        progress=not args.no_progress,
-    )
+    try:
+        out = pretrain_teacher(
+            data.images,
+            data.labels,
+            prompts,
+            Path(args.out),
+            recipe,
+            name=args.name,
+            data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
+            "the federated train and test splits.",
+            progress=not args.no_progress,
+            force=args.force,
+            protected=protected,
+        )
+    except OutFolderError as e:  # the folder changed while the teacher trained
+        raise CLIError(str(e)) from None
     print(out)
     return 0
 
@@ -457,26 +480,56 @@ def cmd_status(args: argparse.Namespace) -> int:
         except CLIError as e:
             print(f"{path.parent.name}: {e}")
             continue
-        rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
-        cfg_rounds = "?"
-        cfg_path = path.parent / "config.json"
-        if cfg_path.is_file():
-            import json
-
-            cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
-        s = r.get("summary", {})
-        fails = sum(len(x.get("failures", [])) for x in rounds)
-        acc = (
-            f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
-            if rounds and s.get("best-accuracy") is not None
-            else "no round finished yet"
-        )
-        print(
-            f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
-            f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}"
-        )
+        try:
+            print(_status_line(path, r))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign file
+            print(f"{path.parent.name}: {path} has an unexpected layout ({type(e).__name__}: {e})")
     print("live Flower status: `flwr ls <connection>`; logs: `flwr log <run-id> <connection>`")
     return 0
+
+
+def _status_line(path: Path, r: dict[str, Any]) -> str:
+    """One run of `feddifrc status`: progress, accuracy, failures, and how it ended or if it lives."""
+    import json
+
+    rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
+    cfg_rounds: Any = "?"
+    cfg_path = path.parent / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
+        except (OSError, ValueError, AttributeError) as e:
+            cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
+    s = r.get("summary", {})
+    fails = sum(len(x.get("failures", [])) for x in rounds)
+    live = ""
+    if r.get("status") == "running":
+        from feddifrc_app.files import folder_holder
+
+        who = folder_holder(path.parent)
+        proc = r.get("process", {})
+        live = (
+            f"  running ({who})"
+            if who
+            else f"  DEAD: results.json says running but no process holds the folder (last pid "
+            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
+            f"resume-from='{path.parent}'"
+        )
+    acc = (
+        f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
+        if rounds and s.get("best-accuracy") is not None
+        else "no round finished yet"
+    )
+    status = r.get("status")
+    ended = (
+        f"  {status}" + (f": {str(r['error']).splitlines()[0][:200]}" if r.get("error") else "")
+        if status not in (None, "running", "completed")
+        else ""
+    )
+    return (
+        f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
+    )
 
 
 # --------------------------------------------------------------------------- sweep / table
@@ -517,13 +570,36 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
         key, sep, vals = item.partition("=")
         if not sep or not vals:
             raise CLIError(f"--grid {item!r}: expected KEY=V1,V2 with TOML values")
-        grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+        try:
+            grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+        except CLIError:
+            raise CLIError(
+                f"--grid {item!r}: each value must be TOML (a number, true/false, or a quoted string): "
+                f"""e.g. --grid "{key}='a','b'" """.rstrip()
+            ) from None
     return grid
+
+
+def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> None:
+    """A simulation with fewer SuperNodes than a cell's min-nodes would wait strategy.setup-timeout
+    (a day by default) for nodes that never come: refuse it before the first run."""
+    n = parse_run_config([federation_config]).get("num-supernodes") if federation_config else None
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise CLIError(f"--federation-config num-supernodes = {n!r}: expected an integer >= 1")
+    for name, cfg in configs.items():
+        if cfg.min_nodes > n:
+            raise CLIError(
+                f"cell {name}: min-nodes = {cfg.min_nodes} but --federation-config starts "
+                f"num-supernodes = {n}, so the run would wait for nodes that never connect; "
+                "lower min-nodes (--set) or start more SuperNodes"
+            )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from feddifrc_app.report import write_sweep_table
-    from feddifrc_app.sweep import Flower, Sweep, make_cells, run_sweep
+    from feddifrc_app.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
 
     if args.seeds < 1:
         raise CLIError(f"--seeds {args.seeds}: expected >= 1")
@@ -531,14 +607,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if missing:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
     app, out = Path(args.app).resolve(), Path(args.out).resolve()
-    sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
-    cells = make_cells(
-        [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
-    )
     try:
-        sweep.validate(cells)
-    except ConfigError as e:
+        sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
+        cells = make_cells(
+            [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
+        )
+        configs = sweep.validate(cells)
+    except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
+    _check_supernodes(args.federation_config, configs)
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
     try:
         failures = run_sweep(sweep, cells, flower, args.cell_timeout)
@@ -561,7 +638,10 @@ def cmd_table(args: argparse.Namespace) -> int:
     out = Path(args.sweep_dir).expanduser().resolve()
     if not (out / "sweep.json").is_file():
         raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
-    print(write_sweep_table(out))
+    try:
+        print(write_sweep_table(out))
+    except ValueError as e:  # an unreadable sweep.json, named
+        raise CLIError(str(e)) from None
     return 0
 
 

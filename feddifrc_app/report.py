@@ -130,20 +130,79 @@ def setting_label(config: dict[str, Any]) -> str:
     return f"{config['dataset.name']} iid"
 
 
-def collect(sweep_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """(method, setting) -> {"runs": [results.json ...], "paper": float | None} of finished cells."""
-    cells = json.loads((sweep_dir / "sweep.json").read_text())["cells"]
+def _read_json(path: Path) -> tuple[Any, str]:
+    """(parsed JSON, "") or (None, why it is not readable, naming the file)."""
+    if not path.is_file():
+        return None, f"no {path.name} ({path})"
+    try:
+        return json.loads(path.read_text()), ""
+    except (OSError, ValueError) as e:
+        return None, f"{path} is unreadable ({type(e).__name__}: {e})"
+
+
+def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[dict[str, Any] | None, str]:
+    """(results.json, "") of a run that completed all its rounds, else (None, why not).
+
+    ``rounds``: the configured number of rounds (default: config.json's ``num-server-rounds``).
+    A run still running, interrupted, stopped, diverged or failed, or whose last round is not
+    the configured one, is not a result (one home for this rule: the sweep and the table).
+    """
+    if rounds is None:
+        config, why = _read_json(run_dir / "config.json")
+        if config is None:
+            return None, why
+        rounds = config.get("num-server-rounds") if isinstance(config, dict) else None
+        if not isinstance(rounds, int):
+            return None, f"{run_dir / 'config.json'} has no integer num-server-rounds"
+    r, why = _read_json(run_dir / "results.json")
+    if r is None:
+        return None, why
+    try:
+        status, last = r.get("status"), r["rounds"][-1]["round"] if r.get("rounds") else None
+        summary_ok = all(isinstance(r["summary"][k], (int, float)) for k in _SUMMARY)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return None, f"{run_dir / 'results.json'} lacks rounds or summary"
+    if status != "completed":
+        return None, f"results.json status is {status!r}, not 'completed'"
+    if last != rounds:
+        return None, f"results.json ends at round {last}, the config asks for {rounds}"
+    if not summary_ok:
+        return None, f"{run_dir / 'results.json'} has no final/best/mean-last-5 accuracy"
+    return r, ""
+
+
+def collect(
+    sweep_dir: Path,
+) -> tuple[dict[tuple[str, str], dict[str, Any]], list[tuple[str, str]]]:
+    """((method, setting) -> {"runs": [results.json ...], "paper": float | None}, [(cell, why
+    skipped)]): only cells whose results.json is a completed run of the configured rounds."""
+    path = sweep_dir / "sweep.json"
+    state, why = _read_json(path)
+    cells = state.get("cells") if isinstance(state, dict) else None
+    if not isinstance(cells, dict):
+        raise ValueError(why or f"{path} has no 'cells' object; is {sweep_dir} a `feddifrc sweep` folder?")
     groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for name, cell in cells.items():
+    skipped: list[tuple[str, str]] = []
+    for name, cell in sorted(cells.items()):
         run = sweep_dir / "runs" / name
-        if cell["status"] != "completed" or not (run / "results.json").is_file():
+        if not isinstance(cell, dict) or cell.get("status") != "completed":
+            status = cell.get("status") if isinstance(cell, dict) else None
+            skipped.append((name, f"sweep.json status {status!r}"))
             continue
-        config = json.loads((run / "config.json").read_text())
-        key = (method_label(cell["conf"], cell.get("grid", {})), setting_label(config))
-        g = groups.setdefault(key, {"runs": [], "paper": None})
-        g["runs"].append(json.loads((run / "results.json").read_text()))
+        r, why = completed_results(run)
+        if r is None:
+            skipped.append((name, why))
+            continue
+        config, _ = _read_json(run / "config.json")  # read by completed_results already
+        try:
+            setting = setting_label(config)
+        except (KeyError, TypeError, ValueError):
+            skipped.append((name, f"{run / 'config.json'} lacks dataset.name / partition.*"))
+            continue
+        g = groups.setdefault((method_label(cell.get("conf", ""), cell.get("grid", {})), setting), {})
+        g.setdefault("runs", []).append(r)
         g["paper"] = cell.get("paper")
-    return groups
+    return groups, skipped
 
 
 def _cell_text(runs: list[dict[str, Any]], key: str) -> str:
@@ -156,10 +215,14 @@ def write_sweep_table(sweep_dir: Path) -> str:
 
     Rows are methods, columns settings; each entry is mean ± std over seeds of the final,
     best and mean-of-last-5 test accuracy (%), with the paper's number where one exists.
+    Only completed runs of the configured rounds count (:func:`completed_results`); every
+    other cell is listed after the table with why. An unreadable sweep.json is a ValueError.
     """
-    groups = collect(sweep_dir)
+    groups, skipped = collect(sweep_dir)
+    # Every cell left out is named with why, in the printed text and in table.md.
+    skip_text = "".join(f"skipped {name}: {why}\n" for name, why in skipped)
     if not groups:
-        return "no cell of this sweep has completed yet\n"
+        return "no cell of this sweep has completed yet\n" + skip_text
     methods = sorted({m for m, _ in groups}, key=lambda m: (m != "fedavg", m))
     settings = sorted({s for _, s in groups})
     head = "| method | " + " | ".join(settings) + " |"
@@ -195,7 +258,10 @@ def write_sweep_table(sweep_dir: Path) -> str:
             rows.append([m, s, str(len(g["runs"])), *stats, "" if g["paper"] is None else str(g["paper"])])
         lines.append(f"| {m} | " + " | ".join(entries) + " |")
     text = (
-        "final / best / mean of last 5 test accuracy (%), mean ± std over seeds\n\n" + "\n".join(lines) + "\n"
+        "final / best / mean of last 5 test accuracy (%), mean ± std over seeds\n\n"
+        + "\n".join(lines)
+        + "\n"
+        + (f"\n{skip_text}" if skip_text else "")
     )
     atomic_write(sweep_dir / "table.md", lambda f: f.write(text), mode="w")
     atomic_write(sweep_dir / "table.csv", lambda f: csv.writer(f).writerows(rows), mode="w")

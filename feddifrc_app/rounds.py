@@ -8,6 +8,8 @@ timeouts are recorded per round.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
@@ -26,6 +28,17 @@ from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.strategy import build_strategy, load_strategy_state, strategy_state
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe
+
+# A round in which no node returns a usable update (every node failed or timed out, or nothing
+# was aggregated) leaves the global model untrained; after this many such rounds in a row the
+# run ends as failed rather than reporting an untrained model as its result. 1: the first one,
+# since an input that fails one round (a bad batch size, a missing dataset) fails every round.
+# Diverged rounds are not counted here: they end the run as "diverged" (see run_all).
+MAX_EMPTY_ROUNDS = 1
+
+
+class NoUpdateError(RuntimeError):
+    """No node trained in ``MAX_EMPTY_ROUNDS`` consecutive rounds (the run fails, with the reason)."""
 
 
 def _finite(arrays: ArrayRecord) -> bool:
@@ -94,6 +107,7 @@ class RoundLoop:
         self.strategy = build_strategy(cfg)
         self.arrays = state_to_record(self.model.state_dict())
         self.first = 1
+        self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
 
     def resume(self, last: int, payload: dict[str, Any], run_id: int) -> None:
         """Continue after round ``last`` of a checkpoint: model, strategy state and results rows."""
@@ -114,6 +128,9 @@ class RoundLoop:
 
     def run_all(self) -> None:
         self.results["status"] = "running"
+        # Who runs it: with the run directory's lock (files.lock_folder), how `feddifrc status`
+        # tells a live run from one whose process died without a word.
+        self.results["process"] = {"pid": os.getpid(), "host": socket.gethostname()}
         try:
             if self.first == 1:
                 self.results["rounds"] = [{"round": 0, **self.evaluate()}]
@@ -123,6 +140,8 @@ class RoundLoop:
                 row = self.train_round(rnd)
                 check_stop()  # a round that ends after the stop is not saved
                 self.results["rounds"].append(row)
+                if self.empty_rounds >= MAX_EMPTY_ROUNDS:
+                    raise self.no_update_error(row)  # results.json keeps the round's failures
                 self.save(rnd)
                 log.info(
                     "round %d: val accuracy %s, test accuracy %.4f (%.1fs)",
@@ -147,6 +166,21 @@ class RoundLoop:
             s.get("best-accuracy") or 0,
             s.get("mean-last-5-accuracy") or 0,
             self.run.path,
+        )
+
+    def no_update_error(self, row: dict[str, Any]) -> NoUpdateError:
+        failures, n = row["failures"], len(row["nodes"])
+        why = (
+            f"{len(failures)} of {n} nodes failed; first failure: {failures[0]['reason']}"
+            if failures
+            # Flower's strategies return nothing for replies they cannot combine (it logs why,
+            # e.g. "Skipping aggregation" for replies whose metric or array keys differ).
+            else f"{n} nodes replied but strategy '{self.cfg.strategy.name}' aggregated nothing; "
+            "the ServerApp log says why (e.g. replies with different metric keys)"
+        )
+        return NoUpdateError(
+            f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
+            f"{MAX_EMPTY_ROUNDS} such round(s) in a row, since its model was not trained"
         )
 
     def record_end(self, e: BaseException) -> None:
@@ -193,6 +227,7 @@ class RoundLoop:
             log.warning("round %d: %d of %d nodes failed: %s", rnd, len(failures), len(chosen), failures)
         if arrays is None:
             log.warning("round %d: no usable update; the global model is unchanged", rnd)
+        self.empty_rounds = self.empty_rounds + 1 if arrays is None and not diverged else 0
         row = {
             "round": rnd,
             "nodes": [self.fed.partition_of[n] for n in chosen],

@@ -33,7 +33,7 @@ def main(grid: Grid, context: Context) -> None:
         raise FileNotFoundError(
             f"resume-from = {cfg.resume_from!r}: no readable checkpoint in {run.ckpt_dir}"
         )
-    results = (run.load_results() if resumed else None) or new_results(cfg)
+    results = resumed_results(run, resumed[0]) if resumed else new_results(cfg)
     write_json(run.path / "config.json", cfg.to_flat())
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
 
@@ -62,6 +62,20 @@ def main(grid: Grid, context: Context) -> None:
     if resumed is not None:
         rounds.resume(*resumed, run_id=context.run_id)
     rounds.run_all()
+
+
+def resumed_results(run: RunDir, last: int) -> dict[str, Any]:
+    """The results.json a resume after round ``last`` continues; refused when it is gone, since
+    a new history would report rounds 1..last as never run."""
+    results = run.load_results()
+    rounds = results.get("rounds") if isinstance(results, dict) else None
+    if not isinstance(rounds, list) or not isinstance(results.get("resumed", []), list):
+        raise FileNotFoundError(
+            f"resume-from = '{run.path}': {run.results_path} is missing or holds no rounds, so the "
+            f"history of rounds 0..{last} would be lost; restore it, or start a new run"
+        )
+    results.setdefault("resumed", [])
+    return results
 
 
 def new_results(cfg: Config) -> dict[str, Any]:

@@ -27,10 +27,30 @@ from pathlib import Path
 from typing import Any
 
 from feddifrc_app.config import Config, load_config, resumable
-from feddifrc_app.files import write_json
+from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.outputs import RESUME_MAY_CHANGE
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
+
+# Keys the sweep sets on every cell (after the conf, --set and --grid): a user value for one
+# would be overwritten silently, so it is refused, with what to use instead.
+SWEEP_OWNED = {
+    "seed": "the sweep sets each cell's seed: use --seeds N (seeds 0..N-1)",
+    "outputs-dir": "the sweep writes every cell under <--out>/runs",
+    "run-name": "the sweep names every cell's run folder after the cell",
+    "resume-from": "the sweep resumes an interrupted cell itself: rerun the same sweep command",
+}
+
+
+class SweepError(ValueError):
+    """A sweep that cannot be run as asked (one line, naming the key, file or flag)."""
+
+
+def refuse_owned_keys(keys: Any, where: str) -> None:
+    """``SweepError`` naming the first key of ``keys`` (from ``where``) that the sweep sets itself."""
+    for k in keys:
+        if k in SWEEP_OWNED:
+            raise SweepError(f"{where}: key '{k}' is set by the sweep, not by you ({SWEEP_OWNED[k]})")
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Cell:
 
 def make_cells(confs: list[str], seeds: list[int], grid: dict[str, list[Any]]) -> list[Cell]:
     """Every conf x every combination of grid values x every seed (seed varies slowest)."""
+    refuse_owned_keys(grid, "--grid")
     keys = sorted(grid)
     combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(grid[k] for k in keys))]
     out = []
@@ -59,6 +80,17 @@ def make_cells(confs: list[str], seeds: list[int], grid: dict[str, list[Any]]) -
             text = Path(conf).read_text() if conf else ""
             paper = float(m.group(1)) if (m := _PAPER.search(text)) else None
             out += [Cell(conf, seed, combo, paper) for combo in combos]
+    seen: dict[str, Cell] = {}
+    for c in out:  # a cell's name is its run folder: two cells must never share one
+        if (other := seen.setdefault(c.name, c)) is not c:
+            if other.conf == c.conf:
+                raise SweepError(
+                    f"cell {c.name!r} is asked for twice (a conf file or a --grid value repeated)"
+                )
+            raise SweepError(
+                f"conf files {other.conf} and {c.conf} give cells the same name {c.name!r} (the file "
+                "name without .toml), so they would share a run folder: rename one of the files"
+            )
     return out
 
 
@@ -128,7 +160,36 @@ class Flower:
         ans = self.json(*args)
         if not ans.get("success"):
             return "submit-failed", json.dumps(ans)[-1500:]
-        run_id, deadline = str(ans["run-id"]), time.monotonic() + timeout
+        run_id = str(ans["run-id"])
+        try:
+            return self._wait(run_id, run_config, timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C: the run would go on as an orphan writing into the cell's folder; stop it
+            # through Flower before the sweep exits.
+            print(f"\ninterrupted: stopping Flower run {run_id} (flwr stop) ...", flush=True)
+            self.stop(run_id)
+            raise
+
+    def stop(self, run_id: str, wait: float = 60) -> str:
+        """`flwr stop` the run and wait (bounded) until Flower says it finished; its last status."""
+        subprocess.run(
+            ["flwr", "stop", run_id, self.federation],
+            cwd=self.app,
+            env=self.env,
+            capture_output=True,
+            timeout=wait,
+        )
+        deadline, status = time.monotonic() + wait, ""
+        while time.monotonic() < deadline:
+            info = (self.json("ls", self.federation, "--run-id", run_id, timeout=wait).get("runs") or [{}])[0]
+            status = str(info.get("status", ""))
+            if status.startswith("finished"):
+                break
+            time.sleep(2)
+        return status
+
+    def _wait(self, run_id: str, run_config: Path, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
         with open(run_config.with_suffix(".log"), "wb") as log:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 subprocess.run(
@@ -148,9 +209,7 @@ class Flower:
             if time.monotonic() >= deadline:
                 break
             time.sleep(3)
-        subprocess.run(
-            ["flwr", "stop", run_id, self.federation], cwd=self.app, env=self.env, capture_output=True
-        )
+        self.stop(run_id)
         return "timeout", f"not finished after {timeout:.0f}s (last status {info.get('status')})"
 
     def close(self) -> None:
@@ -175,17 +234,40 @@ class Sweep:
     """The cells of one sweep folder, their run configs, and running them in order."""
 
     def __init__(self, out: Path, app: Path, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+        refuse_owned_keys(overrides, "--set")
+        if out.exists() and not out.is_dir():
+            raise SweepError(
+                f"--out {out} is a file; pass a folder for the sweep (new, or an earlier sweep's)"
+            )
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            # Owned for this process's life: a second sweep into the same --out would run every
+            # cell twice into the same run folders.
+            lock_folder(out, "feddifrc sweep")
+        except FolderInUse as e:
+            raise SweepError(f"sweep folder {e}: one sweep per --out") from None
+        except OSError as e:
+            raise SweepError(f"--out {out}: cannot create or lock it ({e.strerror or e})") from None
         self.out, self.app, self.defaults, self.overrides = out, app, defaults, overrides
         self.runs, self.state_path = out / "runs", out / "sweep.json"
         self.state: dict[str, dict[str, Any]] = {}
         if self.state_path.is_file():
-            self.state = json.loads(self.state_path.read_text()).get("cells", {})
+            try:
+                self.state = json.loads(self.state_path.read_text())["cells"]
+                if not isinstance(self.state, dict):
+                    raise TypeError("'cells' is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise SweepError(
+                    f"{self.state_path} is unreadable ({type(e).__name__}: {e}); the runs under "
+                    f"{self.runs} are intact: move sweep.json aside and rerun to rebuild it"
+                ) from None
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
         """The flat run config of ``cell`` (without resume-from)."""
         from feddifrc_app.cli import parse_run_config
 
         conf = parse_run_config([cell.conf]) if cell.conf else {}
+        refuse_owned_keys(conf, cell.conf)
         return {
             **conf,
             **self.overrides,
@@ -215,22 +297,21 @@ class Sweep:
     def finished(self, cell: Cell, cfg: Config) -> dict[str, Any] | None:
         if self.stale(cell, cfg):
             return None
-        try:
-            r = json.loads((self.runs / cell.name / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
-        done = (
-            r.get("status") == "completed"
-            and r["rounds"]
-            and r["rounds"][-1]["round"] == cfg.num_server_rounds
-        )
-        return r if done else None
+        from feddifrc_app.report import completed_results
+
+        r, _ = completed_results(self.runs / cell.name, cfg.num_server_rounds)
+        return r
 
     def submit_file(self, cell: Cell) -> Path:
         """Write cells/<name>.toml; an interrupted cell resumes from its last checkpoint."""
         flat = self.cell_config(cell)
         run_dir = self.runs / cell.name
         cfg = load_config({**self.defaults, **flat})
+        if run_dir.is_dir() and (who := folder_holder(run_dir)):
+            raise SweepError(
+                f"run directory {run_dir} is in use by {who}: a run of this cell is still live (of an "
+                "interrupted sweep?); stop it (flwr stop <run-id>) or let it end, then rerun the sweep"
+            )
         if resumable(cfg) and any((run_dir / "checkpoints").glob("round-*.pt.sha256")):
             flat["resume-from"] = str(run_dir)
         elif run_dir.exists():
@@ -266,6 +347,9 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
             status, reason = flower.run(sweep.submit_file(cell), cell_timeout)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
             status, reason = "error", f"{type(e).__name__}: {e}"
+        except KeyboardInterrupt:  # Flower.run has stopped the cell's run
+            sweep.record(cell, status="stopped", reason="interrupted (Ctrl-C); rerun the sweep to resume")
+            raise
         done = sweep.finished(cell, configs[cell.name])
         if status != "finished:completed" or done is None:
             failures[cell.name] = f"{status}: {reason}".strip()

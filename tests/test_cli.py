@@ -236,3 +236,42 @@ def test_status_lists_runs_with_progress_and_failures(tmp_path, capsys):
     assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "a: feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1" in out
+
+
+def test_fetch_with_a_truncated_mnist5k_cache_rebuilds_it_without_a_traceback(tmp_path, capsys, caplog):
+    from feddifrc_app.dataset import _mnist5k_arrays
+
+    argv = ["fetch", "--app", str(ROOT), "--split", "test"]
+    argv += ["--run-config", f"method='fedavg' dataset.data-dir='{tmp_path}'"]
+    _mnist5k_arrays.cache_clear()
+    assert cli.main(argv) == 0
+    (path,) = (tmp_path / "feddifrc-decoded").glob("mnist-5k-*.npz")
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])  # an interrupted copy onto an offline node
+    _mnist5k_arrays.cache_clear()
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        assert cli.main(argv) == 0
+    out = capsys.readouterr()
+    assert "dataset mnist-5k/test: 1000 images, 10 classes" in out.out, out
+    assert "Traceback" not in out.err and f"decoded cache {path} unreadable (BadZipFile" in caplog.text
+    with np.load(path, allow_pickle=False) as z:  # rebuilt whole
+        assert len(z["test"]) == 1000
+    _mnist5k_arrays.cache_clear()
+
+
+def test_status_names_a_failed_run_and_an_unreadable_file_without_a_traceback(tmp_path, capsys):
+    import json
+
+    _fake_run(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text('{"num-server-rounds": ')  # truncated
+    r = json.loads((tmp_path / "a" / "results.json").read_text())
+    r.update(status="failed", error="NoUpdateError: round 1: no node returned a usable update\nmore")
+    (tmp_path / "a" / "results.json").write_text(json.dumps(r))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "results.json").write_text("[1, 2]")  # valid JSON, not a run's
+    assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"round 2/? ({tmp_path / 'a' / 'config.json'} unreadable: JSONDecodeError)" in out
+    assert out.count("  failed: NoUpdateError: round 1: no node returned a usable update\n") == 1
+    assert f"b: {tmp_path / 'b' / 'results.json'} has an unexpected layout (AttributeError" in out

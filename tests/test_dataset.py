@@ -677,3 +677,55 @@ def test_mnist5k_normalisation_comes_from_the_train_split_and_resizes() -> None:
 def test_public_split_exists_for_mnist5k_only() -> None:
     with pytest.raises(ValueError, match="'public' exists for mnist-5k only"):
         load_dataset(dcfg(), "public")
+
+
+def _truncate(path: Path) -> None:
+    """What an interrupted copy of a cache leaves: the first half of the bytes."""
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+
+
+def test_a_truncated_decoded_split_cache_is_named_and_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write_torchvision_cifar10(tmp_path, monkeypatch)
+    cfg = dcfg(name="cifar10", data_dir=str(tmp_path))
+    ref = load_dataset(cfg, "train")
+    (cached,) = (tmp_path / "feddifrc-decoded").glob("cifar10-train-32px-*.npz")
+    _truncate(cached)
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        again = load_dataset(cfg, "train")
+    assert again.fingerprint == ref.fingerprint
+    assert f"decoded cache {cached} unreadable (BadZipFile" in caplog.text and "rebuilding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        assert load_dataset(cfg, "train").fingerprint == ref.fingerprint  # the rebuilt file reads clean
+    assert "unreadable" not in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "flip-header"])
+def test_a_damaged_mnist5k_cache_is_named_and_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    from feddifrc_app.dataset import _mnist5k_arrays
+
+    _mnist5k_arrays.cache_clear()
+    images, _, _ = _mnist5k_arrays(tmp_path)
+    (path,) = (tmp_path / "feddifrc-decoded").glob("mnist-5k-*.npz")
+    if damage == "truncate":
+        _truncate(path)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # the first member's compression method in the central directory: NotImplementedError
+        raw = bytearray(path.read_bytes())
+        raw[raw.index(b"PK\x01\x02") + 10] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    _mnist5k_arrays.cache_clear()  # a new process
+    with caplog.at_level(logging.WARNING):
+        again, _, _ = _mnist5k_arrays(tmp_path)
+    assert np.array_equal(again, images)
+    assert f"decoded cache {path} unreadable (" in caplog.text and "rebuilding" in caplog.text
+    _mnist5k_arrays.cache_clear()
+    with np.load(path, allow_pickle=False) as z:  # rewritten whole
+        assert np.array_equal(z["images"], images)
+    _mnist5k_arrays.cache_clear()

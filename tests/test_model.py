@@ -99,3 +99,13 @@ def test_width_scales_the_network_and_the_embedding() -> None:
     assert z.shape == (2, 128) and logits.shape == (2, 10)
     with pytest.raises(ValueError, match="width=0"):
         build_model("resnet10", 10, width=0)
+
+
+@pytest.mark.parametrize("size", [8, 9, 15, 16, 17, 28, 32])
+def test_last_stage_size_is_the_models(size):
+    from feddifrc_app.config import last_stage_size
+
+    m = ResNet10(10, width=4).eval()
+    with torch.no_grad():
+        out = m.layer4(m.layer3(m.layer2(m.layer1(m.stem(torch.zeros(1, 3, size, size))))))
+    assert out.shape[-2:] == (last_stage_size(size), last_stage_size(size))

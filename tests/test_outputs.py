@@ -134,9 +134,13 @@ def test_resume_checks_the_config_and_names_what_changed(tmp_path):
 
 
 def test_outputs_dir_that_is_a_file_is_named(tmp_path):
+    from feddifrc_app.config import ConfigError
+
     (tmp_path / "f").write_text("x")
-    with pytest.raises(OSError, match="outputs-dir = '.*f': cannot create the run directory"):
-        RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f"), run_name="r"), 1)
+    with pytest.raises(ConfigError, match="'outputs-dir' = '.*f' is invalid: .*f exists and is not a folder"):
+        make_config(outputs_dir=str(tmp_path / "f"), run_name="r")
+    with pytest.raises(OSError, match="outputs-dir = '.*f/sub': cannot create the run directory"):
+        RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f" / "sub"), run_name="r"), 1)
 
 
 def test_partial_writes_of_a_killed_run_are_removed(tmp_path):
@@ -221,3 +225,20 @@ def test_plots_are_png(tmp_path):
         assert (tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(results)
     assert "0.6000" in table and "1.5000" in table and "final 60.00%" in table
+
+
+def test_a_checkpoint_is_the_round_its_name_says_with_a_model(tmp_path, caplog):
+    run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    run.save_checkpoint(1, {"round": 1, "model": {"w": torch.ones(2)}})
+    run.save_checkpoint(2, {"model": {"w": torch.ones(2)}})  # digest matches, no round
+    with caplog.at_level("WARNING"):
+        assert run.load_last_checkpoint()[0] == 1
+    assert f"checkpoint {run.checkpoint_path(2)} is not loaded (it says round None, its name round 2)" in (
+        caplog.text
+    )
+    run.save_checkpoint(3, {"round": 9, "model": {"w": torch.ones(2)}})  # would resume at round 9
+    run.save_checkpoint(4, {"round": 4, "model": "not a state"})
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert run.load_last_checkpoint()[0] == 1
+    assert "it says round 9, its name round 3" in caplog.text and "it holds no model state" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -178,3 +179,151 @@ def test_the_training_resolution_is_recorded_and_checked_against_the_config(
     with caplog.at_level("WARNING", logger="flwr.feddifrc"):
         _featurizer(str(few_steps), str(tmp_path), "cpu", "float32", 16, 100, (1, 2, 3), 1, 0)
     assert "trained at 32 px but diffusion.resolution = 16" in caplog.text
+
+
+# --------------------------------------------------------------------------- the output folder
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_out_folder_is_missing_empty_or_its_own_unless_force(
+    few_steps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from feddifrc_app.diffusion.pretrain import OutFolderError, check_out_folder
+
+    check_out_folder(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    check_out_folder(tmp_path / "empty")
+    own = tmp_path / "own"
+    shutil.copytree(few_steps, own)
+    check_out_folder(own)  # written by pretrain-teacher: every file is in its feddifrc.json
+    (own / "notes.txt").write_text("mine")
+    with pytest.raises(OutFolderError, match=r"did not write \(notes.txt\)"):
+        check_out_folder(own)
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("years of work")
+    with pytest.raises(OutFolderError) as e:
+        check_out_folder(thesis)
+    msg = str(e.value)
+    assert "\n" not in msg and str(thesis) in msg and "thesis.tex" in msg and "--force" in msg
+    check_out_folder(thesis, force=True)
+    # A file, the working directory, an ancestor of it or of the app: refused even with force.
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutFolderError, match="is a file, not a folder"):
+        check_out_folder(tmp_path / "file", force=True)
+    with pytest.raises(OutFolderError, match="is the current working directory"):
+        check_out_folder(Path.cwd(), force=True)
+    with pytest.raises(OutFolderError, match="holds the current working directory"):
+        check_out_folder(Path.cwd().parent, force=True)
+    app = tmp_path / "work" / "app"
+    app.mkdir(parents=True)
+    with pytest.raises(OutFolderError, match=f"holds the app folder \\({app}\\)"):
+        check_out_folder(tmp_path / "work", force=True, protected=[app])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutFolderError, match="holds the feddifrc_app package"):
+        check_out_folder(Path(__file__).resolve().parents[1], force=True)
+
+
+def test_pretrain_into_a_foreign_folder_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from feddifrc_app.diffusion import pretrain
+
+    def no_training(*a, **k):
+        raise AssertionError("trained although the folder is refused")
+
+    monkeypatch.setattr(pretrain, "_train", no_training)
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    images, labels = _data()
+    with pytest.raises(pretrain.OutFolderError, match="thesis.tex"):
+        pretrain_teacher(images, labels, PROMPTS, out, progress=False)
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
+
+
+def test_folder_edited_during_training_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddifrc_app.diffusion import pretrain
+
+    out = tmp_path / "t"
+    out.mkdir()  # empty when the run starts
+    real = pretrain._train
+
+    def train_then_someone_writes(*a, **k):
+        result = real(*a, **k)
+        (out / "draft.md").write_text("written meanwhile")
+        return result
+
+    monkeypatch.setattr(pretrain, "_train", train_then_someone_writes)
+    images, labels = _data()
+    with pytest.raises(pretrain.OutFolderError, match="draft.md"):
+        pretrain_teacher(
+            images, labels, PROMPTS, out, PretrainRecipe(vae_steps=0, unet_steps=0), progress=False
+        )
+    assert [p.name for p in out.iterdir()] == ["draft.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]  # its temp folder removed
+
+
+def test_leftovers_of_a_killed_pretraining_are_removed_and_only_those(tmp_path: Path) -> None:
+    from feddifrc_app.diffusion.pretrain import remove_stale_temp
+
+    dead, live = _dead_pid(), os.getpid()
+    out = tmp_path / "teacher"
+    names = {
+        "dead_tmp": f".teacher.pretrain-tmp-{dead}-0123abcd",
+        "dead_old": f".teacher.pretrain-old-{dead}-0123abce",
+        "live_tmp": f".teacher.pretrain-tmp-{live}-0123abcf",  # a pretraining still running
+        "other_writer": f".teacher.tmp-{dead}-0123abd0",  # not pretrain's
+        "other_folder": f".other.pretrain-tmp-{dead}-0123abd1",
+    }
+    for n in names.values():
+        (tmp_path / n).mkdir()
+        (tmp_path / n / "x").write_text(n)
+    remove_stale_temp(out)  # out missing: the moved-aside previous teacher is put back
+    assert (out / "x").read_text() == names["dead_old"]
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"teacher", names["live_tmp"], names["other_writer"], names["other_folder"]}
+    (tmp_path / names["dead_old"]).mkdir()
+    remove_stale_temp(out)  # out present: the old copy is the replaced teacher, removed
+    assert not (tmp_path / names["dead_old"]).exists() and (out / "x").is_file()
+
+
+def test_cli_pretrain_refuses_in_one_line_and_rewrites_its_own_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from conftest import ROOT
+
+    from feddifrc_app import cli
+
+    base = ["pretrain-teacher", "--app", str(ROOT), "--vae-steps", "0", "--unet-steps", "0", "--no-progress"]
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "thesis.tex").write_text("x")
+    (tmp_path / "f").write_text("x")
+    for out, why in [
+        (tmp_path / "thesis", "did not write (thesis.tex)"),
+        (tmp_path / "f", "is a file"),
+        (ROOT, "is the current working directory" if Path.cwd() == ROOT else "is the app folder"),
+        (ROOT.parent, "holds"),
+    ]:
+        force = [] if out == tmp_path / "thesis" else ["--force"]  # no --force for the foreign folder
+        assert cli.main([*base, "--out", str(out), *force]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("feddifrc pretrain-teacher: error: output folder") and why in err, err
+        assert err.count("\n") == 1
+    assert (tmp_path / "thesis" / "thesis.tex").read_text() == "x" and (tmp_path / "f").read_text() == "x"
+    ctrl = tmp_path / "ctrl"
+    for _ in range(2):  # the second run replaces the folder the first one made
+        assert cli.main([*base, "--out", str(ctrl)]) == 0
+        assert capsys.readouterr().out.strip() == str(ctrl)
+    assert json.loads((ctrl / "feddifrc.json").read_text())["random_weights"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ctrl", "f", "thesis"]

@@ -36,3 +36,96 @@ def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> No
     bad, fed = _setup(p0={"class-names": ["cat", "dog"]}, p1={"class-names": ["dog", "cat"]})
     with pytest.raises(ValueError, match=r"node 101 \(partition-id 1\) numbers its classes \['dog', 'cat'\]"):
         check_classes(bad, fed, test)
+
+
+class _FailingFederation:
+    """Two nodes that both fail every round, as with a batch BatchNorm cannot normalise."""
+
+    partition_of = {11: 0, 12: 1}
+
+    def sample(self, rnd: int) -> list[int]:
+        return [11, 12]
+
+    def view(self, chosen: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(get_node_ids=lambda: list(chosen))
+
+    def exchange(self, msgs, chosen):
+        reason = "ValueError: Expected more than 1 value per channel when training"
+        return [], [{"node": n, "partition-id": self.partition_of[n], "reason": reason} for n in chosen]
+
+
+def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path) -> None:
+    import json
+
+    from conftest import make_config
+
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import MAX_EMPTY_ROUNDS, NoUpdateError, RoundLoop
+
+    cfg = make_config(method="fedavg", num_server_rounds=3)
+    (tmp_path / "run").mkdir()
+    run = RunDir(tmp_path / "run")
+    results: dict = {"rounds": [], "resumed": []}
+
+    def evaluator(model):
+        return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
+
+    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10, None)
+    with pytest.raises(NoUpdateError) as e:
+        loop.run_all()
+    assert MAX_EMPTY_ROUNDS == 1
+    msg = str(e.value)
+    assert msg.startswith("round 1: no node returned a usable update (2 of 2 nodes failed; first failure: ")
+    assert "Expected more than 1 value per channel" in msg
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk["status"] == "failed" and on_disk["error"] == f"NoUpdateError: {msg}"
+    assert [r["round"] for r in on_disk["rounds"]] == [0, 1] and len(on_disk["rounds"][1]["failures"]) == 2
+    assert not list((tmp_path / "run").rglob("round-*.pt"))  # an untrained round is not checkpointed
+
+
+def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) -> None:
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.server_app import resumed_results
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    with pytest.raises(
+        FileNotFoundError, match=r"results.json is missing or holds no rounds, so the history"
+    ):
+        resumed_results(run, 3)
+    run.results_path.write_text('{"status": "stopped"}')  # no rounds: nothing to continue
+    with pytest.raises(FileNotFoundError, match="rounds 0..3 would be lost"):
+        resumed_results(run, 3)
+    run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
+    assert resumed_results(run, 3)["rounds"] == [{"round": 0}]
+
+
+def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) -> None:
+    from conftest import make_config
+
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import NoUpdateError, RoundLoop
+
+    class Replying(_FailingFederation):
+        def exchange(self, msgs, chosen):
+            return [object(), object()], []  # two replies, no failure
+
+    (tmp_path / "run").mkdir()
+    results: dict = {"rounds": [], "resumed": []}
+    loop = RoundLoop(
+        make_config(method="fedavg", num_server_rounds=2),
+        Replying(),
+        RunDir(tmp_path / "run"),
+        results,
+        lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
+        10,
+        None,
+    )
+    loop.strategy.aggregate_train = lambda rnd, replies: (None, None)  # as Flower's "Skipping aggregation"
+    with pytest.raises(
+        NoUpdateError,
+        match=r"round 1: no node returned a usable update \(2 nodes replied but "
+        r"strategy 'fedavg' aggregated nothing; the ServerApp log says why",
+    ):
+        loop.run_all()
+    assert results["status"] == "failed"

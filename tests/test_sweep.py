@@ -11,7 +11,7 @@ from conftest import ROOT
 from feddifrc_app import cli
 from feddifrc_app.config import ConfigError
 from feddifrc_app.report import write_sweep_table
-from feddifrc_app.sweep import Cell, Sweep, make_cells
+from feddifrc_app.sweep import Cell, Sweep, SweepError, make_cells
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
@@ -77,7 +77,12 @@ def _fake_cell(out: Path, name: str, conf: str, alpha: float, final: float, best
     (run / "results.json").write_text(
         json.dumps({"rounds": rounds, "summary": summary, "status": "completed"})
     )
-    config = {"dataset.name": "mnist-5k", "partition.name": "dirichlet", "partition.alpha": alpha}
+    config = {
+        "dataset.name": "mnist-5k",
+        "partition.name": "dirichlet",
+        "partition.alpha": alpha,
+        "num-server-rounds": 2,
+    }
     (run / "config.json").write_text(json.dumps(config))
     return {"conf": conf, "seed": 0, "grid": {}, "paper": paper, "status": "completed", "reason": ""}
 
@@ -165,7 +170,9 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
 
 def test_table_of_a_sweep_with_no_finished_cell_says_so(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps({"cells": {"a": {"conf": "", "status": "failed"}}}))
-    assert write_sweep_table(tmp_path) == "no cell of this sweep has completed yet\n"
+    assert write_sweep_table(tmp_path) == (
+        "no cell of this sweep has completed yet\nskipped a: sweep.json status 'failed'\n"
+    )
 
 
 def test_method_labels_drop_setting_tags_and_keep_other_grid_values():
@@ -175,3 +182,106 @@ def test_method_labels_drop_setting_tags_and_keep_other_grid_values():
     assert method_label("conf/cifar10-nid2-moon.toml", {}) == "moon"
     grid = {"partition.alpha": 0.05, "diffusion.model": "/runs/tiny-mnist-untrained"}
     assert method_label("conf/mnist5k-feddifrc.toml", grid) == "feddifrc [model=tiny-mnist-untrained]"
+
+
+@pytest.mark.parametrize("key", ["seed", "outputs-dir", "run-name", "resume-from"])
+def test_keys_the_sweep_sets_are_refused_in_grid_set_and_conf_files(tmp_path, key, capsys):
+    with pytest.raises(SweepError, match=f"--grid: key '{key}' is set by the sweep"):
+        make_cells([], [0], {key: ["1", "2"]})
+    with pytest.raises(SweepError, match=f"--set: key '{key}' is set by the sweep"):
+        sweep_in(tmp_path, **{key: "x"})
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'{key} = "x"\n')
+    with pytest.raises(SweepError, match=f"{conf}: key '{key}' is set by the sweep"):
+        sweep_in(tmp_path).validate(make_cells([str(conf)], [0], {}))
+    # From the command line: one line, exit 2, before any Flower process starts.
+    value = "1,2" if key == "seed" else "'a','b'"
+    argv = ["sweep", "--app", str(ROOT), "--out", str(tmp_path / "sw"), "--grid", f"{key}={value}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"feddifrc sweep: error: --grid: key '{key}' is set by the sweep")
+        and err.count("\n") == 1
+    )
+    if key == "seed":
+        assert "use --seeds N" in err
+    assert not (tmp_path / "sw" / "flwr-home").exists()
+
+
+def test_sweep_out_that_is_a_file_or_holds_a_corrupt_sweep_json_is_one_line(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("x")
+    assert cli.main(["sweep", "--app", str(ROOT), "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"feddifrc sweep: error: --out {f} is a file; pass a folder for the sweep " + (
+        "(new, or an earlier sweep's)\n"
+    )
+    assert f.read_text() == "x"
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "sweep.json").write_text('{"cells": {"a"')
+    with pytest.raises(SweepError, match=f"{tmp_path / 'sw' / 'sweep.json'} is unreadable"):
+        sweep_in(tmp_path)
+    assert cli.main(["table", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feddifrc table: error: ") and str(tmp_path / "sw" / "sweep.json") in err
+    assert err.count("\n") == 1
+
+
+def test_table_uses_only_completed_runs_of_the_configured_rounds_and_names_each_skipped_cell(tmp_path):
+    out = tmp_path / "sw"
+    conf = "conf/mnist5k-moon.toml"
+    cells = {n: _fake_cell(out, n, conf, 0.05, 0.5, 0.6) for n in ("ok", "running", "short", "bad", "nocfg")}
+    cells["flagged"] = {**_fake_cell(out, "flagged", conf, 0.05, 0.9, 0.9), "status": "failed"}
+    cells["gone"] = dict(cells["ok"])  # sweep.json lists it, its run folder is missing
+    r = json.loads((out / "runs" / "running" / "results.json").read_text())
+    (out / "runs" / "running" / "results.json").write_text(json.dumps({**r, "status": "running"}))
+    (out / "runs" / "short" / "results.json").write_text(json.dumps({**r, "rounds": r["rounds"][:2]}))
+    (out / "runs" / "bad" / "results.json").write_text('{"rounds": [')
+    (out / "runs" / "nocfg" / "config.json").unlink()
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+    md = write_sweep_table(out)
+    assert "| moon | 50.00 ± 0.00 / 60.00 ± 0.00 / 55.00 ± 0.00 (n=1) |" in md  # "ok" alone
+    runs = out / "runs"
+    assert "skipped running: results.json status is 'running', not 'completed'" in md
+    assert "skipped short: results.json ends at round 1, the config asks for 2" in md
+    assert f"skipped bad: {runs / 'bad' / 'results.json'} is unreadable (JSONDecodeError" in md
+    assert f"skipped nocfg: no config.json ({runs / 'nocfg' / 'config.json'})" in md
+    assert "skipped flagged: sweep.json status 'failed'" in md
+    assert f"skipped gone: no config.json ({runs / 'gone' / 'config.json'})" in md
+    assert md.count("skipped ") == 6 and md == (out / "table.md").read_text()
+    assert len((out / "table.csv").read_text().splitlines()) == 2
+
+
+def test_cells_that_would_share_a_run_folder_are_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "x.toml").write_text('method = "fedavg"\n')
+    a, b = str(tmp_path / "a" / "x.toml"), str(tmp_path / "b" / "x.toml")
+    with pytest.raises(
+        SweepError, match=f"conf files {a} and {b} give cells the same name 'x-s0'.*rename one"
+    ):
+        make_cells([a, b], [0], {})
+    with pytest.raises(SweepError, match="cell 'x-alpha0.5-s0' is asked for twice"):
+        make_cells([a], [0], {"partition.alpha": [0.5, 0.5]})
+
+
+def test_an_unquoted_string_in_grid_says_how_to_quote_it():
+    with pytest.raises(cli.CLIError) as e:
+        cli._grid(["method=fedavg,moon"])
+    assert str(e.value) == (
+        "--grid 'method=fedavg,moon': each value must be TOML (a number, true/false, or a quoted string): "
+        """e.g. --grid "method='a','b'\""""
+    )
+    assert cli._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
+
+
+def test_a_simulation_without_enough_supernodes_is_refused_before_any_run(tmp_path, capsys):
+    base = ["sweep", "--app", str(ROOT), "--out", str(tmp_path / "sw")]
+    assert cli.main([*base, "--federation-config", "num-supernodes=0"]) == 2
+    assert "num-supernodes = 0: expected an integer >= 1" in capsys.readouterr().err
+    argv = [*base, "--set", "min-nodes=3", "--federation-config", "num-supernodes=2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cell defaults-s0: min-nodes = 3 but --federation-config starts num-supernodes = 2" in err
+    assert err.count("\n") == 1 and not (tmp_path / "sw" / "flwr-home").exists()

@@ -23,7 +23,10 @@ weights alone.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -37,7 +40,9 @@ import torch.nn.functional as F
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
 from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND, folder_digests
 from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, save_tiny_pipeline, tiny_text_encoder
-from feddifrc_app.files import atomic_folder
+from feddifrc_app.files import atomic_folder, stale_siblings
+
+log = logging.getLogger("flwr.feddifrc")
 
 KL_WEIGHT = 1e-7
 EMPTY_PROMPT_RATE = 0.1
@@ -100,6 +105,90 @@ class PretrainRecipe:
                 raise ValueError(f"{name}={getattr(self, name)}: expected >= 0")
         if not 0.0 <= self.empty_prompt_rate <= 1.0 or not 0.0 <= self.ema_decay < 1.0:
             raise ValueError("empty_prompt_rate must be in [0, 1] and ema_decay in [0, 1)")
+
+
+# --------------------------------------------------------------------------- the output folder
+
+TEMP_TAG = "pretrain-"  # .<out>.pretrain-tmp-<pid>-<hex>: how this command finds its own leftovers
+
+
+class OutFolderError(ValueError):
+    """``out`` is not a folder pretrain-teacher may replace (one line, naming it and the fix)."""
+
+
+def _foreign_files(folder: Path) -> list[str]:
+    """Files in ``folder`` that no pretrain-teacher wrote: all of them unless its ``feddifrc.json``
+    says pretrain made the folder, else those its checksum list and card do not cover."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        ours = set(marker["files"]) if marker.get("kind") == PRETRAINED_KIND else set()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        ours = set()
+    if not ours:
+        return files
+    return [f for f in files if f not in ours and f not in (MARKER, "README.md")]
+
+
+def _protected(extra: Sequence[Path]) -> list[tuple[Path, str]]:
+    """Folders whose loss would be someone else's work: --out may be none of them nor hold one."""
+    from feddifrc_app.diffusion.pipeline import _installed_package_dir
+
+    return [
+        (Path.cwd().resolve(), "the current working directory"),
+        (Path.home().resolve(), "the home folder"),
+        (Path(__file__).resolve().parents[1], "the feddifrc_app package"),
+        (_installed_package_dir(), "the installed feddifrc_app package"),
+        *((Path(p).expanduser().resolve(), "the app folder") for p in extra),
+    ]
+
+
+def check_out_folder(out: Path, force: bool = False, protected: Sequence[Path] = ()) -> None:
+    """Refuse an ``out`` that pretrain-teacher must not replace (it swaps the whole folder in).
+
+    Allowed: a missing or empty folder, or one this command wrote (its ``feddifrc.json`` lists
+    every file there); any other folder only with ``force``. Never, even with ``force``: a file,
+    the working directory, the home folder, or a folder holding the app or the package.
+    """
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise OutFolderError(
+            f"output folder {out} is a file, not a folder; pass a missing or empty folder path"
+        )
+    for p, what in _protected(protected):
+        if out == p or out in p.parents:
+            raise OutFolderError(
+                f"output folder {out} {'is' if out == p else 'holds'} {what} ({p}); pretrain-teacher "
+                f"replaces the whole folder: pass a new subfolder, e.g. {out / 'tiny-teacher'}"
+            )
+    if not out.is_dir() or force:
+        return
+    foreign = _foreign_files(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutFolderError(
+            f"output folder {out} holds files pretrain-teacher did not write ({shown}) and would be "
+            "replaced as a whole; pass a missing or empty folder, or --force to replace it"
+        )
+
+
+def remove_stale_temp(out: Path) -> None:
+    """Remove the temp folders a killed pretraining into ``out`` left (named by :data:`TEMP_TAG`).
+
+    A moved-aside previous teacher is put back when ``out`` is missing (killed mid-swap),
+    else removed: the swap that moved it had finished."""
+    out = Path(out).expanduser().resolve()
+    tmps, olds = stale_siblings(out, TEMP_TAG)
+    for p in tmps:
+        log.warning("removing %s, left by a killed pretrain-teacher", p)
+        shutil.rmtree(p, ignore_errors=True)
+    for p in olds:
+        if not out.exists():
+            log.warning("restoring %s to %s (a killed pretrain-teacher had moved it aside)", p, out)
+            os.replace(p, out)
+        else:
+            log.warning("removing %s, the replaced teacher a killed pretrain-teacher left", p)
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _lr_lambda(steps: int, warmup: int, lr: float, lr_end: float) -> Callable[[int], float]:
@@ -265,12 +354,16 @@ def pretrain_teacher(
     name: str = "tiny-teacher",
     data_note: str = "",
     progress: bool = True,
+    force: bool = False,
+    protected: Sequence[Path] = (),
 ) -> Path:
     """Train the tiny teacher on ``images`` (uint8 (N, 3, H, W)) labelled ``labels`` (0..K-1)
     under ``class_prompts`` (K, label order) and write it to ``out`` atomically.
 
     The folder is built next to ``out`` and swapped in whole, so a killed run leaves no
     partial teacher and an existing ``out`` is replaced only once the new one is complete.
+    ``out`` must pass :func:`check_out_folder` (before training and again at the swap);
+    leftovers of a killed earlier pretraining into ``out`` are removed first.
     ``feddifrc.json`` records the recipe, the training losses and a sha256 of every file
     (the loader checks them); ``README.md`` is the model card.
     """
@@ -286,9 +379,13 @@ def pretrain_teacher(
     if "" in class_prompts:
         raise ValueError("a class prompt is empty: the empty prompt is the unconditional one")
     out = Path(out).expanduser().resolve()
+    check_out_folder(out, force, protected)
+    remove_stale_temp(out)
     t_start = time.perf_counter()
     pipe, training = _train(images, labels_t, class_prompts, recipe, progress)
-    with atomic_folder(out) as tmp:
+    # The folder may have changed during training: check again at the swap.
+    recheck = lambda p: check_out_folder(p, force, protected)  # noqa: E731
+    with atomic_folder(out, TEMP_TAG, recheck) as tmp:
         save_tiny_pipeline(pipe, tmp)
         marker: dict[str, Any] = {
             "kind": PRETRAINED_KIND,
