@@ -254,17 +254,18 @@ def plot_curves(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     alphas = sorted({r["config"]["partition.alpha"] for r in runs})
+    colour = {arm: f"C{i}" for i, arm in enumerate(sorted({arm_of(r) for r in runs}))}  # same in each panel
     fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4), squeeze=False)
     for ax, alpha in zip(axes[0], alphas, strict=True):
         arms: dict[str, list[dict]] = {}
         for r in runs:
             if r["config"]["partition.alpha"] == alpha:
                 arms.setdefault(arm_of(r), []).append(r)
-        for i, (arm, rs) in enumerate(sorted(arms.items())):
+        for arm, rs in sorted(arms.items()):
             test = 100 * np.mean([curve(r, "test-accuracy") for r in rs], axis=0)
             val = 100 * np.mean([curve(r, "val-accuracy") for r in rs], axis=0)
             x = np.arange(1, len(test) + 1)
-            line = ax.plot(x, test, label=f"{arm} (n={len(rs)})", color=f"C{i}")[0]
+            line = ax.plot(x, test, label=f"{arm} (n={len(rs)})", color=colour[arm])[0]
             ax.plot(x, val, ls="--", lw=0.8, color=line.get_color())
         ax.set_title(f"mnist-5k NID1 alpha={alpha:g}: test (solid), validation (dashed)", fontsize=9)
         ax.set_xlabel("round")
@@ -313,6 +314,17 @@ def main() -> int:
                 (Path(args.out).resolve() / "paired.json").write_text(json.dumps(summary, indent=1))
                 (Path(args.out).resolve() / "paired.md").write_text(table + "\n")
                 plot_curves(runs, Path(args.out).resolve() / "curves.png")
+                curves = [  # every finished cell's curves: enough to redo any analysis
+                    {
+                        "arm": arm_of(r),
+                        "alpha": r["config"]["partition.alpha"],
+                        "seed": r["config"]["seed"],
+                        "val": curve(r, "val-accuracy").round(4).tolist(),
+                        "test": curve(r, "test-accuracy").round(4).tolist(),
+                    }
+                    for r in runs
+                ]
+                (Path(args.out).resolve() / "cells.json").write_text(json.dumps(curves) + "\n")
         return 0
     from teacher_quality import control_teacher  # the same untrained control as the quality benchmark
 

@@ -165,7 +165,7 @@ def ndcr_geometry(x: np.ndarray, y: np.ndarray, folds: int) -> tuple[float, floa
 
     u, cv = _unit(x), StratifiedKFold(folds, shuffle=True, random_state=0)
     ncc = cross_val_score(NearestCentroid(metric="euclidean"), u, y, cv=cv).mean()  # unit: cos order
-    lin = cross_val_score(LogisticRegression(C=1.0, max_iter=3000), u, y, cv=cv).mean()
+    lin = cross_val_score(LogisticRegression(C=1.0, max_iter=500), u, y, cv=cv).mean()
     return float(ncc), float(lin)
 
 
