@@ -53,7 +53,7 @@ def conf(method: str) -> str:
 
 
 def settings(args, out: Path) -> dict:
-    s = {
+    return {
         "num-server-rounds": args.rounds,
         "train.local-epochs": args.epochs,
         "train.lr": args.lr,
@@ -62,7 +62,6 @@ def settings(args, out: Path) -> dict:
         "keep-checkpoints": 1,
         "diffusion.cache-dir": str(out.parent / "cache"),
     }
-    return s
 
 
 def pilot_cells() -> list[Cell]:
@@ -279,7 +278,7 @@ def plot_curves(runs: list[dict], path: Path) -> None:
 def pilot_report(runs: list[dict]) -> str:
     """Validation curves (5-round moving average) and mean validation accuracy of the last 10 rounds."""
     lines = []
-    for r in sorted(runs, key=lambda r: r["cell"]["name"] if "name" in r["cell"] else str(r["cell"]["grid"])):
+    for r in sorted(runs, key=lambda r: (arm_of(r), json.dumps(r["cell"]["grid"], sort_keys=True))):
         val = 100 * curve(r, "val-accuracy")
         ma = np.convolve(val, np.ones(5) / 5, mode="valid")
         flat = next((i + 5 for i in range(len(ma) - 5) if ma[i + 5 :].max() - ma[i] < 1.0), None)
