@@ -3,16 +3,23 @@
 
     python docker/make_compose.py --gpus 0,1,2,3 -o docker/compose.4gpu.yml
     python docker/make_compose.py --gpus 0,1,2,3 --insecure -o docker/compose.4gpu.insecure.yml
-    docker compose -f docker/compose.4gpu.yml up -d --build
+    python docker/make_compose.py --gpus 0,1,2,3 --loopback -o docker/compose.4gpu.loopback.yml
+    docker compose -p feddifrc -f docker/compose.4gpu.yml up -d --build
 
 One SuperNode per GPU (partition-id = its position in --gpus, num-partitions = the
 number of GPUs) and, next to it, the SuperExec that runs its ClientApps pinned to that
-GPU. The committed docker/compose.yml and docker/compose.insecure.yml are this
-script's output for ``--gpus 0,1`` (tests/test_docker_files.py keeps them in sync):
-edit this script, then regenerate them with
+GPU. ``--insecure``: no TLS, no SuperNode authentication (development). ``--loopback``: host
+networking, every address 127.0.0.1 and every service on its own ports (machines whose Docker
+has no bridge network). Each output is a whole file, used alone: Compose v1 (Debian 12's
+docker-compose 1.29.2) knows neither a top-level ``name:`` nor ``!override``, and refuses host
+networking on a service that publishes ports, so no file overrides another. The committed
+docker/compose.yml, compose.insecure.yml and compose.loopback.yml are this script's output for
+``--gpus 0,1`` (tests/test_docker_files.py keeps them in sync): edit this script, then
+regenerate them with
 
     python docker/make_compose.py --gpus 0,1 -o docker/compose.yml
     python docker/make_compose.py --gpus 0,1 --insecure -o docker/compose.insecure.yml
+    python docker/make_compose.py --gpus 0,1 --loopback -o docker/compose.loopback.yml
 
 Credentials: scripts/make_certs.sh -n <number of GPUs> (writes docker/certs/).
 Stdlib only.
@@ -22,27 +29,49 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 FLWR_VERSION = "1.42.0"  # keep equal to the flwr the app is tested with
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu130"
-RUNTIME_PORT = 9094  # each SuperNode has its own container, so they can share the port
-# Flower's gRPC health service, on in every Flower process; container-local, never published.
+SUPERLINK_PORT = 8000  # Fleet, Control and Runtime APIs
+RUNTIME_PORT = 9094  # a SuperNode's Runtime API; on a host network node i takes 9094 + i - 1
+# Flower's gRPC health service, on in every Flower process, never published: in its own container
+# every service can take 8081; on a host network they take 8081, 8082, ... (see Net.health).
 HEALTH_PORT = 8081
-HEALTH_FLAG = f"--health-server-address=127.0.0.1:{HEALTH_PORT}"
-# Probed with the image's own Python (flwr depends on grpcio-health-checking); exit 0 = SERVING.
-HEALTH_PROBE = (
-    "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-    f"c = grpc.insecure_channel('127.0.0.1:{HEALTH_PORT}'); "
-    "sys.exit(g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=5).status "
-    "!= h.HealthCheckResponse.SERVING)"
-)
+# How often a SuperExec asks its SuperLink / SuperNode for work (Flower 1.42 reads it, 0.01-60 s;
+# default 1 s, paid by every message). With --isolation subprocess, set it on the SuperNode or
+# SuperLink: their child SuperExec inherits it.
+TASK_POLL_INTERVAL = "0.05"
+CPU_BUILD = "superexec-cpu-build"
+CUDA_BUILD = "superexec-cuda-build"
+
+
+def health_probe(port: int) -> str:
+    """The healthcheck: the image's own Python (flwr depends on grpcio-health-checking); exit 0 = SERVING."""
+    return (
+        "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
+        f"c = grpc.insecure_channel('127.0.0.1:{port}'); "
+        "sys.exit(g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=5).status "
+        "!= h.HealthCheckResponse.SERVING)"
+    )
+
+
+def health_test(port: int) -> str:
+    return f'["CMD", "python", "-c", "{health_probe(port)}"]'
+
+
 # Shared by every service: `docker compose ps` shows health, dependants start once it is healthy,
 # and container logs rotate instead of filling the disk (json-file keeps everything by default).
-X_HEALTH_AND_LOGS = f"""
+X_COMMON = f"""
+x-flower-env: &flower-env
+  FLWR_TELEMETRY_ENABLED: "0"
+  FLWR_DISABLE_UPDATE_CHECK: "1"
+  FLWR_SUPEREXEC_TASK_POLL_INTERVAL: "{TASK_POLL_INTERVAL}"
+
 x-healthcheck: &healthcheck
-  test: ["CMD", "python", "-c", "{HEALTH_PROBE}"]
+  test: {health_test(HEALTH_PORT)}
   interval: 30s
   timeout: 10s
   retries: 3
@@ -61,28 +90,71 @@ HEADER = """\
 #
 # FedDifRC on ONE multi-GPU host: a SuperLink, a SuperExec that runs the ServerApp,
 # and per GPU a SuperNode plus the SuperExec that runs that node's ClientApps on it.
+"""
+
+SECURE_INTRO = """\
 # TLS and SuperNode authentication are ON. Credentials come from
 #     scripts/make_certs.sh -n {n}            (writes docker/certs/, see docs/deploy.md)
-# then, from docker/:
-#     docker compose up -d --build
+# then, from docker/ (Compose v2 `docker compose`, or v1 `docker-compose`, same arguments):
+#     docker compose -p feddifrc -f {file} up -d --build
 #     flwr supernode register certs/supernode-<i>/auth.key.pub <connection>   (each node)
 # A node whose key is not registered yet is refused and restarts until it is.
-# Development without TLS/auth: docker compose -f compose.yml -f compose.insecure.yml up
+# Development without TLS/auth: compose.insecure.yml; a host without a bridge network:
+# compose.loopback.yml (each is a whole file, used alone).
+"""
+
+INSECURE_INTRO = """\
+# DEVELOPMENT ONLY: plain-text gRPC/HTTP and no SuperNode authentication; no certificates
+# needed. From docker/:
+#     docker compose -p feddifrc -f {file} up -d --build
+# and use a connection with `insecure = true` in the flwr config.toml.
+"""
+
+LOOPBACK_INTRO = """\
+#
+# HOST NETWORK (network_mode: host), for a host whose Docker has no bridge network: every
+# service listens and dials on 127.0.0.1, on its own ports (in its own container each could
+# take the same): SuperLink {superlink} (Fleet, Control, Runtime), health {link_health};
+# ServerApp SuperExec health {server_health}; SuperNode i Runtime API 127.0.0.1:{runtime}+i-1,
+# health {node_health}+2(i-1), its SuperExec health {exec_health}+2(i-1). Nothing is published
+# (a host network has no port mapping), so the SuperLink is reachable from this host only, and
+# images are built on the host network too (build: network: host).
+"""
+
+NODE_NOTE = """\
 #
 # Per node: --node-config gives the benchmark split (partition-id / num-partitions) and
 # the feature cache (cache-dir, on the node's cache volume). For a site's own images use
 # data-dir="/app/data" instead of partition-id/num-partitions and bind-mount the images
 # read-only at /app/data in that node's superexec-clientapp service.
-name: feddifrc
 """
 
-INSECURE_HEADER = """\
-# GENERATED by docker/make_compose.py {args} -- edit the generator, not this file.
-#
-# DEVELOPMENT ONLY: plain-text gRPC/HTTP and no SuperNode authentication.
-#     docker compose -f compose.yml -f compose.insecure.yml up -d --build
-# and use a connection with `insecure = true` in the flwr config.toml.
-"""
+
+@dataclass(frozen=True)
+class Net:
+    """Where each service listens and what it dials: container names on a bridge network, or
+    127.0.0.1 and a port of its own on the host network (``loopback``)."""
+
+    loopback: bool
+
+    @property
+    def listen(self) -> str:
+        return "127.0.0.1" if self.loopback else "0.0.0.0"
+
+    @property
+    def superlink(self) -> str:
+        return f"{'127.0.0.1' if self.loopback else 'superlink'}:{SUPERLINK_PORT}"
+
+    def runtime_port(self, i: int) -> int:
+        return RUNTIME_PORT + i - 1 if self.loopback else RUNTIME_PORT
+
+    def runtime(self, i: int) -> str:
+        return f"{'127.0.0.1' if self.loopback else f'supernode-{i}'}:{self.runtime_port(i)}"
+
+    def health(self, slot: int) -> int:
+        """Health port of service ``slot``: 0 SuperLink, 1 ServerApp SuperExec, 2i SuperNode i,
+        2i + 1 its SuperExec."""
+        return HEALTH_PORT + slot if self.loopback else HEALTH_PORT
 
 
 # A SuperExec dials its Runtime API over TLS and proves it holds the shared secret.
@@ -93,8 +165,14 @@ SUPEREXEC_TLS = (
 
 
 def _list(items: list[str], indent: int) -> str:
+    """YAML list items as written (volumes may carry a trailing comment)."""
     pad = " " * indent
     return "".join(f"{pad}- {item}\n" for item in items)
+
+
+def _cmd(args: list[str]) -> str:
+    """A service's command list; an argument with quotes or spaces as a single-quoted scalar."""
+    return _list([_q(a) if '"' in a or " " in a else a for a in args], 6)
 
 
 def _q(s: str) -> str:
@@ -102,14 +180,18 @@ def _q(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def superlink_cmd(insecure: bool) -> list[str]:
+def _health_flag(port: int) -> str:
+    return f"--health-server-address=127.0.0.1:{port}"
+
+
+def superlink_cmd(insecure: bool, net: Net = Net(False)) -> list[str]:
     cmd = [
         "--isolation=process",
-        "--host=0.0.0.0",
-        "--port=8000",
+        f"--host={net.listen}",
+        f"--port={SUPERLINK_PORT}",
         "--database=/app/state/state.db",
         "--disable-runtime-dependency-installation",
-        HEALTH_FLAG,
+        _health_flag(net.health(0)),
     ]
     if insecure:
         return [*cmd, "--insecure"]
@@ -124,17 +206,18 @@ def superlink_cmd(insecure: bool) -> list[str]:
     ]
 
 
-def serverapp_cmd(insecure: bool) -> list[str]:
+def serverapp_cmd(insecure: bool, net: Net = Net(False)) -> list[str]:
     tls = ["--insecure"] if insecure else [*SUPEREXEC_TLS]
-    return ["--runtime-api-address=superlink:8000", *tls, HEALTH_FLAG]
+    return [f"--runtime-api-address={net.superlink}", *tls, _health_flag(net.health(1))]
 
 
 def node_config(index: int, n: int) -> str:
     return f'partition-id={index} num-partitions={n} cache-dir="/app/.cache/feddifrc"'
 
 
-def supernode_cmd(index: int, n: int, insecure: bool) -> list[str]:
-    cmd = ["--superlink=superlink:8000"]
+def supernode_cmd(index: int, n: int, insecure: bool, net: Net = Net(False)) -> list[str]:
+    i = index + 1
+    cmd = [f"--superlink={net.superlink}"]
     if insecure:
         cmd.append("--insecure")
     else:
@@ -142,7 +225,12 @@ def supernode_cmd(index: int, n: int, insecure: bool) -> list[str]:
             "--root-certificates=/app/certs/ca.crt",
             "--auth-supernode-private-key=/app/certs/node/auth.key",
         ]
-    cmd += ["--isolation=process", "--host=0.0.0.0", f"--port={RUNTIME_PORT}", HEALTH_FLAG]
+    cmd += [
+        "--isolation=process",
+        f"--host={net.listen}",
+        f"--port={net.runtime_port(i)}",
+        _health_flag(net.health(2 * i)),
+    ]
     if not insecure:
         cmd += [
             "--ssl-certfile=/app/certs/node/runtime.pem",
@@ -153,158 +241,180 @@ def supernode_cmd(index: int, n: int, insecure: bool) -> list[str]:
     return [*cmd, f"--node-config={node_config(index, n)}"]
 
 
-def clientapp_cmd(i: int, insecure: bool) -> list[str]:
+def clientapp_cmd(i: int, insecure: bool, net: Net = Net(False)) -> list[str]:
     tls = ["--insecure"] if insecure else [*SUPEREXEC_TLS]
-    return [f"--runtime-api-address=supernode-{i}:{RUNTIME_PORT}", *tls, HEALTH_FLAG]
+    return [f"--runtime-api-address={net.runtime(i)}", *tls, _health_flag(net.health(2 * i + 1))]
 
 
-def render(gpus: list[str], args: str) -> str:
-    n = len(gpus)
-    out = [HEADER.format(args=args, n=n)]
-    out.append(f"""
-x-flower-env: &flower-env
-  FLWR_TELEMETRY_ENABLED: "0"
-  FLWR_DISABLE_UPDATE_CHECK: "1"
-{X_HEALTH_AND_LOGS}
+def _service_tail(net: Net, slot: int, depends_on: str | None) -> str:
+    """environment, network, healthcheck, logging, depends_on and restart of a service."""
+    out = "    environment: *flower-env\n"
+    if net.loopback:
+        out += "    network_mode: host\n"
+        out += f"    healthcheck:\n      <<: *healthcheck\n      test: {health_test(net.health(slot))}\n"
+    else:
+        out += "    healthcheck: *healthcheck\n"
+    out += "    logging: *logging\n"
+    if depends_on:
+        out += f"    depends_on:\n      {depends_on}:\n        condition: service_healthy\n"
+    return out + "    restart: unless-stopped\n"
+
+
+def _build_anchors(net: Net) -> str:
+    network = "  network: host\n" if net.loopback else ""
+    return f"""
 # The app image: flwr/superexec + the app's dependencies. ServerApp: CPU torch.
-x-superexec-cpu-build: &superexec-cpu-build
+x-{CPU_BUILD}: &{CPU_BUILD}
   context: ..
   dockerfile: docker/superexec.Dockerfile
-  args:
+{network}  args:
     FLWR_VERSION: ${{FLWR_VERSION:-{FLWR_VERSION}}}
     TORCH_INDEX_URL: {TORCH_CPU_INDEX}
     REQUIRE_CUDA_TORCH: "0"
 
 # ClientApps: a CUDA build of torch (pick the index that matches the hosts' driver).
-x-superexec-cuda-build: &superexec-cuda-build
+x-{CUDA_BUILD}: &{CUDA_BUILD}
   context: ..
   dockerfile: docker/superexec.Dockerfile
-  args:
+{network}  args:
     FLWR_VERSION: ${{FLWR_VERSION:-{FLWR_VERSION}}}
     TORCH_INDEX_URL: ${{TORCH_CUDA_INDEX_URL:-{TORCH_CUDA_INDEX}}}
     REQUIRE_CUDA_TORCH: "1"
+"""
 
+
+def render(gpus: list[str], args: str, insecure: bool = False, loopback: bool = False) -> str:
+    n, net = len(gpus), Net(loopback)
+    name = "compose" + (".insecure" if insecure else "") + (".loopback" if loopback else "") + ".yml"
+    intro = INSECURE_INTRO if insecure else SECURE_INTRO
+    out = [HEADER.format(args=args), intro.format(n=n, file=name)]
+    if loopback:
+        out.append(
+            LOOPBACK_INTRO.format(
+                superlink=net.superlink,
+                link_health=net.health(0),
+                server_health=net.health(1),
+                runtime=RUNTIME_PORT,
+                node_health=net.health(2),
+                exec_health=net.health(3),
+            )
+        )
+    out += [NODE_NOTE, X_COMMON, _build_anchors(net)]
+
+    # ---- SuperLink
+    if insecure:
+        mounts = ["superlink-state:/app/state        # registered nodes, runs (--database)"]
+    else:
+        mounts = [
+            "superlink-state:/app/state        # registered nodes, runs (--database)",
+            "./certs/ca.crt:/app/certs/ca.crt:ro",
+            "./certs/superlink:/app/certs/superlink:ro",
+        ]
+    port = f"${{SUPERLINK_PORT:-{SUPERLINK_PORT}}}:{SUPERLINK_PORT}"
+    if loopback:
+        ports = ""
+    elif insecure:
+        ports = f"    ports:\n      - 127.0.0.1:{port}   # plain text: this host\n"
+    else:
+        ports = (
+            "    ports:\n"
+            "      # Fleet, Control and Runtime APIs (one port). SUPERLINK_BIND limits the host address\n"
+            "      # it is published on (Docker-published ports bypass ufw/firewalld: see docs/deploy.md,\n"
+            "      # Security).\n"
+            f'      - "${{SUPERLINK_BIND:-0.0.0.0}}:{port}"\n'
+        )
+    build_net = "      network: host\n" if loopback else ""
+    out.append(f"""
 services:
   superlink:
     build:
       context: .
       dockerfile: superlink.Dockerfile
-      args:
+{build_net}      args:
         FLWR_VERSION: ${{FLWR_VERSION:-{FLWR_VERSION}}}
     image: feddifrc-superlink:${{FLWR_VERSION:-{FLWR_VERSION}}}
     command:
-{_list(superlink_cmd(False), 6)}    ports:
-      # Fleet, Control and Runtime APIs (one port). SUPERLINK_BIND limits the host address it is
-      # published on (Docker-published ports bypass ufw/firewalld: see docs/deploy.md, Security).
-      - "${{SUPERLINK_BIND:-0.0.0.0}}:${{SUPERLINK_PORT:-8000}}:8000"
-    volumes:
-      - superlink-state:/app/state        # registered nodes, runs (--database)
-      - ./certs/ca.crt:/app/certs/ca.crt:ro
-      - ./certs/superlink:/app/certs/superlink:ro
-    environment: *flower-env
-    healthcheck: *healthcheck
-    logging: *logging
-    restart: unless-stopped
+{_cmd(superlink_cmd(insecure, net))}{ports}    volumes:
+{_list(mounts, 6)}{_service_tail(net, 0, None)}""")
 
+    # ---- the ServerApp's SuperExec
+    mounts = [
+        "${RUNS_DIR:-runs}:/app/feddifrc-runs   # results.json, checkpoints; RUNS_DIR=/abs/path: on the host",
+        "server-cache:/app/.cache          # test-set downloads / dataset cache",
+    ]
+    if not insecure:
+        mounts += [
+            "./certs/ca.crt:/app/certs/ca.crt:ro",
+            "./certs/superlink/superexec.secret:/app/certs/superexec.secret:ro",
+        ]
+    out.append(f"""
   superexec-serverapp:
-    build: *superexec-cpu-build
+    build: *{CPU_BUILD}
     image: feddifrc-superexec:cpu
     command:
-{_list(serverapp_cmd(False), 6)}    volumes:
-      - runs:/app/feddifrc-runs           # outputs-dir default (~/feddifrc-runs): results.json, checkpoints
-      - server-cache:/app/.cache          # test-set downloads / dataset cache
-      - ./certs/ca.crt:/app/certs/ca.crt:ro
-      - ./certs/superlink/superexec.secret:/app/certs/superexec.secret:ro
-    environment: *flower-env
-    healthcheck: *healthcheck
-    logging: *logging
-    depends_on:
-      superlink:
-        condition: service_healthy
-    restart: unless-stopped
-""")
+{_cmd(serverapp_cmd(insecure, net))}    volumes:
+{_list(mounts, 6)}{_service_tail(net, 1, "superlink")}""")
+
+    # ---- per GPU: a SuperNode and its ClientApps' SuperExec
     for index, gpu in enumerate(gpus):
         i = index + 1
+        certs = (
+            ""
+            if insecure
+            else "    volumes:\n"
+            "      - ./certs/ca.crt:/app/certs/ca.crt:ro\n"
+            f"      - ./certs/supernode-{i}:/app/certs/node:ro\n"
+        )
+        mounts = [f"node-{i}-cache:/app/.cache        # feature cache, HF_HOME (SD weights), datasets"]
+        if not insecure:
+            mounts += [
+                "./certs/ca.crt:/app/certs/ca.crt:ro",
+                f"./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro",
+            ]
         out.append(f"""
   # ---- node {i}: partition {index} of {n}, GPU {gpu}
   supernode-{i}:
     image: flwr/supernode:${{FLWR_VERSION:-{FLWR_VERSION}}}
     command:
-{_list([_q(c) if '"' in c or " " in c else c for c in supernode_cmd(index, n, False)], 6)}    volumes:
-      - ./certs/ca.crt:/app/certs/ca.crt:ro
-      - ./certs/supernode-{i}:/app/certs/node:ro
-    environment: *flower-env
-    healthcheck: *healthcheck
-    logging: *logging
-    depends_on:
-      superlink:
-        condition: service_healthy
-    restart: unless-stopped
-
+{_cmd(supernode_cmd(index, n, insecure, net))}{certs}{_service_tail(net, 2 * i, "superlink")}
   superexec-clientapp-{i}:
-    build: *superexec-cuda-build
+    build: *{CUDA_BUILD}
     image: feddifrc-superexec:cuda
     command:
-{_list(clientapp_cmd(i, False), 6)}    volumes:
-      - node-{i}-cache:/app/.cache        # feature cache, HF_HOME (SD weights), datasets
-      - ./certs/ca.crt:/app/certs/ca.crt:ro
-      - ./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro
-    environment: *flower-env
-    deploy:
+{_cmd(clientapp_cmd(i, insecure, net))}    volumes:
+{_list(mounts, 6)}    deploy:
       resources:
         reservations:
           devices:
             - driver: nvidia
               device_ids: ["{gpu}"]
               capabilities: [gpu]
-    healthcheck: *healthcheck
-    logging: *logging
-    depends_on:
-      supernode-{i}:
-        condition: service_healthy
-    restart: unless-stopped
-""")
+{_service_tail(net, 2 * i + 1, f"supernode-{i}")}""")
     out.append("\nvolumes:\n  superlink-state:\n  runs:\n  server-cache:\n")
     out.extend(f"  node-{i}-cache:\n" for i in range(1, n + 1))
-    return "".join(out)
-
-
-def render_insecure(gpus: list[str], args: str) -> str:
-    n = len(gpus)
-    out = [INSECURE_HEADER.format(args=args), "services:\n"]
-    # `!override` (Compose >= 2.24.4) replaces the lists instead of merging them: no
-    # certificate mounts, so this works before scripts/make_certs.sh has run.
-    out.append(
-        f"  superlink:\n    command:\n{_list(superlink_cmd(True), 6)}"
-        "    ports: !override\n      - 127.0.0.1:${SUPERLINK_PORT:-8000}:8000   # plain text: this host\n"
-        "    volumes: !override\n      - superlink-state:/app/state\n"
-    )
-    out.append(
-        f"  superexec-serverapp:\n    command:\n{_list(serverapp_cmd(True), 6)}"
-        "    volumes: !override\n      - runs:/app/feddifrc-runs\n      - server-cache:/app/.cache\n"
-    )
-    for index in range(n):
-        i = index + 1
-        cmd = [_q(c) if '"' in c or " " in c else c for c in supernode_cmd(index, n, True)]
-        out.append(f"  supernode-{i}:\n    command:\n{_list(cmd, 6)}    volumes: !override []\n")
-        out.append(
-            f"  superexec-clientapp-{i}:\n    command:\n{_list(clientapp_cmd(i, True), 6)}"
-            f"    volumes: !override\n      - node-{i}-cache:/app/.cache\n"
-        )
     return "".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="0,1", help="comma-separated GPU ids, one SuperNode each (default 0,1)")
-    p.add_argument("--insecure", action="store_true", help="write the no-TLS development override instead")
+    p.add_argument(
+        "--insecure", action="store_true", help="no TLS, no SuperNode authentication (development)"
+    )
+    p.add_argument(
+        "--loopback", action="store_true", help="host networking: every address 127.0.0.1, its own ports each"
+    )
     p.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     a = p.parse_args(argv)
     gpus = [g.strip() for g in a.gpus.split(",") if g.strip()]
     if not gpus or len(set(gpus)) != len(gpus):
         p.error(f"--gpus needs distinct GPU ids, got {a.gpus!r}")
-    shown = f"--gpus {','.join(gpus)}" + (" --insecure" if a.insecure else "")
-    text = render_insecure(gpus, shown) if a.insecure else render(gpus, shown)
+    shown = (
+        f"--gpus {','.join(gpus)}"
+        + (" --insecure" if a.insecure else "")
+        + (" --loopback" if a.loopback else "")
+    )
+    text = render(gpus, shown, insecure=a.insecure, loopback=a.loopback)
     if a.output is None:
         sys.stdout.write(text)
     else:

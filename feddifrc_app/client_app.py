@@ -10,14 +10,17 @@ Message types:
 from __future__ import annotations
 
 import functools
+import os
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from feddifrc_app import log
 from feddifrc_app.baselines import fednh, fednova, moon, scaffold
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_split, make_loader
@@ -35,6 +38,20 @@ from feddifrc_app.train import train_local
 
 app = ClientApp()
 SCAFFOLD_CI = "scaffold-ci"  # Context.state: this node's control variate, kept across rounds
+
+
+def _arrived(msg: Message) -> None:
+    """Log, at handler start, where the message's seconds went before it: this process's age (a
+    deployment starts one per message: its start and imports) and the time since the server
+    created the message (queues and polls; across machines, also their clocks' difference)."""
+    try:  # Linux: field 22 of /proc/self/stat is the process's start, in clock ticks after boot
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(stat[19]) / os.sysconf("SC_CLK_TCK")
+        age = f"{float(Path('/proc/uptime').read_text().split()[0]) - started:.2f} s"
+    except (OSError, ValueError, IndexError):
+        age = "unknown (no /proc)"
+    waited = time.time() - msg.metadata.created_at
+    log.info("%s message: process age %s, created %.2f s ago", msg.metadata.message_type, age, waited)
 
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
@@ -58,6 +75,7 @@ def _pooled(
 
 @app.query("setup")
 def setup(msg: Message, context: Context) -> Message:
+    _arrived(msg)
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     counts = np.bincount(data.labels[ids], minlength=data.num_classes)
@@ -93,6 +111,7 @@ def setup(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    _arrived(msg)
     cfg, node = _context(context)
     rnd = int(msg.content["config"]["server-round"])
     data, ids = client_split(cfg, node)
@@ -219,6 +238,7 @@ def _targets(
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    _arrived(msg)
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     model = model_for(cfg, data.num_classes)

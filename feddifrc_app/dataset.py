@@ -49,10 +49,7 @@ from unittest import mock
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets import CIFAR10, CIFAR100
-from torchvision.datasets.utils import check_integrity
 
 from feddifrc_app import log
 from feddifrc_app.config import DATASETS, Config, DatasetConfig, NodeConfig, PartitionConfig
@@ -265,13 +262,26 @@ def _holdout_split(labels: np.ndarray, split: str) -> np.ndarray:
 Loaded = tuple[torch.Tensor, np.ndarray, list[str], Stats]
 
 
+def _tf():
+    """torchvision's functional transforms, imported where they are first used, never at import.
+
+    Importing torchvision imports torch._dynamo (through torchvision.ops): about 3.5 s of a new
+    process on a loaded 2-core machine, and a deployment starts one per message. A message that
+    resizes, crops or normalises nothing (a setup query on mnist-5k at its native 28 px) so never
+    pays it. (An optimiser's first step imports torch._dynamo anyway: a train message saves little.)
+    """
+    import torchvision.transforms.v2.functional as TF
+
+    return TF
+
+
 def _resize_square(images: torch.Tensor, size: int, antialias: bool = True) -> torch.Tensor:
     """(N, C, s, s) pixel values in 0..255 -> uint8 (N, C, size, size), bilinear.
 
     Resized in float and rounded: torchvision's uint8 kernel rounds differently (off by one).
     """
     if images.shape[-1] != size:
-        images = TF.resize(images.float(), [size, size], antialias=antialias)
+        images = _tf().resize(images.float(), [size, size], antialias=antialias)
     return images if images.dtype == torch.uint8 else images.round().clamp(0, 255).to(torch.uint8)
 
 
@@ -488,13 +498,20 @@ def _load_image_folder(cfg: DatasetConfig, split: str) -> Loaded:
 
 # --------------------------------------------------------------------------- torchvision CIFAR folders
 
-_TV_CIFAR: dict[str, type[CIFAR10]] = {"cifar10": CIFAR10, "cifar100": CIFAR100}
+
+def _tv_cifar(name: str):
+    """torchvision's CIFAR dataset class of ``name`` (imported only for a CIFAR run), or None."""
+    if name not in ("cifar10", "cifar100"):
+        return None
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    return CIFAR10 if name == "cifar10" else CIFAR100
 
 
-def _load_torchvision_cifar(
-    tv: type[CIFAR10], data_dir: Path, split: str
-) -> tuple[torch.Tensor, np.ndarray, list[str]]:
+def _load_torchvision_cifar(tv, data_dir: Path, split: str) -> tuple[torch.Tensor, np.ndarray, list[str]]:
     """torchvision's CIFAR folder (checksums verified) -> uint8 (N, 3, 32, 32), fine labels, names."""
+    from torchvision.datasets.utils import check_integrity
+
     try:
         ds = tv(str(data_dir), train=split == "train", download=False)
     except RuntimeError:  # torchvision: "not found or corrupted"; name the files
@@ -572,7 +589,7 @@ def _open_hub_split(spec: _HubSpec, hub_split: str, name: str, data_dir: Path):
             return load()
         except ConnectionError:
             why = "the Hugging Face Hub is unreachable"
-    tv = f" or torchvision's {_TV_CIFAR[name].base_folder}/ folder" if name in _TV_CIFAR else ""
+    tv = f" or torchvision's {cls.base_folder}/ folder" if (cls := _tv_cifar(name)) else ""
     raise DatasetUnavailableError(
         f"dataset '{name}' ({spec.repo}, split '{hub_split}') is not available: it is not cached under "
         f"{data_dir} and {why}; provide it by running once with internet access (dataset.data-dir="
@@ -660,7 +677,7 @@ def _write_decoded(
 
 def _load_hub_dataset(cfg: DatasetConfig, split: str) -> Loaded:
     name, data_dir, spec = cfg.name, Path(cfg.data_dir), _HUB[cfg.name]
-    tv = _TV_CIFAR.get(name)
+    tv = _tv_cifar(name)
     if tv is not None and not (data_dir / tv.base_folder).is_dir():
         tv = None
     source = f"torchvision:{tv.base_folder}" if tv else f"hub:{spec.repo}:{spec.splits[split]}"
@@ -758,10 +775,12 @@ class ImageTransform:
         if self.crop_padding:
             p, s = self.crop_padding, x.shape[-1]
             i, j = torch.randint(0, 2 * p + 1, (2,), generator=generator).tolist()
-            x = TF.crop(x, i - p, j - p, s, s)  # outside the image = zeros (black), as RandomCrop's padding
+            x = _tf().crop(
+                x, i - p, j - p, s, s
+            )  # outside the image = zeros (black), as RandomCrop's padding
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
-            x = TF.horizontal_flip(x)
-        return TF.normalize(x.float().div_(255.0), list(self.mean), list(self.std))
+            x = _tf().horizontal_flip(x)
+        return _tf().normalize(x.float().div_(255.0), list(self.mean), list(self.std))
 
 
 def train_transform(data: ImageData) -> ImageTransform:
@@ -778,7 +797,7 @@ def clean_batch(data: ImageData, idx: torch.Tensor) -> torch.Tensor:
     """float32 (B, 3, S, S): the un-augmented images at dataset positions ``idx`` (B,), exactly as
     ``eval_transform`` gives them, in one vectorised step (the view the teacher saw)."""
     x = data.images[idx.cpu()].float().div_(255.0)
-    return TF.normalize(x, list(data.mean), list(data.std))
+    return _tf().normalize(x, list(data.mean), list(data.std))
 
 
 # =========================================================================== loaders

@@ -22,6 +22,10 @@ from feddifrc_app.config import Config
 from feddifrc_app.strategy import nodes_per_round
 
 SETUP = f"{MessageType.QUERY}.setup"
+# How long a reply may wait for the ServerApp to notice it. Flower's Grid.send_and_receive sleeps
+# 3 s between pulls of the SuperLink's HTTP Grid; one pull is one small request, so 0.1 s costs
+# the SuperLink ~10 requests a second while a round waits.
+REPLY_POLL_SECONDS = 0.1
 
 
 class RunStopped(Exception):
@@ -138,8 +142,8 @@ class Federation:
     def _send_and_receive(self, msgs: list[Message], timeout: float) -> list[Message]:
         """Grid.send_and_receive (same push, pull and timeout) that also ends on a stop."""
         pending = set(self.grid.push_messages(msgs))
-        # The in-memory (simulation) Grid polls every 0.1 s; the SuperLink's HTTP one every 3 s.
-        poll = min(getattr(self.grid, "pull_interval", 1.0), 1.0)
+        # The in-memory (simulation) Grid has its own pull_interval (0.1 s); the HTTP one has none.
+        poll = min(getattr(self.grid, "pull_interval", REPLY_POLL_SECONDS), REPLY_POLL_SECONDS)
         deadline = time.monotonic() + timeout
         replies: list[Message] = []
         while pending:

@@ -1,10 +1,15 @@
-"""Atomic file and folder writes: readers only ever see a whole file or the previous one."""
+"""Atomic file and folder writes: readers only ever see a whole file or the previous one.
+
+Also the one format of the app's verified array files (feature shards, prepared targets):
+an uncompressed ``.npz`` with a JSON ``header`` member whose sha256 covers the arrays.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -13,9 +18,11 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def fsync_dir(path: Path) -> None:
@@ -31,6 +38,11 @@ def fsync_dir(path: Path) -> None:
 def _sibling(path: Path, tag: str) -> Path:
     # Hidden, unique per writer, in the same folder: os.replace stays a same-filesystem rename.
     return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+_TEMP_FILE = re.compile(
+    r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$"
+)  # an atomic_write temp file: .<name>.tmp-<pid>-<hex>
 
 
 def atomic_write(path: Path, write: Callable[[Any], Any], mode: str = "wb") -> None:
@@ -55,6 +67,67 @@ def atomic_write(path: Path, write: Callable[[Any], Any], mode: str = "wb") -> N
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+
+def dead_temp_files(folder: Path) -> list[Path]:
+    """The temp files :func:`atomic_write` left in ``folder`` in processes of this machine that no
+    longer exist (killed mid-write). A live writer's temp file is never listed: deleting it would
+    fail that writer's rename."""
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in sorted(folder.iterdir()):
+        m = _TEMP_FILE.match(p.name)
+        if m and p.is_file() and not p.is_symlink() and not _pid_alive(int(m.group(1))):
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------- verified array files
+
+
+class CorruptFile(Exception):
+    """A stored file that fails its checks and must not be used (the reason in the message)."""
+
+
+def array_digest(parts: Iterable[tuple[str, Any]]) -> str:
+    """sha256 over ``(tag, array)`` pairs in order: the tag's utf-8 bytes, then the array's bytes,
+    little-endian and in C order, so the digest is the same on every machine."""
+    h = hashlib.sha256()
+    for tag, a in parts:
+        a = np.asarray(a)
+        h.update(tag.encode("utf-8"))
+        h.update(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
+
+
+def write_archive(path: Path, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+    """Atomically write an uncompressed ``.npz``: ``header`` (utf-8 JSON as a uint8 member), ``arrays``."""
+    if "header" in arrays:
+        raise ValueError("write_archive: 'header' is the header's member name")
+    members = {"header": np.frombuffer(json.dumps(dict(header)).encode("utf-8"), dtype=np.uint8), **arrays}
+    atomic_write(path, lambda f: np.savez(f, **members))
+
+
+def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(header, every other member) of a :func:`write_archive` file, read with ``allow_pickle=False``.
+
+    ``CorruptFile`` when it is not such a file (truncated, overwritten, not a zip, no JSON header);
+    checking the header against the arrays, and the checksum, is the caller's. A missing file
+    raises ``FileNotFoundError`` (absent is not corrupt).
+    """
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "header" not in z.files:
+                raise CorruptFile(f"members {sorted(z.files)} lack a header")
+            header = json.loads(bytes(np.asarray(z["header"], dtype=np.uint8)).decode("utf-8"))
+            if not isinstance(header, dict):
+                raise CorruptFile("its header is not a JSON object")
+            return header, {k: z[k] for k in z.files if k != "header"}
+    except (CorruptFile, FileNotFoundError):
+        raise
+    except Exception as e:  # zip/npy/json errors of a truncated or overwritten file
+        raise CorruptFile(f"unreadable ({type(e).__name__}: {e})") from None
 
 
 @contextlib.contextmanager

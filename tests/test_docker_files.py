@@ -4,14 +4,18 @@ No Docker daemon is needed: the Compose files are parsed as YAML, every flag the
 (and docs/deploy.md) pass to a Flower command must exist in that command's
 ``--help`` (the installed flwr 1.42), every file they mount must exist or be
 written by scripts/make_certs.sh, and the committed Compose files must equal the
-output of docker/make_compose.py. If a ``docker compose`` plugin is installed,
+output of docker/make_compose.py. They must be accepted by Compose v1 (Debian 12's
+docker-compose 1.29.2) as well as v2: checked for the constructs v1 refuses (no
+``docker-compose`` here to ask). If a ``docker compose`` plugin is installed,
 ``docker compose config`` validates the files too.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
@@ -31,8 +35,28 @@ DOCKER = ROOT / "docker"
 MAKE_CERTS = ROOT / "scripts" / "make_certs.sh"
 MAKE_COMPOSE = DOCKER / "make_compose.py"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
-COMPOSE_FILES = ["compose.yml", "compose.insecure.yml", "compose.superlink.yml", "compose.supernode.yml"]
-SECURE_FILES = ["compose.yml", "compose.superlink.yml", "compose.supernode.yml"]
+COMPOSE_FILES = [
+    "compose.yml",
+    "compose.insecure.yml",
+    "compose.loopback.yml",
+    "compose.superlink.yml",
+    "compose.supernode.yml",
+]
+SECURE_FILES = ["compose.yml", "compose.loopback.yml", "compose.superlink.yml", "compose.supernode.yml"]
+GENERATED = {  # committed file -> make_compose.py arguments
+    "compose.yml": ["--gpus", "0,1"],
+    "compose.insecure.yml": ["--gpus", "0,1", "--insecure"],
+    "compose.loopback.yml": ["--gpus", "0,1", "--loopback"],
+}
+# The Compose project of each file (`-p`): v1 has no top-level `name:`, and the default (the
+# folder's name) would put the server's and a node's volumes in one project.
+PROJECTS = {
+    "compose.yml": "feddifrc",
+    "compose.insecure.yml": "feddifrc",
+    "compose.loopback.yml": "feddifrc",
+    "compose.superlink.yml": "feddifrc-server",
+    "compose.supernode.yml": r"feddifrc-node-\d+",
+}
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 # Values for the variables that compose.supernode.yml requires (${VAR:?...}).
 REQUIRED_ENV = {
@@ -52,26 +76,21 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="make
 # ----------------------------------------------------------------------------- helpers
 
 
-class ComposeLoader(yaml.SafeLoader):
-    """YAML loader that knows Compose's merge tags (!override, !reset)."""
-
-
-def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-    if isinstance(node, yaml.SequenceNode):
-        return loader.construct_sequence(node)
-    if isinstance(node, yaml.MappingNode):
-        return loader.construct_mapping(node)
-    return loader.construct_scalar(node)
-
-
-ComposeLoader.add_constructor("!override", _tagged)
-ComposeLoader.add_constructor("!reset", _tagged)
-
-
 def load_compose(name: str) -> dict[str, Any]:
-    data = yaml.load((DOCKER / name).read_text(), Loader=ComposeLoader)
+    # Plain safe YAML (merge keys included): a Compose v2-only tag (!override, !reset) fails here.
+    data = yaml.safe_load((DOCKER / name).read_text())
     assert isinstance(data, dict) and isinstance(data.get("services"), dict), name
     return data
+
+
+@functools.cache
+def make_compose():
+    """docker/make_compose.py as a module (stdlib only): its constants are the files' one source."""
+    spec = importlib.util.spec_from_file_location("make_compose", MAKE_COMPOSE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
@@ -157,9 +176,6 @@ def dockerfile_entrypoint(path: Path) -> str:
 
 def service_binary(name: str, svc: dict[str, Any], compose: str) -> str:
     """Which Flower command a service runs (from its Dockerfile or its flwr/* image)."""
-    if compose == "compose.insecure.yml":  # an override: the base file says what it is
-        base = load_compose("compose.yml")["services"][name]
-        return service_binary(name, base, "compose.yml")
     if "build" in svc:
         return dockerfile_entrypoint(ROOT / "docker" / build_paths(svc, compose)[1])
     m = re.match(r"flwr/(superlink|supernode|superexec):", interpolate(svc["image"]))
@@ -254,6 +270,16 @@ def test_superexec_dockerfile_installs_the_app_dependencies_with_cuda_torch() ->
     assert any(d.startswith("torch") for d in deps) and any(d.startswith("diffusers") for d in deps)
 
 
+def _dockerignore(context: Path, dockerfile: str) -> Path:
+    """The ignore file a build uses: BuildKit prefers <Dockerfile>.dockerignore, the legacy builder
+    (docker.io 20.10, docker-compose v1) reads only the context's .dockerignore."""
+    per_file = DOCKER / f"{dockerfile}.dockerignore"
+    assert not per_file.exists(), (
+        f"{per_file.name}: the legacy builder ignores it; use {context}/.dockerignore"
+    )
+    return context / ".dockerignore"
+
+
 def test_dockerfile_copy_sources_exist_and_pass_the_dockerignore() -> None:
     contexts = {}
     for compose in COMPOSE_FILES:
@@ -263,30 +289,36 @@ def test_dockerfile_copy_sources_exist_and_pass_the_dockerignore() -> None:
                 assert context.is_dir(), context
                 assert (DOCKER / dockerfile).is_file(), dockerfile
                 contexts[dockerfile] = context
+    assert set(contexts) == {"superlink.Dockerfile", "superexec.Dockerfile"}
     for dockerfile, context in contexts.items():
         text = (DOCKER / dockerfile).read_text()
-        ignore = DOCKER / f"{dockerfile}.dockerignore"
-        allowed = re.findall(r"^!(\S+?)/?$", ignore.read_text(), re.M) if ignore.exists() else None
+        ignore = _dockerignore(context, dockerfile)
+        assert ignore.is_file(), (
+            f"{dockerfile}: no {ignore} (the whole context, docker/certs/ca.key too, is sent)"
+        )
+        rules = [
+            ln.strip() for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")
+        ]
+        assert rules[0] == "*", f"{ignore}: must exclude everything first, then allow what the image copies"
+        allowed = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+        certs = (DOCKER / "certs").relative_to(context) if DOCKER.is_relative_to(context) else None
+        assert not any(certs is not None and (certs.is_relative_to(a) or a == ".") for a in allowed), allowed
         for line in re.findall(r"^COPY (.+)$", text, re.M):
             srcs = [a for a in line.split() if not a.startswith("--")][:-1]
             for src in srcs:
                 assert (context / src).exists(), f"{dockerfile}: COPY {src}: not in {context}"
-                if allowed is not None:
-                    assert src.rstrip("/") in allowed, f"{ignore.name} excludes {src}"
+                assert src.rstrip("/") in allowed, f"{ignore} excludes {src}"
 
 
 # ----------------------------------------------------------------------------- Compose files
 
 
 def test_compose_files_parse_and_pin_the_flwr_images() -> None:
-    base = load_compose("compose.yml")["services"]
+    assert sorted(COMPOSE_FILES) == sorted(p.name for p in DOCKER.glob("compose*.yml"))
     for compose in COMPOSE_FILES:
         services = load_compose(compose)["services"]
         assert services, compose
         for name, svc in services.items():
-            if compose == "compose.insecure.yml":
-                assert name in base, f"override for unknown service {name}"
-                continue
             assert "image" in svc or "build" in svc, f"{compose}/{name}"
             image = str(svc.get("image", ""))
             if image.startswith("flwr/"):
@@ -296,25 +328,24 @@ def test_compose_files_parse_and_pin_the_flwr_images() -> None:
                 assert args["FLWR_VERSION"] == f"${{FLWR_VERSION:-{FLWR_VERSION}}}"
 
 
-def health_probe(compose: str = "compose.yml") -> tuple[str, str]:
-    """(the healthcheck's Python probe, the host:port it dials) of ``compose``."""
-    test = load_compose(compose)["x-healthcheck"]["test"]
+def health_probe(svc: dict[str, Any]) -> tuple[str, str]:
+    """(the service's healthcheck Python probe, the host:port it dials)."""
+    test = svc["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"], test
     m = re.search(r"insecure_channel\('([^']+)'\)", test[3])
     assert m, test[3]
     return test[3], m.group(1)
 
 
-@pytest.mark.parametrize("compose", SECURE_FILES)
+@pytest.mark.parametrize("compose", COMPOSE_FILES)
 def test_every_service_is_health_checked_and_its_logs_rotate(compose: str) -> None:
-    probe, address = health_probe(compose)
-    assert health_probe() == (probe, address)  # one probe for every file
-    insecure = load_compose("compose.insecure.yml")["services"] if compose == "compose.yml" else {}
+    probe_of = make_compose().health_probe  # one probe for every file, hand-written ones too
     for name, svc in load_compose(compose)["services"].items():
         # The probe dials the health server that the service's own command starts...
-        for cmd in (svc["command"], *([insecure[name]["command"]] if name in insecure else [])):
-            assert f"--health-server-address={address}" in cmd, f"{compose}/{name}: {cmd}"
-        assert svc["healthcheck"]["test"][3] == probe and svc["healthcheck"]["retries"] >= 1
+        probe, address = health_probe(svc)
+        assert f"--health-server-address={address}" in svc["command"], f"{compose}/{name}: {svc['command']}"
+        assert probe == probe_of(int(address.rpartition(":")[2])), f"{compose}/{name}"
+        assert svc["healthcheck"]["retries"] >= 1 and svc["healthcheck"]["start_period"] == "60s"
         # ...json-file logs are capped (unbounded by default)...
         assert svc["logging"]["driver"] == "json-file", name
         assert re.fullmatch(r"\d+m", svc["logging"]["options"]["max-size"]), name
@@ -406,12 +437,13 @@ def _pairs(compose: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             continue
         args = [interpolate(str(a)) for a in svc["command"]]
         port = next(a.partition("=")[2] for a in args if a.startswith("--port="))
+        host = "127.0.0.1" if svc.get("network_mode") == "host" else name  # else its container's name
         execs = [
             s
             for n, s in services.items()
-            if f"--runtime-api-address={name}:{port}" in [interpolate(str(a)) for a in s.get("command", [])]
+            if f"--runtime-api-address={host}:{port}" in [interpolate(str(a)) for a in s.get("command", [])]
         ]
-        assert len(execs) == 1, f"{compose}/{name}: needs exactly one SuperExec on {name}:{port}"
+        assert len(execs) == 1, f"{compose}/{name}: needs exactly one SuperExec on {host}:{port}"
         pairs.append((svc, execs[0]))
     return pairs
 
@@ -422,12 +454,12 @@ def _gpu_ids(svc: dict[str, Any]) -> list[str]:
     return [interpolate(str(d)) for d in devices[0]["device_ids"]]
 
 
-@pytest.mark.parametrize("compose", ["compose.yml", "compose.supernode.yml"])
+@pytest.mark.parametrize("compose", ["compose.yml", "compose.loopback.yml", "compose.supernode.yml"])
 def test_each_supernode_has_its_partition_gpu_and_cache(compose: str) -> None:
     pairs = _pairs(compose)
     assert pairs
     configs = [node_config([interpolate(str(a)) for a in sn["command"]]) for sn, _ in pairs]
-    n = len(pairs) if compose == "compose.yml" else int(configs[0]["num-partitions"])
+    n = int(configs[0]["num-partitions"]) if compose == "compose.supernode.yml" else len(pairs)
     assert sorted(int(c["partition-id"]) for c in configs) == list(range(len(pairs)))
     assert all(int(c["num-partitions"]) == n for c in configs), configs
     gpus = [g for _, ex in pairs for g in _gpu_ids(ex)]
@@ -443,21 +475,111 @@ def test_each_supernode_has_its_partition_gpu_and_cache(compose: str) -> None:
 
 
 def test_superexec_serverapp_points_at_the_superlink() -> None:
-    for compose in ("compose.yml", "compose.superlink.yml"):
+    for compose in ("compose.yml", "compose.insecure.yml", "compose.loopback.yml", "compose.superlink.yml"):
         services = load_compose(compose)["services"]
         link = [interpolate(str(a)) for a in services["superlink"]["command"]]
         port = next(a.partition("=")[2] for a in link if a.startswith("--port="))
         exe = [interpolate(str(a)) for a in services["superexec-serverapp"]["command"]]
+        if services["superlink"].get("network_mode") == "host":  # nothing to publish: it is the host's
+            assert f"--runtime-api-address=127.0.0.1:{port}" in exe and "ports" not in services["superlink"]
+            continue
         assert f"--runtime-api-address=superlink:{port}" in exe
         published = [interpolate(str(p)) for p in services["superlink"]["ports"]]
         assert any(p.endswith(f":{port}") for p in published), published
 
 
+def test_single_host_results_reach_the_host_as_on_the_server_machine() -> None:
+    """RUNS_DIR bind-mounts a host folder at the ServerApp's outputs-dir in every file that runs it."""
+
+    def runs(compose: str) -> str:
+        vols = [str(v) for v in load_compose(compose)["services"]["superexec-serverapp"]["volumes"]]
+        (source,) = [v.partition(":/app/feddifrc-runs")[0] for v in vols if ":/app/feddifrc-runs" in v]
+        return source
+
+    assert runs("compose.superlink.yml") == "${RUNS_DIR:-runs}"
+    for compose in GENERATED:
+        assert runs(compose) == "${RUNS_DIR:-runs}", compose
+        mount = interpolate(runs(compose), {"RUNS_DIR": "/srv/feddifrc-runs"})
+        assert mount == "/srv/feddifrc-runs" and interpolate(runs(compose)) == "runs"
+
+
+def test_compose_files_are_accepted_by_compose_v1_and_v2() -> None:
+    """Debian 12 ships docker-compose 1.29.2: no top-level `name:` (v2.3.3+), no `!override` /
+    `!reset` (v2.24.4+), and no published ports on a host-network service (v1.28+ refuses them)."""
+    for compose in COMPOSE_FILES:
+        text = (DOCKER / compose).read_text()
+        data = load_compose(compose)  # safe YAML: an unknown tag fails here
+        assert "name" not in data and "version" not in data, compose
+        assert not re.search(r"!(override|reset)\b", text), compose
+        assert set(data) <= {"services", "volumes"} | {k for k in data if k.startswith("x-")}, compose
+        for name, svc in data["services"].items():
+            if svc.get("network_mode") == "host":
+                assert not svc.get("ports") and not svc.get("networks"), f"{compose}/{name}"
+
+
+def test_every_flower_process_polls_for_work_every_50_ms() -> None:
+    """FLWR_SUPEREXEC_TASK_POLL_INTERVAL (Flower 1.42; 1 s by default, paid by every message) in every
+    service, in the loopback test's processes and in the doc's commands without Docker."""
+    from flower_procs import flower_env
+
+    value = make_compose().TASK_POLL_INTERVAL
+    assert 0.01 <= float(value) <= 60  # what flower-superexec accepts
+    for compose in COMPOSE_FILES:
+        for name, svc in load_compose(compose)["services"].items():
+            assert svc["environment"]["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == value, f"{compose}/{name}"
+    assert flower_env(Path("/tmp/unused"))["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == value
+    starts = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", DEPLOY_DOC.read_text(), re.S)
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines()
+        if re.search(r"\bflower-(superlink|supernode)\b", line)
+    ]
+    assert starts, "no flower-superlink / flower-supernode command in docs/deploy.md"
+    for line in starts:  # --isolation subprocess: the child SuperExec inherits the variable
+        assert f"FLWR_SUPEREXEC_TASK_POLL_INTERVAL={value} " in line, line
+
+
+def _listens(svc: dict[str, Any]) -> list[str]:
+    """host:port addresses a service's command listens on."""
+    args = dict(str(a).partition("=")[::2] for a in svc["command"])
+    out = [args["--health-server-address"]]
+    if "--port" in args:
+        out.append(f"{args['--host']}:{args['--port']}")
+    return out
+
+
+def test_the_loopback_file_puts_every_service_on_127_0_0_1_with_its_own_ports() -> None:
+    data = load_compose("compose.loopback.yml")
+    services = data["services"]
+    listening: dict[str, str] = {}
+    for name, svc in services.items():
+        assert svc["network_mode"] == "host", name
+        for arg in map(str, svc["command"]):
+            flag, _, value = arg.partition("=")
+            if flag in ("--superlink", "--runtime-api-address", "--health-server-address"):
+                assert value.startswith("127.0.0.1:"), f"{name}: {arg}"
+            if flag == "--host":
+                assert value == "127.0.0.1", f"{name}: {arg}"
+        for address in _listens(svc):
+            assert address not in listening, f"{name} and {listening.get(address)} both listen on {address}"
+            listening[address] = name
+        if "build" in svc:
+            assert svc["build"]["network"] == "host", name  # no bridge to build on either
+    for name, svc in services.items():  # everything dialled is something listening
+        for arg in map(str, svc["command"]):
+            flag, _, value = arg.partition("=")
+            if flag in ("--superlink", "--runtime-api-address"):
+                assert value in listening, f"{name}: nothing listens on {value}"
+    # The same topology as compose.yml otherwise: services, images, mounts, GPUs.
+    base = load_compose("compose.yml")
+    assert list(services) == list(base["services"]) and data["volumes"] == base["volumes"]
+    for name, svc in services.items():
+        for key in ("image", "volumes", "deploy", "depends_on", "restart"):
+            assert svc.get(key) == base["services"][name].get(key), f"{name}: {key}"
+
+
 def test_committed_compose_files_are_the_generator_output() -> None:
-    for args, name in (
-        (["--gpus", "0,1"], "compose.yml"),
-        (["--gpus", "0,1", "--insecure"], "compose.insecure.yml"),
-    ):
+    for name, args in GENERATED.items():
         cp = subprocess.run(
             [sys.executable, str(MAKE_COMPOSE), *args], capture_output=True, text=True, check=True
         )
@@ -469,7 +591,7 @@ def test_committed_compose_files_are_the_generator_output() -> None:
 def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
     out = tmp_path / "compose.4gpu.yml"
     subprocess.run([sys.executable, str(MAKE_COMPOSE), "--gpus", "0,1,2,3", "-o", str(out)], check=True)
-    data = yaml.load(out.read_text(), Loader=ComposeLoader)
+    data = yaml.safe_load(out.read_text())
     nodes = [n for n in data["services"] if n.startswith("supernode-")]
     assert nodes == [f"supernode-{i}" for i in range(1, 5)]
     cfgs = [node_config([str(a) for a in data["services"][n]["command"]]) for n in nodes]
@@ -496,17 +618,14 @@ def test_docker_compose_config_accepts_the_files(certs: Path, tmp_path: Path) ->
     if probe is None or probe.returncode != 0:
         pytest.skip("no `docker compose` plugin on this machine")
     env = {**os.environ, **REQUIRED_ENV}
-    for files in (
-        ["compose.yml"],
-        ["compose.yml", "compose.insecure.yml"],
-        ["compose.superlink.yml"],
-        ["compose.supernode.yml"],
-    ):
-        args = [a for f in files for a in ("-f", str(DOCKER / f))]
+    for compose in COMPOSE_FILES:  # each a whole file, used alone
         cp = subprocess.run(
-            ["docker", "compose", *args, "config", "-q"], capture_output=True, text=True, env=env
+            ["docker", "compose", "-f", str(DOCKER / compose), "config", "-q"],
+            capture_output=True,
+            text=True,
+            env=env,
         )
-        assert cp.returncode == 0, f"{files}: {cp.stderr}"
+        assert cp.returncode == 0, f"{compose}: {cp.stderr}"
 
 
 # ----------------------------------------------------------------------------- make_certs.sh
@@ -697,3 +816,74 @@ def _flatten_keys(table: dict[str, Any], prefix: str = "") -> list[str]:
     for k, v in table.items():
         out += _flatten_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
     return out
+
+
+def _compose_commands(text: str) -> list[list[str]]:
+    """`docker compose ...` / `docker-compose ...` of the code blocks and inline code, as argv
+    (``$(...)`` substitutions included)."""
+    out = []
+    joined = re.sub(r"\\\n\s*", " ", text)
+    for m in re.finditer(r"(?:docker compose|docker-compose)\s[^`\n]*", joined):
+        line = m.group(0)
+        if joined[max(m.start() - 2, 0) : m.start()] == "$(":
+            line = line.partition(")")[0]  # a command substitution ends at its parenthesis
+        argv = shlex.split(line.split(" #")[0])
+        if any(a.startswith("-") or a.endswith(".yml") for a in argv[2:]):
+            out.append(argv)
+    return out
+
+
+@pytest.mark.parametrize("doc", [DEPLOY_DOC, ROOT / "README.md"], ids=lambda p: p.name)
+def test_every_compose_command_names_its_project(doc: Path) -> None:
+    """Without `name:` (Compose v1) the project is `-p`'s: the same for every command on a file,
+    or `logs`, `exec` and a node's second GPU would address another project's containers."""
+    cmds = _compose_commands(doc.read_text())
+    assert len(cmds) >= 2, doc
+    for argv in cmds:
+        if "version" in argv or argv[-1] == "ps" and "-f" not in argv:
+            continue  # prose: `docker compose version`, `docker compose ps`
+        files = [Path(argv[i + 1]).name for i, a in enumerate(argv) if a == "-f"]
+        assert files, f"{doc.name}: name the file with -f: {' '.join(argv)}"
+        assert "-p" in argv, f"{doc.name}: no -p: {' '.join(argv)}"
+        project = argv[argv.index("-p") + 1]
+        want = PROJECTS.get(files[0], "feddifrc")  # generated variants (compose.4gpu.yml) as compose.yml
+        assert re.fullmatch(want, project), f"{doc.name}: -p {project} for {files[0]} (want {want})"
+
+
+def _chowned(section: str, certs: Path) -> set[str]:
+    """Files (relative to docker/certs) that the `sudo chown 49999:49999 ...` lines of ``section``
+    name, their globs expanded against a make_certs.sh output."""
+    out = set()
+    for line in re.sub(r"\\\n\s*", " ", section).splitlines():
+        argv = shlex.split(line.split("#")[0]) if "chown 49999:49999" in line else []
+        for arg in argv[3:]:
+            rel = arg.removeprefix("docker/certs/")
+            out |= {str(Path(p).relative_to(certs)) for p in glob.glob(str(certs / rel))}
+    return out
+
+
+def _private_mounted(compose: str, certs: Path, env: dict[str, str] | None = None) -> set[str]:
+    """The owner-only (mode 600) files under the ./certs paths that ``compose`` mounts."""
+    out = set()
+    for svc in load_compose(compose)["services"].values():
+        for v in svc.get("volumes") or []:
+            source = interpolate(str(v), env).split(":")[0]
+            if source.startswith("./certs/"):
+                root = certs / source.removeprefix("./certs/")
+                for f in [root] if root.is_file() else root.rglob("*"):
+                    if f.is_file() and f.stat().st_mode & 0o077 == 0:
+                        out.add(str(f.relative_to(certs)))
+    return out
+
+
+def test_the_doc_gives_uid_49999_every_private_file_a_container_reads(certs: Path) -> None:
+    text = DEPLOY_DOC.read_text()
+    sections = dict(re.findall(r"^## (\d+)\. .*?\n(.*?)(?=^## |\Z)", text, re.S | re.M))
+    single = _private_mounted("compose.yml", certs)
+    assert "superlink/superexec.secret" in single and "supernode-2/superexec.secret" in single
+    assert _chowned(sections["7"], certs) >= single, single - _chowned(sections["7"], certs)
+    machines = _private_mounted("compose.superlink.yml", certs) | _private_mounted(
+        "compose.supernode.yml", certs, {"NODE": "1"}
+    )
+    assert _chowned(sections["2"], certs) >= machines, machines - _chowned(sections["2"], certs)
+    assert "ca.key" not in _chowned(text, certs)  # never mounted, never handed to a container

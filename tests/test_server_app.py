@@ -129,3 +129,75 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
     ):
         loop.run_all()
     assert results["status"] == "failed"
+
+
+def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replies(tmp_path, caplog) -> None:
+    """Flower's "Received N results and M failures" sees only the replies handed to aggregation
+    (M = 0); the app's warning, logged just before it, is the round's account."""
+    import logging
+
+    from conftest import make_config
+
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import NoUpdateError, RoundLoop
+
+    class OneLost(_FailingFederation):
+        def exchange(self, msgs, chosen):
+            return [object()], [{"node": 12, "partition-id": 1, "reason": "Node Unavailable"}]
+
+    (tmp_path / "run").mkdir()
+    loop = RoundLoop(
+        make_config(method="fedavg", num_server_rounds=2),
+        OneLost(),
+        RunDir(tmp_path / "run"),
+        {"rounds": [], "resumed": []},
+        lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
+        10,
+        None,
+    )
+    seen = []
+
+    def aggregate(rnd, replies):
+        seen.append((caplog.text, len(replies)))
+        return None, None
+
+    loop.strategy.aggregate_train = aggregate
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"), pytest.raises(NoUpdateError):
+        loop.run_all()
+    ((logged_before, handed),) = seen
+    assert handed == 1
+    assert (
+        "round 1: 1 of 2 nodes failed (aggregating the other 1): [{'node': 12, 'partition-id': 1,"
+        in logged_before
+    )
+
+
+def test_the_serverapp_polls_for_replies_at_most_every_tenth_of_a_second(monkeypatch) -> None:
+    from conftest import make_config
+
+    from feddifrc_app import federation
+
+    class Grid:  # the SuperLink's HTTP Grid has no pull_interval; a reply arrives on the 4th pull
+        pulls = 0
+
+        def push_messages(self, msgs):
+            return ["m1"]
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            return (
+                [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m1"))]
+                if self.pulls == 4
+                else []
+            )
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(federation.time, "sleep", sleeps.append)
+    fed = federation.Federation(Grid(), make_config())
+    assert len(fed._send_and_receive([object()], timeout=60)) == 1
+    assert sleeps == [0.1, 0.1, 0.1] and federation.REPLY_POLL_SECONDS == 0.1
+    grid = Grid()
+    grid.pull_interval = 0.05  # the in-memory (simulation) Grid's own, shorter: kept
+    sleeps.clear()
+    federation.Federation(grid, make_config())._send_and_receive([object()], timeout=60)
+    assert sleeps == [0.05, 0.05, 0.05]

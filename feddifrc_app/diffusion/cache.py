@@ -15,7 +15,8 @@ dtype, n, sha256), ``ids`` (int64, strictly increasing, inside the shard's range
 ``block_<b>`` (float16 ``(n, P, C_b)``, up-block b pooled BEFORE any projection, P =
 prompts in key order). ``sha256`` covers the ids and every block (little-endian, block
 order). A shard that fails any check is logged and treated as absent (recomputed and
-rewritten). Writers merge into the shard under its lock and replace it atomically.
+rewritten). Writers merge into the shard under its lock and replace it atomically
+(``files.write_archive`` / ``files.read_archive``: the app's one verified-array format).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from feddifrc_app import log
-from feddifrc_app.files import atomic_write
+from feddifrc_app.files import CorruptFile, array_digest, atomic_write, read_archive, write_archive
 
 try:  # POSIX; elsewhere writers are not serialised (a lost merge only costs recomputation)
     import fcntl
@@ -95,10 +96,6 @@ def key_from_fields(fields: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- store
 
 
-class CorruptShard(Exception):
-    """A shard file that must not be used (reason in the message)."""
-
-
 @dataclass
 class _Shard:
     ids: np.ndarray  # int64 (n,), strictly increasing
@@ -106,12 +103,9 @@ class _Shard:
 
 
 def _checksum(ids: np.ndarray, blocks: Mapping[int, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    h.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
-    for b in sorted(blocks):
-        h.update(f"|{b}|".encode())
-        h.update(np.ascontiguousarray(blocks[b], dtype="<f2").tobytes())
-    return h.hexdigest()
+    parts = [("", np.asarray(ids, dtype="<i8"))]
+    parts += [(f"|{b}|", np.asarray(blocks[b], dtype="<f2")) for b in sorted(blocks)]
+    return array_digest(parts)
 
 
 def _as_ids(ids: Any) -> np.ndarray:
@@ -131,23 +125,18 @@ _VERIFIED: dict[str, tuple[int, int, int, Any]] = {}
 
 
 def _open_shard(path: Path) -> tuple[dict[str, Any], np.ndarray, dict[int, np.ndarray]]:
-    """(header, ids, {block: rows}) of a shard file, unchecked; ``CorruptShard`` if unreadable."""
+    """(header, ids, {block: rows}) of a shard file, unchecked; ``CorruptFile`` if unreadable."""
+    header, members = read_archive(path)
+    if "ids" not in members:
+        raise CorruptFile(f"members {sorted(members)} lack ids")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            names = set(z.files)
-            if "header" not in names or "ids" not in names:
-                raise CorruptShard(f"members {sorted(names)} lack header/ids")
-            header = json.loads(bytes(np.asarray(z["header"], dtype=np.uint8)).decode("utf-8"))
-            arrays = {}
-            for b in header.get("blocks", []):
-                if f"block_{int(b)}" not in names:
-                    raise CorruptShard(f"missing member block_{int(b)}")
-                arrays[int(b)] = z[f"block_{int(b)}"]
-            return header, z["ids"], arrays
-    except CorruptShard:
-        raise
-    except Exception as e:  # zip/npy/json errors of a truncated or overwritten file
-        raise CorruptShard(f"unreadable ({type(e).__name__}: {e})") from None
+        blocks = [int(b) for b in header.get("blocks", [])]
+    except (TypeError, ValueError):
+        raise CorruptFile(f"header blocks {header.get('blocks')!r}") from None
+    missing = [b for b in blocks if f"block_{b}" not in members]
+    if missing:
+        raise CorruptFile(f"missing member block_{missing[0]}")
+    return header, members["ids"], {b: members[f"block_{b}"] for b in blocks}
 
 
 def _as_stored(feats: Mapping[int, Any], n: int) -> dict[int, np.ndarray]:
@@ -200,32 +189,32 @@ class FeatureStore:
     # ---- reading
 
     def _check(self, key: str, shard: int, header: dict, ids: np.ndarray, arrays: dict) -> None:
-        """Raise ``CorruptShard`` unless the header, ids and block arrays agree with each other and
+        """Raise ``CorruptFile`` unless the header, ids and block arrays agree with each other and
         with this key and shard (the checksum is ``_verify``'s)."""
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-            raise CorruptShard(f"format {header.get('format')!r} v{header.get('version')!r}")
+            raise CorruptFile(f"format {header.get('format')!r} v{header.get('version')!r}")
         if header.get("key") != key:
-            raise CorruptShard(f"belongs to key {str(header.get('key'))[:12]}..., not {key[:12]}...")
+            raise CorruptFile(f"belongs to key {str(header.get('key'))[:12]}..., not {key[:12]}...")
         if header.get("shard") != shard or header.get("shard_size") != self.shard_size:
-            raise CorruptShard(
+            raise CorruptFile(
                 f"header says shard {header.get('shard')} of size {header.get('shard_size')}, "
                 f"expected {shard} of size {self.shard_size}"
             )
         if header.get("dtype") != "float16":
-            raise CorruptShard(f"dtype {header.get('dtype')!r}")
+            raise CorruptFile(f"dtype {header.get('dtype')!r}")
         n = header.get("n")
         if ids.dtype != np.int64 or ids.ndim != 1 or ids.shape[0] != n or n < 1:
-            raise CorruptShard(f"ids {ids.dtype} {ids.shape} vs n={n}")
+            raise CorruptFile(f"ids {ids.dtype} {ids.shape} vs n={n}")
         lo = shard * self.shard_size
         if np.any(np.diff(ids) <= 0) or ids[0] < lo or ids[-1] >= lo + self.shard_size:
-            raise CorruptShard("ids not strictly increasing inside the shard's range")
+            raise CorruptFile("ids not strictly increasing inside the shard's range")
         shapes = header.get("shapes", {})
         for b, a in arrays.items():
             want = tuple(shapes.get(str(b), ()))
             if a.dtype != STORE_DTYPE or a.shape != want or a.ndim != 3 or a.shape[0] != n:
-                raise CorruptShard(f"block {b}: {a.dtype} {a.shape}, header says float16 {want}")
+                raise CorruptFile(f"block {b}: {a.dtype} {a.shape}, header says float16 {want}")
         if not arrays:
-            raise CorruptShard("no blocks")
+            raise CorruptFile("no blocks")
 
     def _verify(self, path: Path, key: str, shard: int) -> _Shard:
         header, ids, arrays = _open_shard(path)
@@ -237,7 +226,7 @@ class FeatureStore:
         tag = (st.st_ino, st.st_size, st.st_mtime_ns, header.get("sha256"))
         if _VERIFIED.get(str(path)) != tag:
             if _checksum(ids, arrays) != header.get("sha256"):
-                raise CorruptShard("checksum mismatch")
+                raise CorruptFile("checksum mismatch")
             _VERIFIED[str(path)] = tag
         return _Shard(ids=ids, blocks=arrays)
 
@@ -247,7 +236,9 @@ class FeatureStore:
             return None
         try:
             return self._verify(path, key, shard)
-        except CorruptShard as e:
+        except FileNotFoundError:  # removed since the exists() above: absent, not corrupt
+            return None
+        except CorruptFile as e:
             self.corrupt_seen += 1
             log.warning("feature cache: %s is invalid (%s); its entries will be recomputed", path, e)
             return None
@@ -383,12 +374,7 @@ class FeatureStore:
             "n": int(ids.size),
             "sha256": _checksum(ids, rows),
         }
-        arrays = {
-            "header": np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8),
-            "ids": ids,
-            **{f"block_{b}": a for b, a in rows.items()},
-        }
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        write_archive(path, header, {"ids": ids, **{f"block_{b}": a for b, a in rows.items()}})
 
 
 # --------------------------------------------------------------------------- cached extraction
