@@ -96,6 +96,7 @@ class DatasetConfig:
     image_size: int = key(lo=8, hi=1024)
     num_workers: int = key(lo=0, hi=64)
     train_limit: int = key(lo=0)  # 0 = all training images
+    eval_limit: int = key(lo=0)  # 0 = all validation / test images; N = a fixed stratified N (smoke runs)
     classes: tuple[str, ...] = key()  # image-folder: the federation's class folders in label order
 
 

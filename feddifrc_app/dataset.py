@@ -59,6 +59,7 @@ from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 PUBLIC_SPLIT = "public"  # mnist-5k only: the teacher's pretraining data, disjoint from train and test
+EVAL_LIMIT_SEED = 0  # dataset.eval-limit's subset: the same images whatever the run seed
 VAL_FRACTION = 0.1  # of the training split, held out for validation (not mnist-5k: its public split)
 VAL_SPLIT_SEED = 0  # fixed: the validation set never moves with the run seed
 
@@ -164,7 +165,9 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
     """One split of ``cfg.name`` at ``cfg.image_size``.
 
     ``cfg.train_limit > 0`` keeps a stratified subset of that many TRAINING images
-    (deterministic in ``seed``, original order kept); the test split is never cut.
+    (deterministic in ``seed``, original order kept). ``cfg.eval_limit > 0`` does the same for
+    the validation and test splits, with a fixed seed, so every run seed is scored on the same
+    images (for smoke runs and tests: a cut test split is not the benchmark's endpoint).
     ``split="val"`` is the validation split (module docstring); ``train`` excludes it.
     ``cfg.classes`` (image-folder): the federation's class-folder names in label order,
     so a node missing a class numbers the others like everyone else; folders not in it
@@ -192,8 +195,9 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
         held = validation_holdout(labels)
         keep = held if split == "val" else np.setdiff1d(np.arange(len(labels)), held).astype(np.int64)
         images, labels = images[torch.from_numpy(keep)], labels[keep]
-    if split == "train" and 0 < cfg.train_limit < len(labels):
-        keep = stratified_subset(labels, cfg.train_limit, seed)
+    limit, subset_seed = (cfg.train_limit, seed) if split == "train" else (cfg.eval_limit, EVAL_LIMIT_SEED)
+    if split in SPLITS and 0 < limit < len(labels):
+        keep = stratified_subset(labels, limit, subset_seed)
         images, labels = images[torch.from_numpy(keep)], labels[keep]
     return ImageData(
         name=cfg.name,

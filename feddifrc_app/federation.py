@@ -87,6 +87,12 @@ class Federation:
         # Partition order everywhere, so sampling and float sums are identical across runs.
         return (self.partition_of.get(node, 1 << 30), node)
 
+    def distinct_nodes(self) -> int:
+        """How many nodes the federation has met, each counted once: by partition id where a node
+        has one (a simulated node, or one rejoined under a new node id, keeps it), else by node id
+        (nodes that bring their own data folder all report partition id -1)."""
+        return len({(p, None) if p >= 0 else (p, n) for n, p in self.partition_of.items()})
+
     def wait_for_nodes(self) -> list[int]:
         """Wait up to strategy.round-timeout for min-nodes nodes; any connected node will do after."""
         deadline = time.monotonic() + self.cfg.strategy.round_timeout

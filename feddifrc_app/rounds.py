@@ -52,6 +52,13 @@ class CentralEvaluator:
     def __init__(self, cfg: Config, test: ImageData, val: ImageData | None) -> None:
         self.cfg, self.device = cfg, resolve_device(cfg.train.device, "train.device")
         self.splits = {"val": self._loader(val) if val is not None else None, "test": self._loader(test)}
+        if cfg.dataset.eval_limit:
+            log.warning(
+                "dataset.eval-limit = %d: validation and test are stratified subsets (%s images); "
+                "accuracies are for a smoke run, not for comparison with full-split numbers",
+                cfg.dataset.eval_limit,
+                " / ".join(str(len(d)) for d in (val, test) if d is not None),
+            )
         # The training split is needed centrally only for the self-supervised linear probe.
         ssl = cfg.method == "feddifrc-ssl"
         self.train = self._loader(load_dataset(cfg.dataset, "train", seed=cfg.seed)) if ssl else None
@@ -217,7 +224,7 @@ class RoundLoop:
             )
         before = strategy_state(self.strategy)
         if hasattr(self.strategy, "fraction_of_nodes"):  # SCAFFOLD's |S| / N, as it really was
-            self.strategy.fraction_of_nodes = len(ok) / max(len(set(self.fed.partition_of.values())), 1)
+            self.strategy.fraction_of_nodes = len(ok) / max(self.fed.distinct_nodes(), 1)
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
         if arrays is not None and not _finite(arrays):
             load_strategy_state(self.strategy, before)  # a rejected update leaves no trace

@@ -132,6 +132,23 @@ def test_train_limit_is_stratified_deterministic_and_train_only(digits_test: Ima
     assert len(load_dataset(dcfg(train_limit=10**6), "train")) == len(full)
 
 
+def test_eval_limit_cuts_val_and_test_alike_for_every_seed_and_never_train(
+    digits_train: ImageData, digits_test: ImageData
+) -> None:
+    cut = {split: load_dataset(dcfg(eval_limit=50), split, seed=1) for split in ("val", "test")}
+    assert {split: len(d) for split, d in cut.items()} == {"val": 50, "test": 50}
+    for split, d in cut.items():  # the same images whatever the run seed: seeds stay comparable
+        assert d.fingerprint == load_dataset(dcfg(eval_limit=50), split, seed=2).fingerprint
+        full = load_dataset(dcfg(), split)
+        share = np.bincount(full.labels, minlength=10) * 50 / len(full)
+        assert np.all(np.abs(np.bincount(d.labels, minlength=10) - share) < 1)
+        whole = {bytes(x) for x in full.images.numpy()}
+        assert all(bytes(x) in whole for x in d.images.numpy())  # a subset, not other images
+    assert cut["test"].fingerprint != digits_test.fingerprint
+    assert load_dataset(dcfg(eval_limit=50), "train").fingerprint == digits_train.fingerprint
+    assert len(load_dataset(dcfg(eval_limit=10**6), "test")) == len(digits_test)
+
+
 def test_stratified_subset_largest_remainder_by_hand() -> None:
     labels = np.array([0] * 6 + [1] * 3 + [2] * 1)
     # quotas 3.0 / 1.5 / 0.5 -> floors 3/1/0, one left: tie 0.5 vs 0.5 goes to the lower class (1)

@@ -198,9 +198,9 @@ def test_superlink_serves_tls_with_the_dev_ca(deployment: Deployment, tmp_path: 
 
 
 def test_the_compose_healthcheck_probe_sees_a_serving_superlink(deployment: Deployment) -> None:
-    from test_docker_files import health_probe
+    from test_docker_files import health_probe, load_compose
 
-    probe, address = health_probe()
+    probe, address = health_probe(load_compose("compose.yml")["services"]["superlink"])
     serving = subprocess.run(
         [sys.executable, "-c", probe.replace(address, f"127.0.0.1:{deployment.health_port}")],
         capture_output=True,
@@ -299,7 +299,7 @@ def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int
 def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> None:
     out = tmp_path / "outputs"
     run_config = (
-        f'method="fedavg" num-server-rounds={ROUNDS} dataset.train-limit=200 '
+        f'method="fedavg" num-server-rounds={ROUNDS} dataset.train-limit=200 dataset.eval-limit=200 '
         # A lost node is detected by the SuperLink's heartbeat (~60 s), not by this timeout, which
         # only has to outlast a rejoined node's cold ClientApp start on a loaded 2-core machine.
         f"train.local-epochs=1 strategy.round-timeout=240 fraction-train=1.0 "

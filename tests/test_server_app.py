@@ -201,3 +201,60 @@ def test_the_serverapp_polls_for_replies_at_most_every_tenth_of_a_second(monkeyp
     sleeps.clear()
     federation.Federation(grid, make_config())._send_and_receive([object()], timeout=60)
     assert sleeps == [0.05, 0.05, 0.05]
+
+
+def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partition_id(tmp_path) -> None:
+    """Four nodes with their own data folders all report partition id -1: N is 4, not 1, so two
+    replies move the server control variate by |S| / N = 1/2 of their mean, not 2x it."""
+    import torch
+    from conftest import make_config
+    from flwr.app import ArrayRecord, Message, MetricRecord
+
+    from feddifrc_app.baselines import scaffold
+    from feddifrc_app.federation import Federation
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.rounds import RoundLoop
+
+    class FolderNodes(Federation):
+        def __init__(self) -> None:
+            super().__init__(grid=None, cfg=make_config())
+            self.partition_of = {11: -1, 12: -1, 13: -1, 14: -1}
+
+        def sample(self, rnd):
+            return [11, 12]
+
+        def view(self, chosen):
+            return SimpleNamespace(get_node_ids=lambda: list(chosen))
+
+        def exchange(self, msgs, chosen):
+            replies = []
+            for m, dc in zip(msgs, (1.0, 3.0), strict=True):
+                arrays = m.content["arrays"]
+                content = RecordDict(
+                    {
+                        "arrays": arrays,
+                        "metrics": MetricRecord({"num-examples": 10.0}),
+                        scaffold.DELTA: ArrayRecord(
+                            {k: torch.full(v.numpy().shape, dc) for k, v in arrays.items()}
+                        ),
+                    }
+                )
+                replies.append(
+                    Message(content=content, dst_node_id=m.metadata.dst_node_id, message_type="train")
+                )
+            return replies, []
+
+    fed = FolderNodes()
+    assert fed.distinct_nodes() == 4
+    fed.partition_of |= {15: 0, 16: 0, 17: 1}  # a simulated node rejoined under a new id: one partition
+    assert fed.distinct_nodes() == 6
+    fed.partition_of = {11: -1, 12: -1, 13: -1, 14: -1}
+
+    cfg = make_config(method="fedavg", strategy__name="scaffold", num_server_rounds=1)
+    (tmp_path / "run").mkdir()
+    results: dict = {"rounds": [], "resumed": []}
+    loop = RoundLoop(cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10, None)
+    loop.train_round(1)
+    assert loop.strategy.fraction_of_nodes == 0.5
+    for c in loop.strategy.control.values():  # c = 0 + |S| / N * mean(1, 3) = 0.5 * 2
+        assert float(abs(c - 1.0).max()) == 0.0

@@ -128,7 +128,7 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
         "--out",
         str(out),
         "--set",
-        "num-server-rounds=2 dataset.train-limit=60 train.batch-size=8",
+        "num-server-rounds=2 dataset.train-limit=60 dataset.eval-limit=200 train.batch-size=8",
         "--federation-config",
         "num-supernodes=2 client-resources-num-cpus=1",
     ]
