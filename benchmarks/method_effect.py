@@ -192,6 +192,10 @@ def paired(deltas: list[float]) -> dict[str, float]:
     }
 
 
+def fmt_paired(p: dict[str, float]) -> str:
+    return f"{p['mean']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] ({p['pos']}/{p['neg']})"
+
+
 def verdict(p: dict[str, float]) -> str:
     if p["n"] < 2 or math.isnan(p["lo"]):
         return "n < 2"
@@ -237,8 +241,7 @@ def paired_table(runs: list[dict]) -> tuple[str, dict]:
                 common = sorted(set(cells) & set(base))
                 p1 = paired([cells[s]["last10"] - base[s]["last10"] for s in common])
                 p2 = paired([cells[s]["at-val-best"] - base[s]["at-val-best"] for s in common])
-                fmt = lambda p: f"{p['mean']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] ({p['pos']}/{p['neg']})"  # noqa: E731
-                row += [fmt(p1), verdict(p1), fmt(p2)]
+                row += [fmt_paired(p1), verdict(p1), fmt_paired(p2)]
                 entry |= {"delta-last10": p1, "delta-at-val-best": p2, "verdict": verdict(p1)}
             else:
                 row += ["(reference)", "", ""]
@@ -264,7 +267,6 @@ def contrasts_table(by: dict[tuple[float, str], dict[int, dict]], summary: dict)
         "Delta test at val-best [95% CI] (+/-) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    fmt = lambda p: f"{p['mean']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] ({p['pos']}/{p['neg']})"  # noqa: E731
     for alpha in sorted({a for a, _ in by}):
         for a, b, what in CONTRASTS:
             x, y = by.get((alpha, a), {}), by.get((alpha, b), {})
@@ -273,7 +275,8 @@ def contrasts_table(by: dict[tuple[float, str], dict[int, dict]], summary: dict)
                 continue
             p1 = paired([x[s]["last10"] - y[s]["last10"] for s in common])
             p2 = paired([x[s]["at-val-best"] - y[s]["at-val-best"] for s in common])
-            lines.append(f"| {alpha:g} | {what} | {len(common)} | {fmt(p1)} | {verdict(p1)} | {fmt(p2)} |")
+            row = [f"{alpha:g}", what, str(len(common)), fmt_paired(p1), verdict(p1), fmt_paired(p2)]
+            lines.append("| " + " | ".join(row) + " |")
             summary[f"{alpha:g} {a} - {b}"] = {
                 "delta-last10": p1,
                 "delta-at-val-best": p2,
