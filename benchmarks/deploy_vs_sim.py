@@ -25,6 +25,16 @@ ClientApp processes write) in total and AFTER setup. "After setup" = after ``res
 first appears (written after round 0's central evaluation, i.e. after the setup exchange); it
 must be 0: the feature cache makes every training round SD-free.
 
+3. Flower's floor, on the same SuperLink and SuperNodes right after the deployment run:
+   ``benchmarks/floor_app``, a ClientApp that imports torch and echoes an update of the app
+   model's size (no data, no teacher, no model code), timed by a ServerApp with the app's own
+   reply poll. Its median round is what Flower 1.42 and torch cost per round by themselves.
+
+The last three lines: ``overhead per round`` (deployment minus simulation median),
+``flower floor per round`` (the floor app's median deployment round) and ``excess over floor``
+(their difference: what this app adds to a deployment round beyond its own compute and
+Flower's floor).
+
 Processes are started and killed by PID by tests/flower_procs.py (isolated FLWR_HOME, free
 ports). The machine's load average is printed: the numbers only mean something next to it.
 """
@@ -42,7 +52,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+FLOOR_APP = ROOT / "benchmarks" / "floor_app"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from flower_procs import FlowerProcs, free_port  # noqa: E402
@@ -179,13 +192,33 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
         )
         wall = time.monotonic() - t0
         total = {"flwr log": save_log(work, procs.run_log(run_id, CONN)).count(NEEDLE), **counts()}
+        floor = run_floor(procs, work, out / "deploy", a)
     return {
         "info": info,
         "wall": wall,
         "results": read_json(out / "deploy" / "results.json"),
         "loads": total,
         "loads-at-setup": at_setup,
+        "floor": floor,
     }
+
+
+def model_size(run_dir: Path) -> int:
+    """Numbers in the app's update (every tensor of the saved global model, buffers included)."""
+    last = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
+    state = torch.load(last, map_location="cpu", weights_only=False)["model"]
+    return sum(t.numel() for t in state.values())
+
+
+def run_floor(procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespace) -> list[float]:
+    """The floor app's round times on the deployment that just ran the app."""
+    out = work / "floor.json"
+    rc = f"num-server-rounds={a.rounds} num-params={model_size(run_dir)} min-nodes={a.nodes} out-file='{out}'"
+    run_id = procs.submit_run(FLOOR_APP, CONN, run_config=rc)
+    info = procs.wait_for_run(run_id, CONN, timeout=a.timeout)
+    if info.get("status") != "finished:completed":
+        raise RuntimeError(f"floor app run {info}\n{procs.run_log(run_id, CONN)[-4000:]}")
+    return json.loads(out.read_text())["round-seconds"]
 
 
 def report(mode: str, r: dict[str, Any]) -> float | None:
@@ -243,11 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after deployment: {load()}")
 
     m_sim, m_dep = report("simulation", sim), report("deployment", dep)
+    floor = dep["floor"]
+    print("\n== Flower's floor (benchmarks/floor_app on the same deployment): round seconds", end=" ")
+    print(", ".join(f"{s:.2f}" for s in floor))
     if m_sim and m_dep:
+        m_floor = statistics.median(floor[1:] or floor)  # rounds >= 2, as for the app
         print(
             f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
             f"= {m_dep / m_sim:.2f}x"
         )
+        print(f"overhead per round: {m_dep - m_sim:.2f} s")
+        print(f"flower floor per round: {m_floor:.2f} s")
+        print(f"excess over floor: {m_dep - m_sim - m_floor:.2f} s")
     if a.keep:
         print(f"kept: {work}")
     else:

@@ -9,7 +9,7 @@ Guarantees:
 - **Isolation.** Every command runs with its own ``FLWR_HOME`` (a temp folder),
   telemetry and the update check off, and runtime dependency installation off
   (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``: no ``uv sync`` of torch per
-  run); SuperExecs poll for work every 50 ms (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, as in
+  run); SuperExecs poll for work every 0.2 s (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, as in
   docker/). Ports are picked free at run time (:func:`free_port`), including the ports
   of the SuperLink that ``flwr run`` starts for a ``:local:`` (simulation)
   connection, so concurrent test sessions never share a local SuperLink.
@@ -57,6 +57,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,10 @@ def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            # As in docker/: a SuperExec asks for work every 50 ms, not Flower's 1 s. Set on every
+            # As in docker/: a SuperExec asks for work every 0.2 s, not Flower's 1 s. Set on every
             # command, so it reaches the SuperExecs started by hand and the children of a SuperLink or
             # SuperNode run with --isolation subprocess (they inherit it).
-            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2",
             "PYTHONUNBUFFERED": "1",
             "NO_COLOR": "1",
             "HF_HUB_OFFLINE": "1",
@@ -362,6 +363,46 @@ class FlowerProcs:
             proc.kill(signal.SIGTERM, grace=5.0)
         self.stop_local_superlink()
 
+    def start_local_superlink(self, timeout: float = 180.0) -> None:
+        """Start the SuperLink that `flwr run` would start for a `:local:` connection, and wait for it.
+
+        The same command as ``flwr.cli.local_superlink`` (so `flwr` finds it healthy and uses it),
+        started here because Flower gives its own start 15 s: on a loaded 2-core machine running
+        several simulation tests at once, a SuperLink's imports alone can take longer.
+        """
+        runtime = self.flwr_home / "local-superlink"
+        runtime.mkdir(parents=True, exist_ok=True)
+        port = self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+        argv = [
+            "flower-superlink",
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--control-api-address",
+            f"127.0.0.1:{self.env['FLWR_LOCAL_CONTROL_API_PORT']}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--log-file",
+            str(runtime / "superlink.log"),
+            "--database",
+            str(runtime / "state.db"),
+        ]
+        proc = self.start("local-superlink", argv, ready_port=int(port), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # the port opens before the app behind it serves: ask /health, as `flwr` does
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline or not proc.alive():
+                raise TimeoutError(f"the local SuperLink is not healthy after {timeout}s\n{proc.tail()}")
+            time.sleep(0.2)
+
     def local_superlink_pids(self) -> list[int]:
         """PIDs of the SuperLink that `flwr` started for a `:local:` connection of THIS harness.
 
@@ -467,11 +508,14 @@ class FlowerProcs:
     ) -> int:
         """``flwr run <app_dir> <connection>`` (no ``--stream``); returns the run id.
 
-        ``connection="local"`` is the default ``:local:`` connection: `flwr` starts a
-        simulation SuperLink (on this harness's ports; killed by :meth:`close`), sized by
+        ``connection="local"`` is the default ``:local:`` connection: its simulation SuperLink is
+        started first (:meth:`start_local_superlink`, on this harness's ports; killed by
+        :meth:`close`); the run is sized by
         e.g. ``federation_config="num-supernodes=2 client-resources-num-cpus=1"``.
         """
         self.ensure_config()
+        if connection == "local" and not self.local_superlink_pids():
+            self.start_local_superlink()
         args = ["run", str(app_dir), connection]
         if run_config:
             args += ["--run-config", run_config]
@@ -524,6 +568,10 @@ class FlowerProcs:
             f"run {run_id} not finished after {timeout}s (last: {info.get('status')})\n"
             f"{self.run_log(run_id, connection)[-6000:]}\n{self.report()}"
         )
+
+    def streamed_log(self, run_id: int) -> str:
+        """The run's ServerApp log as :meth:`wait_for_run` streamed it (no further `flwr` call)."""
+        return (self.logs / f"run-{run_id}.log").read_text(errors="replace")
 
     def run_log(self, run_id: int, connection: str) -> str:
         """The run's ServerApp log so far (``flwr log ID <conn> --show``)."""

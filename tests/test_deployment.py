@@ -296,7 +296,9 @@ def _wait_for(pred: Any, what: str, timeout: float, dep: Deployment, run_id: int
     not all(p.exists() for p in APP_FILES),
     reason="feddifrc_app.server_app / client_app are not written yet",
 )
-def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> None:
+def test_flwr_run_completes_and_records_a_killed_supernode(deployment: Deployment, tmp_path: Path) -> None:
+    """Last in this file: it kills and restarts SuperNode 2 of the shared deployment (one deployment
+    per file: an idle one polls its SuperLink and costs a tenth of a core)."""
     out = tmp_path / "outputs"
     run_config = (
         f'method="fedavg" num-server-rounds={ROUNDS} dataset.train-limit=200 dataset.eval-limit=200 '
@@ -307,63 +309,62 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
     )
     results_path = out / "x" / "results.json"
     t0 = time.monotonic()
-    with deploy(tmp_path, registered=2, total_keys=2) as dep:
-        t_up = time.monotonic() - t0
-        run_id = dep.procs.submit_run(ROOT, CONN, run_config)
+    dep = deployment
+    run_id = dep.procs.submit_run(ROOT, CONN, run_config)
 
-        # Round 1 completes with both nodes.
-        def round_done(n: int) -> Any:
-            res = _results(results_path)
-            return res if res and any(r["round"] == n for r in res["rounds"]) else None
+    # Round 1 completes with both nodes.
+    def round_done(n: int) -> Any:
+        res = _results(results_path)
+        return res if res and any(r["round"] == n for r in res["rounds"]) else None
 
-        _wait_for(lambda: round_done(1), "round 1 in results.json", 420, dep, run_id)
-        t_r1 = time.monotonic() - t0
+    _wait_for(lambda: round_done(1), "round 1 in results.json", 420, dep, run_id)
+    t_r1 = time.monotonic() - t0
 
-        # Machine 2 dies while it works on the next round: SIGKILL its SuperNode and its
-        # SuperExec, with the ClientApp process the SuperExec runs.
-        superexec = dep.procs.procs[f"superexec-clientapp-{KILLED}"]
+    # Machine 2 dies while it works on the next round: SIGKILL its SuperNode and its
+    # SuperExec, with the ClientApp process the SuperExec runs.
+    superexec = dep.procs.procs[f"superexec-clientapp-{KILLED}"]
 
-        def clientapp_running() -> bool:
-            return any("flwr-clientapp" in cmdline(p) for p in descendants(superexec.pid))
+    def clientapp_running() -> bool:
+        return any("flwr-clientapp" in cmdline(p) for p in descendants(superexec.pid))
 
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not clientapp_running():
-            time.sleep(0.1)
-        dep.procs.kill(f"superexec-clientapp-{KILLED}", sig=signal.SIGKILL)
-        dep.procs.kill(f"supernode-{KILLED}", sig=signal.SIGKILL)
-        t_kill = time.monotonic() - t0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not clientapp_running():
+        time.sleep(0.1)
+    dep.procs.kill(f"superexec-clientapp-{KILLED}", sig=signal.SIGKILL)
+    dep.procs.kill(f"supernode-{KILLED}", sig=signal.SIGKILL)
+    t_kill = time.monotonic() - t0
 
-        # Its failure is recorded (after ~60 s of missed heartbeats or the round-timeout).
-        def failed_round() -> int | None:
-            res = _results(results_path)
-            for r in (res or {}).get("rounds", []):
-                if any(f["partition-id"] == KILLED - 1 for f in r.get("failures", [])):
-                    return int(r["round"])
-            return None
+    # Its failure is recorded (after ~60 s of missed heartbeats or the round-timeout).
+    def failed_round() -> int | None:
+        res = _results(results_path)
+        for r in (res or {}).get("rounds", []):
+            if any(f["partition-id"] == KILLED - 1 for f in r.get("failures", [])):
+                return int(r["round"])
+        return None
 
-        fail_round = _wait_for(failed_round, "the killed node's failure in results.json", 400, dep, run_id)
-        t_fail = time.monotonic() - t0
+    fail_round = _wait_for(failed_round, "the killed node's failure in results.json", 400, dep, run_id)
+    t_fail = time.monotonic() - t0
 
-        # Restart the same SuperNode (same auth key, same partition-id). The SuperLink only
-        # re-activates a registered node that is offline: wait until it is marked so.
-        killed_id = dep.node_ids[KILLED]
+    # Restart the same SuperNode (same auth key, same partition-id). The SuperLink only
+    # re-activates a registered node that is offline: wait until it is marked so.
+    killed_id = dep.node_ids[KILLED]
 
-        def node_status() -> str | None:
-            return next((n["status"] for n in dep.procs.nodes(CONN) if int(n["node-id"]) == killed_id), None)
+    def node_status() -> str | None:
+        return next((n["status"] for n in dep.procs.nodes(CONN) if int(n["node-id"]) == killed_id), None)
 
-        _wait_for(lambda: node_status() == "offline", "the killed node to be offline", 120, dep, run_id, 2)
-        dep.start_node(KILLED, 2, tmp_path / "node-cache")
-        # Same key -> same node id: the registered one comes back online, no new node appears.
-        _wait_for(lambda: node_status() == "online", "the restarted node to be online", 90, dep, run_id, 2)
-        nodes_after = {int(n["node-id"]): n["status"] for n in dep.procs.nodes(CONN)}
-        assert set(nodes_after) == set(dep.node_ids.values()), nodes_after
-        back_round = max(r["round"] for r in _results(results_path)["rounds"])
-        t_back = time.monotonic() - t0
+    _wait_for(lambda: node_status() == "offline", "the killed node to be offline", 120, dep, run_id, 2)
+    dep.start_node(KILLED, 2, tmp_path / "node-cache")
+    # Same key -> same node id: the registered one comes back online, no new node appears.
+    _wait_for(lambda: node_status() == "online", "the restarted node to be online", 90, dep, run_id, 2)
+    nodes_after = {int(n["node-id"]): n["status"] for n in dep.procs.nodes(CONN)}
+    assert set(nodes_after) == set(dep.node_ids.values()), nodes_after
+    back_round = max(r["round"] for r in _results(results_path)["rounds"])
+    t_back = time.monotonic() - t0
 
-        info = dep.procs.wait_for_run(run_id, CONN, timeout=600)
-        t_done = time.monotonic() - t0
-        log = dep.procs.run_log(run_id, CONN)
-        assert info["status"] == "finished:completed", f"{info}\n{log[-6000:]}\n{dep.procs.report()}"
+    info = dep.procs.wait_for_run(run_id, CONN, timeout=600)
+    t_done = time.monotonic() - t0
+    log = dep.procs.run_log(run_id, CONN)
+    assert info["status"] == "finished:completed", f"{info}\n{log[-6000:]}\n{dep.procs.report()}"
 
     res = _results(results_path)
     assert res is not None, f"no results.json at {results_path}\n{log}"
@@ -394,7 +395,7 @@ def test_flwr_run_completes_and_records_a_killed_supernode(tmp_path: Path) -> No
     # The run went on with the surviving node, and every round was evaluated.
     assert all(isinstance(r["test-accuracy"], float) for r in rounds.values()), res["rounds"]
     print(
-        f"deployment up {t_up:.1f}s, round 1 done {t_r1:.1f}s, node killed {t_kill:.1f}s, "
+        f"round 1 done {t_r1:.1f}s after submit, node killed {t_kill:.1f}s, "
         f"failure recorded (round {fail_round}) {t_fail:.1f}s, node back online (during round "
         f"{back_round + 1}, same node id {killed_id}) {t_back:.1f}s, used again in rounds {rejoined}, "
         f"run finished {t_done:.1f}s (rounds: "

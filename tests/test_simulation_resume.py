@@ -1,0 +1,100 @@
+"""Real `flwr run .` in Flower's Ray simulation engine (no mocks, isolated FLWR_HOME).
+
+Runs are submitted without --stream (which exits 0 even on failure) and their status is
+read with `flwr ls --run-id ID --format json`; every process started is killed by PID by
+the `flower_procs` fixture, also when a test fails. Resume after `flwr stop`, and FedDifRC
+under other strategies.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from flower_procs import cmdline, descendants, flower_procs  # noqa: F401  (pytest fixture)
+from simulation_runs import EVAL, FED, results, run_ok
+
+pytestmark = pytest.mark.slow
+
+
+def _stop_after_round_1(procs, run_config: str, run_dir: Path) -> int:
+    """Submit, `flwr stop` once round 1 is saved; the last round saved (after the process is gone)."""
+    run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=FED)
+    deadline = time.monotonic() + 420
+    while not (run_dir / "results.json").is_file() or max(r["round"] for r in results(run_dir)["rounds"]) < 1:
+        assert time.monotonic() < deadline, f"no round 1\n{procs.run_log(run_id, 'local')[-4000:]}"
+        time.sleep(0.5)
+    procs.flwr(["stop", str(run_id), "local"])
+    assert procs.wait_for_run(run_id, "local", timeout=120, poll=0.5)["status"] == "finished:stopped"
+    deadline = time.monotonic() + 60
+    while any(
+        "flwr-simulation" in cmdline(d) for p in procs.local_superlink_pids() for d in descendants(p)
+    ):  # Flower forces the process out 5 s after the stop at the latest
+        assert time.monotonic() < deadline, "the simulation process outlived flwr stop by a minute"
+        time.sleep(0.5)
+    return max(r["round"] for r in results(run_dir)["rounds"])
+
+
+def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_procs, tmp_path):  # noqa: F811
+    out = tmp_path / "runs"
+    base = (
+        f"method='fedavg' dataset.train-limit=100 {EVAL} outputs-dir='{out}' "
+        "partition.name='dirichlet' partition.alpha=0.5"
+    )
+    # `flwr stop`: no round is run or saved once the ServerApp knows (it used to run on to the
+    # forced exit, saving rounds after the stop, and results.json never said "stopped").
+    last = _stop_after_round_1(flower_procs, base + " num-server-rounds=500 run-name='part'", out / "part")
+    stopped = results(out / "part")
+    assert stopped["status"] == "stopped" and "RunStopped" in stopped["error"], stopped
+    assert [x["round"] for x in stopped["rounds"]] == list(range(last + 1))
+    ckpts = sorted(p.name for p in (out / "part" / "checkpoints").glob("round-*.pt"))
+    assert ckpts[-1] == f"round-{last:04d}.pt", ckpts
+    assert not [p for p in (out / "part").rglob("*") if ".tmp" in p.name], "a partial file was left"
+
+    # Resumed to one round more, it matches a run that was never stopped.
+    rounds = last + 1
+    run_ok(flower_procs, base + f" num-server-rounds={rounds} run-name='full'")
+    run_ok(flower_procs, base + f" num-server-rounds={rounds} resume-from='{out / 'part'}'")
+    full, resumed = results(out / "full"), results(out / "part")
+    assert resumed["status"] == "completed" and "error" not in resumed
+    assert [x["round"] for x in resumed["rounds"]] == list(range(rounds + 1))
+    assert resumed["resumed"][0]["after-round"] == last
+    for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
+        assert a.get("nodes") == b.get("nodes")
+        assert a["test-accuracy"] == pytest.approx(b["test-accuracy"], abs=1e-9)
+        assert a["test-loss"] == pytest.approx(b["test-loss"], rel=1e-5)
+    ckpt = f"round-{rounds:04d}.pt"
+    wa = torch.load(out / "full" / "checkpoints" / ckpt, weights_only=False)["model"]
+    wb = torch.load(out / "part" / "checkpoints" / ckpt, weights_only=False)["model"]
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # FedDifRC composes with other strategies by changing `strategy.name` only.
+        ("ssl-fedadam", "method='feddifrc-ssl' strategy.name='fedadam'"),
+        ("conditioned-fedprox", "diffusion.condition='global-model' strategy.name='fedprox'"),
+    ],
+)
+def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
+    out = tmp_path / "runs"
+    run_ok(
+        flower_procs,
+        f"num-server-rounds=1 dataset.train-limit=60 {EVAL} outputs-dir='{out}' run-name='{name}' "
+        f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}",
+    )
+    r = results(out / name)
+    row = r["rounds"][1]
+    assert row["failures"] == []
+    assert 0.0 <= row["test-accuracy"] <= 1.0
+    m = row["train-metrics"]
+    if name.startswith("ssl"):
+        assert "train-ce" not in m and m["train-tdcl"] > 0  # no labels, no CE
+        assert row["test-loss"] is None  # linear-probe accuracy only
+    else:
+        assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
