@@ -18,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore.run import RunNotRunningException
 
-from feddifrc_app import log, report
+from feddifrc_app import baselines, log, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
@@ -205,7 +205,9 @@ class RoundLoop:
         if not chosen:  # every node left: wait for one (or fail after round-timeout), never hang
             self.fed.wait_for_nodes()
             chosen = self.fed.sample(rnd)
-        msgs = list(self.strategy.configure_train(rnd, self.arrays, ConfigRecord({}), self.fed.view(chosen)))
+        # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
+        config = ConfigRecord(baselines.train_config(self.cfg))
+        msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
                 m.content["basis"] = self.basis
@@ -223,8 +225,6 @@ class RoundLoop:
                 failures,
             )
         before = strategy_state(self.strategy)
-        if hasattr(self.strategy, "fraction_of_nodes"):  # SCAFFOLD's |S| / N, as it really was
-            self.strategy.fraction_of_nodes = len(ok) / max(self.fed.distinct_nodes(), 1)
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
         if arrays is not None and not _finite(arrays):
             load_strategy_state(self.strategy, before)  # a rejected update leaves no trace

@@ -72,9 +72,7 @@ def build_strategy(cfg: Config) -> Strategy:
     if name == "fedtrimmedavg":
         return FedTrimmedAvg(**common, beta=s.trim_beta)
     if name == "scaffold":
-        return Scaffold(
-            **common, server_learning_rate=s.server_learning_rate, fraction_of_nodes=cfg.fraction_train
-        )
+        return Scaffold(**common, server_learning_rate=s.server_learning_rate)
     if name == "fednova":
         return FedNova(**common)
     raise ValueError(f"unknown strategy {name!r}")  # unreachable: load_config validated it

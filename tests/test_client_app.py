@@ -486,10 +486,11 @@ def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path
     from feddifrc_app.baselines import moon
 
     state = RecordDict()
-    ctx = context(run_config(tmp_path, method="moon", train__batch_size=5), 0, state)
-    first = call("train", train_msg(1), ctx).content["metrics"]
+    rc = run_config(tmp_path, method="moon", train__batch_size=5)
+    ctx, sent = context(rc, 0, state), moon.train_config(load_config(rc))  # the server half's keys
+    first = call("train", train_msg(1, **sent), ctx).content["metrics"]
     assert first["train-moon"] == 0.0 and moon.PREVIOUS in state  # no previous model yet: CE only
-    second = call("train", train_msg(2, seed=1), ctx).content["metrics"]
+    second = call("train", train_msg(2, seed=1, **sent), ctx).content["metrics"]
     assert second["train-moon"] > 0  # now the global and the previous local model differ
 
 

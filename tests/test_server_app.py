@@ -224,7 +224,7 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
             return [11, 12]
 
         def view(self, chosen):
-            return SimpleNamespace(get_node_ids=lambda: list(chosen))
+            return SimpleNamespace(get_node_ids=lambda: list(chosen), num_nodes=self.distinct_nodes())
 
         def exchange(self, msgs, chosen):
             replies = []
