@@ -36,12 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from feddifrc_app.run_config import app_defaults, load_app_config
+from feddifrc_app.sweep import Cell, Flower, Sweep, make_cells, run_sweep
 
-from feddifrc_app.cli import app_defaults, load_app_config  # noqa: E402
-from feddifrc_app.sweep import Cell, Flower, Sweep, make_cells, run_sweep  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PILOT_SEED = 100
 ALPHAS = (0.05, 0.5)

@@ -243,10 +243,13 @@ class NodeConfig:
     cache_dir: str  # "" = run config / default
 
     def resolve_cache_dir(self, cfg: Config) -> Path:
-        """Node's cache-dir wins, then the run config's, then ~/.cache/feddifrc."""
-        return Path(
-            os.path.expanduser(self.cache_dir or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)
-        ).resolve()
+        return resolve_cache_dir(cfg, self.cache_dir)
+
+
+def resolve_cache_dir(cfg: Config, override: str | None) -> Path:
+    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``)
+    wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
+    return Path(os.path.expanduser(override or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)).resolve()
 
 
 def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:

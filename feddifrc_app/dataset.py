@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset
 from feddifrc_app import log
 from feddifrc_app.config import DATASETS, Config, DatasetConfig, NodeConfig, PartitionConfig
 from feddifrc_app.files import atomic_write
-from feddifrc_app.partition import partition_indices
+from feddifrc_app.partition import partition_by_config
 from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
@@ -714,7 +714,7 @@ def client_split(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
       folder's sorted class folders: every node must hold the same class folders
       (an empty one is an error) or labels disagree across the federation.
     - otherwise: partition ``node.partition_id`` of ``node.num_partitions`` of the
-      benchmark training split, by ``partition.partition_indices`` (cfg.partition, cfg.seed).
+      benchmark training split, by ``partition.partition_by_config`` (cfg.partition, cfg.seed).
 
     Memoised per process (the ImageData is shared: read-only), so a long-lived
     simulation actor loads and partitions once.
@@ -739,17 +739,7 @@ def _load_train_cached(cfg: DatasetConfig, seed: int) -> ImageData:
 def _partitions_cached(
     dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int, num_partitions: int
 ) -> tuple[np.ndarray, ...]:
-    labels = _load_train_cached(dcfg, seed).labels
-    parts = partition_indices(
-        labels,
-        num_partitions,
-        name=pcfg.name,
-        alpha=pcfg.alpha,
-        classes_per_client=pcfg.classes_per_client,
-        imb_factor=pcfg.imb_factor,
-        seed=seed,
-    )
-    return tuple(parts)
+    return tuple(partition_by_config(_load_train_cached(dcfg, seed).labels, num_partitions, pcfg, seed))
 
 
 # =========================================================================== transforms

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from feddifrc_app.config import PARTITIONS
+from feddifrc_app.config import PARTITIONS, PartitionConfig
 
 # Public code's group size ("n_auxi_workers"): the Dirichlet split runs in groups of this many workers.
 _GROUP_WORKERS = 5
@@ -283,3 +283,18 @@ def partition_indices(
     if name == "iid":
         return iid(kept, num_partitions, seed)
     return pathological(kept, labels, num_partitions, classes_per_client, seed)
+
+
+def partition_by_config(
+    labels: np.ndarray, num_partitions: int, cfg: PartitionConfig, seed: int
+) -> list[np.ndarray]:
+    """``partition_indices`` under the run config's ``partition.*`` keys."""
+    return partition_indices(
+        labels,
+        num_partitions,
+        name=cfg.name,
+        alpha=cfg.alpha,
+        classes_per_client=cfg.classes_per_client,
+        imb_factor=cfg.imb_factor,
+        seed=seed,
+    )

@@ -29,6 +29,7 @@ from typing import Any
 from feddifrc_app.config import Config, load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.outputs import RESUME_MAY_CHANGE
+from feddifrc_app.run_config import parse_run_config
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -264,8 +265,6 @@ class Sweep:
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
         """The flat run config of ``cell`` (without resume-from)."""
-        from feddifrc_app.cli import parse_run_config
-
         conf = parse_run_config([cell.conf]) if cell.conf else {}
         refuse_owned_keys(conf, cell.conf)
         return {

