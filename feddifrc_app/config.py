@@ -81,9 +81,17 @@ def key(
     hi_open: bool = False,
     path: bool = False,
     empty: str = "",
+    resume: bool = False,
 ) -> Any:
-    """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "")."""
-    return field(metadata=dict(choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty))
+    """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "").
+
+    ``resume=True``: a resumed run may change it (where and how long it runs, not what it
+    computes); every other key must match the run's own config.json."""
+    return field(
+        metadata=dict(
+            choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty, resume=resume
+        )
+    )
 
 
 # --------------------------------------------------------------------------- the keys
@@ -94,7 +102,7 @@ class DatasetConfig:
     name: str = key(choices=DATASETS)
     data_dir: str = key(path=True, empty=DEFAULT_CACHE_DIR + "/data")
     image_size: int = key(lo=8, hi=1024)
-    num_workers: int = key(lo=0, hi=64)
+    num_workers: int = key(lo=0, hi=64, resume=True)
     train_limit: int = key(lo=0)  # 0 = all training images
     eval_limit: int = key(lo=0)  # 0 = all validation / test images; N = a fixed stratified N (smoke runs)
     classes: tuple[str, ...] = key()  # image-folder: the federation's class folders in label order
@@ -125,8 +133,8 @@ class TrainConfig:
     weight_decay: float = key(lo=0.0)
     keep_momentum: bool = key()
     augment: bool = key()
-    eval_batch_size: int = key(lo=1)
-    device: str = key(choices=DEVICES)
+    eval_batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
 
 
 @dataclass(frozen=True)
@@ -141,8 +149,8 @@ class StrategyConfig:
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
-    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
-    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
+    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
+    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 
 
 @dataclass(frozen=True)
@@ -156,10 +164,10 @@ class DiffusionConfig:
     projection: str = key(choices=PROJECTIONS)
     prompt_template: str = key()
     ndcr_prompt: str = key()
-    batch_size: int = key(lo=1)
-    device: str = key(choices=DEVICES)
+    batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
     dtype: str = key(choices=DTYPES)
-    cache_dir: str = key(path=True)  # "" = take the node's cache-dir (NodeConfig.resolve_cache_dir)
+    cache_dir: str = key(path=True, resume=True)  # "" = the node's cache-dir (NodeConfig.resolve_cache_dir)
     condition: str = key(choices=CONDITIONS)
 
 
@@ -200,14 +208,14 @@ class FedNHConfig:
 class Config:
     method: str = key(choices=METHODS)
     seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
-    num_server_rounds: int = key(lo=1)
+    num_server_rounds: int = key(lo=1, resume=True)
     fraction_train: float = key(lo=0.0, hi=1.0, lo_open=True)
     fraction_evaluate: float = key(lo=0.0, hi=1.0)
-    min_nodes: int = key(lo=1)
-    outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR)
-    run_name: str = key()
-    resume_from: str = key(path=True)
-    keep_checkpoints: int = key(lo=0)
+    min_nodes: int = key(lo=1, resume=True)
+    outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR, resume=True)
+    run_name: str = key(resume=True)
+    resume_from: str = key(path=True, resume=True)
+    keep_checkpoints: int = key(lo=0, resume=True)
     dataset: DatasetConfig = key()
     partition: PartitionConfig = key()
     model: ModelConfig = key()
@@ -278,6 +286,8 @@ def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any,
 
 
 KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_specs()}
+# The keys marked ``resume=True`` above: what a resumed run may change.
+RESUME_MAY_CHANGE = frozenset(k for k, (_, rule) in KEYS.items() if rule["resume"])
 
 
 # --------------------------------------------------------------------------- casting

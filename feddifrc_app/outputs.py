@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from feddifrc_app import log
-from feddifrc_app.config import Config
+from feddifrc_app.config import RESUME_MAY_CHANGE, Config
 from feddifrc_app.files import LOCK_NAME, FolderInUse, atomic_write, folder_holder, lock_folder, write_json
 
 _CKPT = re.compile(r"^round-(\d{4,})\.pt$")
@@ -54,27 +54,6 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:
     out["val-best-accuracy"] = best["val-accuracy"] if best else None
     out["test-at-val-best-accuracy"] = best["test-accuracy"] if best else None
     return out
-
-
-# Keys a resumed run may change: where and how long it runs, not what it computes.
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "resume-from",
-        "run-name",
-        "outputs-dir",
-        "num-server-rounds",
-        "keep-checkpoints",
-        "min-nodes",
-        "strategy.round-timeout",
-        "strategy.setup-timeout",
-        "train.device",
-        "train.eval-batch-size",
-        "dataset.num-workers",
-        "diffusion.device",
-        "diffusion.batch-size",
-        "diffusion.cache-dir",
-    }
-)
 
 
 def finite_or_none(obj: Any) -> Any:

@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import Config, load_config, resumable
+from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
-from feddifrc_app.outputs import RESUME_MAY_CHANGE
 from feddifrc_app.run_config import parse_run_config
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
