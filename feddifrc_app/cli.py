@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
+from feddifrc_app.results import Results
 from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 
 EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
@@ -356,13 +357,15 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", action="store_true", help="(re)draw accuracy.png from results.json")
 
 
-def _read_results(run_dir: Path) -> dict[str, Any]:
+def _read_results(run_dir: Path) -> Results:
     """A run directory's results.json, read as the ServerApp reads it to resume."""
     from feddifrc_app.outputs import RunDir
 
     run = RunDir(run_dir)
     try:
         results = run.load_results()
+    except (AttributeError, TypeError) as e:  # valid JSON, not a results.json
+        raise CLIError(f"{run.results_path} has an unexpected layout ({type(e).__name__}: {e})") from None
     except ValueError as e:  # not valid JSON, named
         raise CLIError(str(e)) from None
     if results is None:
@@ -381,10 +384,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     results = _read_results(run_dir)
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
-    teacher = results.get("teacher", {})
+    teacher = results.teacher or {}
     print(
-        f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
-        f"({results.get('partition')})"
+        f"{run_dir}: {results.method} / {results.strategy} on {results.dataset} ({results.partition})"
         + (f"; teacher {teacher.get('model')}" if teacher else "")
         + (f" (weights {teacher['weights-sha256'][:12]})" if teacher.get("weights-sha256") else "")
         + (
@@ -432,11 +434,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status_line(path: Path, r: dict[str, Any]) -> str:
+def _status_line(path: Path, r: Results) -> str:
     """One run of `feddifrc status`: progress, accuracy, failures, and how it ended or if it lives."""
     import json
 
-    rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
+    rounds = [x for x in r.rounds if x.get("round", 0) >= 1]
     cfg_rounds: Any = "?"
     cfg_path = path.parent / "config.json"
     if cfg_path.is_file():
@@ -444,14 +446,14 @@ def _status_line(path: Path, r: dict[str, Any]) -> str:
             cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
         except (OSError, ValueError, AttributeError) as e:
             cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
-    s = r.get("summary", {})
+    s = r.summary or {}
     fails = sum(len(x.get("failures", [])) for x in rounds)
     live = ""
-    if r.get("status") == "running":
+    if r.status == "running":
         from feddifrc_app.files import folder_holder
 
         who = folder_holder(path.parent)
-        proc = r.get("process", {})
+        proc = r.process or {}
         live = (
             f"  running ({who})"
             if who
@@ -464,14 +466,14 @@ def _status_line(path: Path, r: dict[str, Any]) -> str:
         if rounds and s.get("best-accuracy") is not None
         else "no round finished yet"
     )
-    status = r.get("status")
+    status = r.status
     ended = (
-        f"  {status}" + (f": {str(r['error']).splitlines()[0][:200]}" if r.get("error") else "")
+        f"  {status}" + (f": {r.error.splitlines()[0][:200]}" if r.error else "")
         if status not in (None, "running", "completed")
         else ""
     )
     return (
-        f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+        f"{path.parent.name}: {r.method}/{r.strategy} {r.dataset}  "
         f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
     )
 

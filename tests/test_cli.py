@@ -132,34 +132,37 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
 def _fake_run(run_dir: Path) -> None:
     from feddifrc_app.files import write_json
     from feddifrc_app.outputs import RunDir
+    from feddifrc_app.results import Results
 
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True)
     write_json(run_dir / "config.json", {"num-server-rounds": 3})
     run.save_results(
-        {
-            "method": "feddifrc",
-            "strategy": "fedavg",
-            "dataset": "digits",
-            "partition": "dirichlet",
-            "teacher": {"model": "tiny-seed0", "random-weights": True},
-            "rounds": [
-                {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-                {
-                    "round": 1,
-                    "test-accuracy": 0.4,
-                    "test-loss": 1.9,
-                    "failures": [],
-                    "train-metrics": {"train-tdcl": 2.2},
-                },
-                {
-                    "round": 2,
-                    "test-accuracy": 0.3,
-                    "test-loss": 1.7,
-                    "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
-                },
-            ],
-        }
+        Results.from_json(
+            {
+                "method": "feddifrc",
+                "strategy": "fedavg",
+                "dataset": "digits",
+                "partition": "dirichlet",
+                "teacher": {"model": "tiny-seed0", "random-weights": True},
+                "rounds": [
+                    {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+                    {
+                        "round": 1,
+                        "test-accuracy": 0.4,
+                        "test-loss": 1.9,
+                        "failures": [],
+                        "train-metrics": {"train-tdcl": 2.2},
+                    },
+                    {
+                        "round": 2,
+                        "test-accuracy": 0.3,
+                        "test-loss": 1.7,
+                        "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
+                    },
+                ],
+            }
+        )
     )
 
 
