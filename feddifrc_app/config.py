@@ -435,7 +435,14 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
 
 
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """Rules that span keys."""
+    """Rules that span keys: the teacher's, the data's, the methods'."""
+    _check_teacher(v, raw)
+    _check_data(v, raw)
+    _check_methods(v)
+
+
+def _check_teacher(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """diffusion.*: blocks and widths that fuse into the student's embedding, a model, a prompt."""
     blocks, channels, width = v["diffusion.blocks"], v["diffusion.channels"], v["model.width"]
     if len(blocks) != len(channels):
         raise ConfigError(
@@ -454,21 +461,6 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             raw["diffusion.channels"],
             f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
         )
-    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
-        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
-        # every step on every node, so refuse it before any work.
-        raise ConfigError(
-            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
-            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
-            "value per channel and every training step fails; use train.batch-size >= 2 or "
-            "dataset.image-size >= 9"
-        )
-    name = v["run-name"]
-    if name.startswith(".") or any(c in name for c in "/\\"):
-        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
-        raise _fail(
-            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
-        )
     if not v["diffusion.model"]:
         raise _fail("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
     if "{}" not in v["diffusion.prompt-template"]:
@@ -486,6 +478,31 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
             "and write a literal brace as '{{' or '}}'",
         ) from None
+    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
+        raise _fail(
+            "diffusion.condition",
+            "global-model",
+            "needs a shared basis (not diffusion.projection = 'per-batch')",
+        )
+
+
+def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """dataset.*, train.batch-size and run-name: inputs every node and the server can use."""
+    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
+        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
+        # every step on every node, so refuse it before any work.
+        raise ConfigError(
+            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
+            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
+            "value per channel and every training step fails; use train.batch-size >= 2 or "
+            "dataset.image-size >= 9"
+        )
+    name = v["run-name"]
+    if name.startswith(".") or any(c in name for c in "/\\"):
+        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
+        raise _fail(
+            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
+        )
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
@@ -494,6 +511,10 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             raw["dataset.classes"],
             "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
         )
+
+
+def _check_methods(v: Mapping[str, Any]) -> None:
+    """Method x strategy pairs that cannot work, and what resume cannot restore."""
     if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
         raise _fail(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
@@ -510,12 +531,6 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
-        )
-    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
-        raise _fail(
-            "diffusion.condition",
-            "global-model",
-            "needs a shared basis (not diffusion.projection = 'per-batch')",
         )
 
 
