@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -46,13 +45,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from feddifrc_app.device import resolve_device, resolve_dtype
+from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range
+from feddifrc_app.diffusion.pipeline import Teacher, load_teacher
 
-from feddifrc_app.device import resolve_device, resolve_dtype  # noqa: E402
-from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range  # noqa: E402
-from feddifrc_app.diffusion.pipeline import Teacher, load_teacher  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 

@@ -20,21 +20,16 @@ Exit status 0 only when every step passed.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import featurizer as fb  # the sibling benchmark: benchmarks/ is sys.path[0] when run as a script
 import torch
 
+from feddifrc_app.diffusion.featurizer import Featurizer
+
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import featurizer as fb  # noqa: E402
-
-from feddifrc_app.diffusion.featurizer import Featurizer  # noqa: E402
 
 # Dense (no sparsity) fp16/bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets.
 PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125, "RTX 4090": 165}

@@ -36,12 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from feddifrc_app.outputs import RunDir
+from feddifrc_app.run_config import app_defaults, load_app_config
+from feddifrc_app.sweep import Cell, Flower, Sweep, make_cells, run_sweep
 
-from feddifrc_app.cli import app_defaults, load_app_config  # noqa: E402
-from feddifrc_app.sweep import Cell, Flower, Sweep, make_cells, run_sweep  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PILOT_SEED = 100
 ALPHAS = (0.05, 0.5)
@@ -137,8 +136,8 @@ def load_runs(out: Path) -> list[dict]:
             path = state.parent / "runs" / name / "results.json"
             if cell.get("status") != "completed" or not path.is_file():
                 continue
-            r = json.loads(path.read_text())
-            if r.get("status") == "completed":
+            r = RunDir(path.parent).load_results()
+            if r.status == "completed":
                 runs.append(
                     {
                         "cell": cell,
@@ -159,11 +158,11 @@ def arm_of(run: dict) -> str:
 
 
 def curve(run: dict, key: str) -> np.ndarray:
-    return np.array([r[key] for r in run["results"]["rounds"] if r["round"] >= 1], dtype=float)
+    return np.array([r[key] for r in run["results"].rounds if r["round"] >= 1], dtype=float)
 
 
 def endpoints(run: dict) -> dict[str, float]:
-    test, s = curve(run, "test-accuracy"), run["results"]["summary"]
+    test, s = curve(run, "test-accuracy"), run["results"].summary
     return {
         "last10": 100 * float(test[-ENDPOINT_ROUNDS:].mean()),
         "at-val-best": 100 * s["test-at-val-best-accuracy"],

@@ -59,19 +59,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from feddifrc_app.config import load_config, load_node_config
+from feddifrc_app.dataset import client_split
+from feddifrc_app.diffusion.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.model import build_model
+from feddifrc_app.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-
-from feddifrc_app.cli import app_defaults  # noqa: E402
-from feddifrc_app.config import load_config, load_node_config  # noqa: E402
-from feddifrc_app.dataset import client_split  # noqa: E402
-from feddifrc_app.diffusion.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays  # noqa: E402
-from feddifrc_app.model import build_model  # noqa: E402
 
 METHODS = ("fedavg", "feddifrc")
 

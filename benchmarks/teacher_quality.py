@@ -47,22 +47,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from feddifrc_app.cli import load_app_config  # noqa: E402
-from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset  # noqa: E402
-from feddifrc_app.diffusion.projection import (  # noqa: E402
+from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
+from feddifrc_app.diffusion.projection import (
     client_stats,
     clip_widths,
     fit_basis,
     fuse,
     merge_client_stats,
 )
-from feddifrc_app.diffusion.prompts import teacher_prompts  # noqa: E402
-from feddifrc_app.files import write_json  # noqa: E402
-from feddifrc_app.losses import tdcl_paper  # noqa: E402
-from feddifrc_app.targets import pooled_features  # noqa: E402
+from feddifrc_app.diffusion.prompts import teacher_prompts
+from feddifrc_app.files import write_json
+from feddifrc_app.losses import tdcl_paper
+from feddifrc_app.run_config import load_app_config
+from feddifrc_app.targets import pooled_features
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = {"probe": (0.85, 0.5), "prompt-effect": (0.1, 0.01)}
 

@@ -1,21 +1,19 @@
 """The ``feddifrc`` command (console script): work done outside ``flwr run``.
 
-    feddifrc extract --app . [--run-config conf/X.toml | --run-config "k=v k2=v2"]
-                     [--num-partitions 10] [--partitions 0,3] [--split train,test] [--cache-dir DIR]
-        Fill the teacher-feature cache for a run config ahead of time (a progress bar
-        in images/s). Resumable: the cache is per image and written chunk by chunk,
-        so a killed run continues where it stopped and a finished one recomputes nothing.
-    feddifrc make-tiny [--cache-dir DIR] [--seed 0]
-        Build the embedded tiny RANDOM-weight teacher and print its folder.
-    feddifrc pretrain-teacher --out DIR [--force] [--app .] [--run-config ...] [--seed 0]
-                     [--vae-steps 300] [--unet-steps 1200] [--batch-size 64]
-        Train the tiny text-to-image teacher on the dataset's PUBLIC split (mnist-5k)
-        under the run config's class prompts and write a diffusers SD folder
-        (the packaged ``tiny-mnist`` teacher is this command's output, seed 0).
+    extract           fill the teacher-feature cache for a run config (resumable, per image)
+    pretrain-teacher  train the tiny text-to-image teacher on the public split (``tiny-mnist``)
+    make-tiny         build the embedded tiny RANDOM-weight teacher and print its folder
+    fetch             download (or, offline, verify) what a run config needs on a node
+    report            a run's per-round table and summary
+    status            the newest runs under outputs-dir and how far they got
+    sweep             conf files x grid values x seeds as real ``flwr run``s (resumable)
+    table             a sweep's markdown/CSV table and accuracy curves
 
-Subcommands live in :data:`COMMANDS` (name -> help, argument adder, runner); add a
-row to add one. Heavy modules (torch, diffusers, datasets) are imported inside
-the runners, so ``feddifrc --help`` is instant.
+``feddifrc COMMAND --help`` gives each one's flags. Subcommands live in :data:`COMMANDS`
+(name -> help, argument adder, runner); add a row to add one. The run config is read by
+``run_config`` (the app's defaults plus ``--run-config``, as ``flwr run`` reads them). Heavy
+modules (torch, diffusers, datasets) are imported inside the runners, so ``feddifrc --help``
+is instant.
 """
 
 from __future__ import annotations
@@ -23,14 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, load_config
+from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
+from feddifrc_app.results import Results
+from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 
 EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
 
@@ -40,54 +38,6 @@ class CLIError(Exception):
 
 
 # --------------------------------------------------------------------------- run config
-
-
-def parse_run_config(values: Sequence[str] | None) -> dict[str, Any]:
-    """Overrides exactly as ``flwr run --run-config`` parses them (Flower's own parser), flat.
-
-    One ``.toml`` file, or strings of space-separated TOML ``key=value`` pairs (strings
-    quoted: ``method="fedavg"``); never both. Later pairs win.
-    """
-    import click
-    from flwr.common.config import parse_config_args
-
-    values = [v for v in (values or []) if v and v.strip()]
-    if values and values[0].strip().endswith(".toml") and not Path(values[0]).expanduser().is_file():
-        raise CLIError(f"--run-config: override file {values[0]!r} not found")
-    for line in values:
-        rest = re.sub(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)", "", line).strip()
-        if rest and not line.strip().endswith(".toml"):
-            raise CLIError(
-                f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs"
-            )
-    try:
-        return parse_config_args(values or None)
-    except (ValueError, click.ClickException, tomllib.TOMLDecodeError) as e:
-        msg = e.message if isinstance(e, click.ClickException) else str(e)
-        raise CLIError(f"--run-config {' '.join(values)!r}: {msg}") from None
-
-
-def app_defaults(app: str | Path) -> dict[str, Any]:
-    """``[tool.flwr.app.config]`` of the Flower app folder ``app``, flat (as Flower reads it)."""
-    from flwr.common.config import flatten_dict, get_project_config
-
-    if not (Path(app).expanduser() / "pyproject.toml").is_file():
-        raise CLIError(f"--app {app}: no pyproject.toml there (pass the Flower app folder)")
-    return flatten_dict(get_project_config(Path(app).expanduser())["tool"]["flwr"]["app"]["config"])
-
-
-def load_app_config(app: str | Path, overrides: Sequence[str] | None) -> Config:
-    """The app's defaults updated with ``--run-config`` overrides, validated (unknown keys named)."""
-    try:
-        return load_config({**app_defaults(app), **parse_run_config(overrides)})
-    except ConfigError as e:
-        raise CLIError(str(e)) from None
-
-
-def resolve_cache_dir(cfg: Config, cli_value: str | None) -> Path:
-    """--cache-dir, else diffusion.cache-dir, else ~/.cache/feddifrc (as a node's cache-dir would)."""
-    raw = cli_value or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR
-    return Path(raw).expanduser().resolve()
 
 
 def _int_list(flag: str, s: str | None) -> list[int] | None:
@@ -147,17 +97,9 @@ def _split_ids(cfg: Config, data: Any, split: str, num_partitions: int, wanted: 
     n = len(data.labels)
     if split == "test":
         return np.arange(n, dtype=np.int64), "all"
-    from feddifrc_app.partition import partition_indices
+    from feddifrc_app.partition import partition_by_config
 
-    parts = partition_indices(
-        np.asarray(data.labels),
-        num_partitions,
-        name=cfg.partition.name,
-        alpha=cfg.partition.alpha,
-        classes_per_client=cfg.partition.classes_per_client,
-        imb_factor=cfg.partition.imb_factor,
-        seed=cfg.seed,
-    )
+    parts = partition_by_config(np.asarray(data.labels), num_partitions, cfg.partition, cfg.seed)
     chosen = list(range(num_partitions)) if wanted is None else wanted
     ids = np.unique(np.concatenate([np.asarray(parts[i], dtype=np.int64) for i in chosen]))
     return ids, ",".join(map(str, chosen)) if wanted is not None else f"all {num_partitions}"
@@ -415,18 +357,23 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", action="store_true", help="(re)draw accuracy.png from results.json")
 
 
-def _read_results(run_dir: Path) -> dict[str, Any]:
-    import json
+def _read_results(run_dir: Path) -> Results:
+    """A run directory's results.json, read as the ServerApp reads it to resume."""
+    from feddifrc_app.outputs import RunDir
 
-    path = run_dir / "results.json"
-    if not path.is_file():
-        raise CLIError(
-            f"{path} does not exist (is {run_dir} a feddifrc run directory? has round 0 finished?)"
-        )
+    run = RunDir(run_dir)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{path} is not valid JSON ({e})") from None
+        results = run.load_results()
+    except (AttributeError, TypeError) as e:  # valid JSON, not a results.json
+        raise CLIError(f"{run.results_path} has an unexpected layout ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # not valid JSON, named
+        raise CLIError(str(e)) from None
+    if results is None:
+        raise CLIError(
+            f"{run.results_path} does not exist (is {run_dir} a feddifrc run directory? "
+            "has round 0 finished?)"
+        )
+    return results
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -437,10 +384,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     results = _read_results(run_dir)
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
-    teacher = results.get("teacher", {})
+    teacher = results.teacher or {}
     print(
-        f"{run_dir}: {results.get('method')} / {results.get('strategy')} on {results.get('dataset')} "
-        f"({results.get('partition')})"
+        f"{run_dir}: {results.method} / {results.strategy} on {results.dataset} ({results.partition})"
         + (f"; teacher {teacher.get('model')}" if teacher else "")
         + (f" (weights {teacher['weights-sha256'][:12]})" if teacher.get("weights-sha256") else "")
         + (
@@ -488,11 +434,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status_line(path: Path, r: dict[str, Any]) -> str:
+def _status_line(path: Path, r: Results) -> str:
     """One run of `feddifrc status`: progress, accuracy, failures, and how it ended or if it lives."""
     import json
 
-    rounds = [x for x in r.get("rounds", []) if x.get("round", 0) >= 1]
+    rounds = [x for x in r.rounds if x.get("round", 0) >= 1]
     cfg_rounds: Any = "?"
     cfg_path = path.parent / "config.json"
     if cfg_path.is_file():
@@ -500,14 +446,14 @@ def _status_line(path: Path, r: dict[str, Any]) -> str:
             cfg_rounds = json.loads(cfg_path.read_text()).get("num-server-rounds", "?")
         except (OSError, ValueError, AttributeError) as e:
             cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
-    s = r.get("summary", {})
+    s = r.summary or {}
     fails = sum(len(x.get("failures", [])) for x in rounds)
     live = ""
-    if r.get("status") == "running":
+    if r.status == "running":
         from feddifrc_app.files import folder_holder
 
         who = folder_holder(path.parent)
-        proc = r.get("process", {})
+        proc = r.process or {}
         live = (
             f"  running ({who})"
             if who
@@ -520,14 +466,14 @@ def _status_line(path: Path, r: dict[str, Any]) -> str:
         if rounds and s.get("best-accuracy") is not None
         else "no round finished yet"
     )
-    status = r.get("status")
+    status = r.status
     ended = (
-        f"  {status}" + (f": {str(r['error']).splitlines()[0][:200]}" if r.get("error") else "")
+        f"  {status}" + (f": {r.error.splitlines()[0][:200]}" if r.error else "")
         if status not in (None, "running", "completed")
         else ""
     )
     return (
-        f"{path.parent.name}: {r.get('method')}/{r.get('strategy')} {r.get('dataset')}  "
+        f"{path.parent.name}: {r.method}/{r.strategy} {r.dataset}  "
         f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
     )
 
@@ -572,7 +518,7 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
             raise CLIError(f"--grid {item!r}: expected KEY=V1,V2 with TOML values")
         try:
             grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
-        except CLIError:
+        except RunConfigError:
             raise CLIError(
                 f"--grid {item!r}: each value must be TOML (a number, true/false, or a quoted string): "
                 f"""e.g. --grid "{key}='a','b'" """.rstrip()
@@ -701,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except CLIError as e:
+    except (CLIError, RunConfigError) as e:
         print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

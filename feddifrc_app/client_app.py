@@ -3,13 +3,13 @@
 Message types:
 - ``query.setup``: who am I (partition id, size, label counts, teacher identity) and, once,
   the sufficient statistics of my pooled teacher features for the federated PCA basis.
-- ``train``: CE (+ TDCL + NDCR) local training of the received global model.
+- ``train``: CE (+ TDCL + NDCR) local training of the received global model, plus what the
+  message asks of the node for a comparison method (``baselines``: FedProx, SCAFFOLD, MOON, ...).
 - ``evaluate``: accuracy of the received model on my partition (only if fraction-evaluate > 0).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 import zlib
@@ -20,8 +20,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from feddifrc_app import log
-from feddifrc_app.baselines import fednh, fednova, moon, scaffold
+from feddifrc_app import baselines, log
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_split, make_loader
 from feddifrc_app.device import resolve_device, resolve_dtype
@@ -37,7 +36,6 @@ from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
 app = ClientApp()
-SCAFFOLD_CI = "scaffold-ci"  # Context.state: this node's control variate, kept across rounds
 
 
 def _arrived(msg: Message) -> None:
@@ -113,12 +111,8 @@ def setup(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     _arrived(msg)
     cfg, node = _context(context)
-    rnd = int(msg.content["config"]["server-round"])
     data, ids = client_split(cfg, node)
-    if cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and "basis" not in msg.content:
-        # Fail before touching the teacher: extracting features for nothing would waste minutes.
-        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
-    seed = _seed(cfg, rnd, node)
+    seed = _seed(cfg, int(msg.content["config"]["server-round"]), node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
     model = model_for(cfg, data.num_classes)
@@ -126,9 +120,7 @@ def train(msg: Message, context: Context) -> Message:
 
     metrics: dict[str, float] = {}
     targets = _targets(cfg, node, data, ids, msg, model, device, metrics) if cfg.uses_diffusion else None
-    momentum = None
-    if cfg.train.keep_momentum and "momentum" in context.state:
-        momentum = record_to_state(context.state["momentum"])
+    momentum = _momentum(cfg, context)
     loader = make_loader(
         data,
         ids,
@@ -138,74 +130,23 @@ def train(msg: Message, context: Context) -> Message:
         num_workers=cfg.dataset.num_workers,
         augment=cfg.train.augment,
     )
-    mu = float(msg.content["config"].get("proximal-mu", 0.0))
-    before_step, finish = _scaffold(cfg, msg, context, model, device)
-    extra = (
-        ("moon", _moon(cfg, context, model, data.num_classes, device))
-        if _has_previous(cfg, context)
-        else None
-    )
+    # What the message asks of this node beyond plain training (the methods in baselines/).
+    halves = baselines.node_halves(msg, baselines.Node(cfg, data, ids, device, seed, context.state))
     train_metrics, buffers = train_local(
-        model,
-        loader,
-        cfg,
-        device,
-        targets=targets,
-        proximal_mu=mu,
-        momentum_state=momentum,
-        seed=seed,
-        before_step=before_step,
-        extra_term=extra,
+        model, loader, cfg, device, targets=targets, momentum_state=momentum, seed=seed, halves=halves
     )
     metrics.update(train_metrics, **{"num-examples": float(len(ids))})
-    if cfg.strategy.name == "fednova":
-        metrics[fednova.A_KEY] = fednova.normalising_factor(int(metrics["local-steps"]), cfg.train.momentum)
     if cfg.train.keep_momentum and buffers:
         context.state["momentum"] = ArrayRecord(buffers)
-    if cfg.method == "moon":  # every node reports the same keys, or Flower refuses to aggregate
-        metrics.setdefault("train-moon", 0.0)
-    content = RecordDict({"arrays": state_to_record(model.state_dict()), "metrics": MetricRecord(metrics)})
-    if finish is not None:
-        content[scaffold.DELTA] = finish(int(metrics["local-steps"]))
-    if cfg.method == "moon":
-        context.state[moon.PREVIOUS] = state_to_record(model.state_dict())
-    if cfg.method == "fednh":
-        loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=seed)
-        scaled, counts = fednh.class_prototypes(model, loader, data.num_classes, device)
-        content[fednh.PROTOTYPES] = ArrayRecord({"scaled": scaled, "counts": counts})
-    return Message(content, reply_to=msg)
+    extra = {k: v for h in halves for k, v in h.finish(model, metrics).items()}
+    arrays = state_to_record(model.state_dict())
+    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), **extra}), reply_to=msg)
 
 
-def _has_previous(cfg: Config, context: Context) -> bool:
-    return cfg.method == "moon" and moon.PREVIOUS in context.state
-
-
-def _moon(cfg: Config, context: Context, model: torch.nn.Module, num_classes: int, device: torch.device):
-    """MOON's term: the received global model and this node's previous local model, frozen."""
-    global_model, previous = model_for(cfg, num_classes), model_for(cfg, num_classes)
-    global_model.load_state_dict(model.state_dict())
-    load_weights(previous, record_to_state(context.state[moon.PREVIOUS]))
-    return moon.regulariser(global_model, previous, cfg.moon.mu, cfg.moon.tau, device)
-
-
-def _scaffold(cfg: Config, msg: Message, context: Context, model: torch.nn.Module, device: torch.device):
-    """SCAFFOLD's gradient correction for this round, and what to do after it: keep c_i+ in
-    ``Context.state`` and return delta_c_i for the reply. (None, None) for other strategies."""
-    if cfg.strategy.name != "scaffold":
-        return None, None
-    c = record_to_state(msg.content[scaffold.CONTROL])
-    c_i = record_to_state(context.state[SCAFFOLD_CI]) if SCAFFOLD_CI in context.state else {}
-    x = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-
-    def finish(steps: int) -> ArrayRecord:
-        y = {n: p.detach().cpu() for n, p in model.named_parameters()}
-        # With momentum rho, K steps of lr move the model like a_K plain ones (FedNova's a_i).
-        k = fednova.normalising_factor(steps, cfg.train.momentum)
-        c_new, delta = scaffold.control_update(x, y, c, c_i, k, cfg.train.lr)
-        context.state[SCAFFOLD_CI] = ArrayRecord(c_new)
-        return ArrayRecord(delta)
-
-    return functools.partial(scaffold.correct_gradients, corr=scaffold.correction(c, c_i, device)), finish
+def _momentum(cfg: Config, context: Context) -> dict[str, torch.Tensor] | None:
+    """train.keep-momentum: the SGD momentum buffers this node kept from its last round."""
+    keep = cfg.train.keep_momentum and "momentum" in context.state
+    return record_to_state(context.state["momentum"]) if keep else None
 
 
 def _targets(
@@ -219,6 +160,9 @@ def _targets(
     metrics: dict[str, float],
 ):
     """This node's teacher targets under the server's basis (cached features, no SD call on a hit)."""
+    if cfg.diffusion.projection == "federated-pca" and "basis" not in msg.content:
+        # Fail before touching the teacher: extracting features for nothing would waste minutes.
+        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
     t0 = time.perf_counter()
     prompts = teacher_prompts(cfg, data.class_names)
     server_basis = (

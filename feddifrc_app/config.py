@@ -81,9 +81,17 @@ def key(
     hi_open: bool = False,
     path: bool = False,
     empty: str = "",
+    resume: bool = False,
 ) -> Any:
-    """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "")."""
-    return field(metadata=dict(choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty))
+    """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "").
+
+    ``resume=True``: a resumed run may change it (where and how long it runs, not what it
+    computes); every other key must match the run's own config.json."""
+    return field(
+        metadata=dict(
+            choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty, resume=resume
+        )
+    )
 
 
 # --------------------------------------------------------------------------- the keys
@@ -94,7 +102,7 @@ class DatasetConfig:
     name: str = key(choices=DATASETS)
     data_dir: str = key(path=True, empty=DEFAULT_CACHE_DIR + "/data")
     image_size: int = key(lo=8, hi=1024)
-    num_workers: int = key(lo=0, hi=64)
+    num_workers: int = key(lo=0, hi=64, resume=True)
     train_limit: int = key(lo=0)  # 0 = all training images
     eval_limit: int = key(lo=0)  # 0 = all validation / test images; N = a fixed stratified N (smoke runs)
     classes: tuple[str, ...] = key()  # image-folder: the federation's class folders in label order
@@ -125,8 +133,8 @@ class TrainConfig:
     weight_decay: float = key(lo=0.0)
     keep_momentum: bool = key()
     augment: bool = key()
-    eval_batch_size: int = key(lo=1)
-    device: str = key(choices=DEVICES)
+    eval_batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
 
 
 @dataclass(frozen=True)
@@ -141,8 +149,8 @@ class StrategyConfig:
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
-    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
-    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S)
+    round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
+    setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 
 
 @dataclass(frozen=True)
@@ -156,10 +164,10 @@ class DiffusionConfig:
     projection: str = key(choices=PROJECTIONS)
     prompt_template: str = key()
     ndcr_prompt: str = key()
-    batch_size: int = key(lo=1)
-    device: str = key(choices=DEVICES)
+    batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
     dtype: str = key(choices=DTYPES)
-    cache_dir: str = key(path=True)  # "" = take the node's cache-dir (NodeConfig.resolve_cache_dir)
+    cache_dir: str = key(path=True, resume=True)  # "" = the node's cache-dir (NodeConfig.resolve_cache_dir)
     condition: str = key(choices=CONDITIONS)
 
 
@@ -200,14 +208,14 @@ class FedNHConfig:
 class Config:
     method: str = key(choices=METHODS)
     seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
-    num_server_rounds: int = key(lo=1)
+    num_server_rounds: int = key(lo=1, resume=True)
     fraction_train: float = key(lo=0.0, hi=1.0, lo_open=True)
     fraction_evaluate: float = key(lo=0.0, hi=1.0)
-    min_nodes: int = key(lo=1)
-    outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR)
-    run_name: str = key()
-    resume_from: str = key(path=True)
-    keep_checkpoints: int = key(lo=0)
+    min_nodes: int = key(lo=1, resume=True)
+    outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR, resume=True)
+    run_name: str = key(resume=True)
+    resume_from: str = key(path=True, resume=True)
+    keep_checkpoints: int = key(lo=0, resume=True)
     dataset: DatasetConfig = key()
     partition: PartitionConfig = key()
     model: ModelConfig = key()
@@ -243,10 +251,13 @@ class NodeConfig:
     cache_dir: str  # "" = run config / default
 
     def resolve_cache_dir(self, cfg: Config) -> Path:
-        """Node's cache-dir wins, then the run config's, then ~/.cache/feddifrc."""
-        return Path(
-            os.path.expanduser(self.cache_dir or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)
-        ).resolve()
+        return resolve_cache_dir(cfg, self.cache_dir)
+
+
+def resolve_cache_dir(cfg: Config, override: str | None) -> Path:
+    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``)
+    wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
+    return Path(os.path.expanduser(override or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)).resolve()
 
 
 def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
@@ -275,6 +286,8 @@ def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any,
 
 
 KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_specs()}
+# The keys marked ``resume=True`` above: what a resumed run may change.
+RESUME_MAY_CHANGE = frozenset(k for k, (_, rule) in KEYS.items() if rule["resume"])
 
 
 # --------------------------------------------------------------------------- casting
@@ -422,7 +435,14 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
 
 
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """Rules that span keys."""
+    """Rules that span keys: the teacher's, the data's, the methods'."""
+    _check_teacher(v, raw)
+    _check_data(v, raw)
+    _check_methods(v)
+
+
+def _check_teacher(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """diffusion.*: blocks and widths that fuse into the student's embedding, a model, a prompt."""
     blocks, channels, width = v["diffusion.blocks"], v["diffusion.channels"], v["model.width"]
     if len(blocks) != len(channels):
         raise ConfigError(
@@ -441,21 +461,6 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             raw["diffusion.channels"],
             f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
         )
-    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
-        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
-        # every step on every node, so refuse it before any work.
-        raise ConfigError(
-            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
-            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
-            "value per channel and every training step fails; use train.batch-size >= 2 or "
-            "dataset.image-size >= 9"
-        )
-    name = v["run-name"]
-    if name.startswith(".") or any(c in name for c in "/\\"):
-        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
-        raise _fail(
-            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
-        )
     if not v["diffusion.model"]:
         raise _fail("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
     if "{}" not in v["diffusion.prompt-template"]:
@@ -473,6 +478,31 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
             "and write a literal brace as '{{' or '}}'",
         ) from None
+    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
+        raise _fail(
+            "diffusion.condition",
+            "global-model",
+            "needs a shared basis (not diffusion.projection = 'per-batch')",
+        )
+
+
+def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """dataset.*, train.batch-size and run-name: inputs every node and the server can use."""
+    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
+        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
+        # every step on every node, so refuse it before any work.
+        raise ConfigError(
+            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
+            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
+            "value per channel and every training step fails; use train.batch-size >= 2 or "
+            "dataset.image-size >= 9"
+        )
+    name = v["run-name"]
+    if name.startswith(".") or any(c in name for c in "/\\"):
+        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
+        raise _fail(
+            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
+        )
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
@@ -481,6 +511,10 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             raw["dataset.classes"],
             "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
         )
+
+
+def _check_methods(v: Mapping[str, Any]) -> None:
+    """Method x strategy pairs that cannot work, and what resume cannot restore."""
     if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
         raise _fail(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
@@ -497,12 +531,6 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
-        )
-    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
-        raise _fail(
-            "diffusion.condition",
-            "global-model",
-            "needs a shared basis (not diffusion.projection = 'per-batch')",
         )
 
 

@@ -52,9 +52,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from feddifrc_app import log
-from feddifrc_app.config import DATASETS, Config, DatasetConfig, NodeConfig, PartitionConfig
+from feddifrc_app.config import Config, DatasetConfig, NodeConfig, PartitionConfig
 from feddifrc_app.files import atomic_write
-from feddifrc_app.partition import partition_indices
+from feddifrc_app.partition import as_indices, partition_by_config
 from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
@@ -179,8 +179,6 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
             f"split={split!r}: expected one of {', '.join(SPLITS)} "
             f"('{PUBLIC_SPLIT}' exists for mnist-5k only)"
         )
-    if cfg.name not in DATASETS:
-        raise ValueError(f"dataset name={cfg.name!r}: expected one of {', '.join(DATASETS)}")
     mnist = cfg.name == "mnist-5k"
     source = (PUBLIC_SPLIT if mnist else "train") if split == "val" else split
     if cfg.name == "image-folder":
@@ -714,7 +712,7 @@ def client_split(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
       folder's sorted class folders: every node must hold the same class folders
       (an empty one is an error) or labels disagree across the federation.
     - otherwise: partition ``node.partition_id`` of ``node.num_partitions`` of the
-      benchmark training split, by ``partition.partition_indices`` (cfg.partition, cfg.seed).
+      benchmark training split, by ``partition.partition_by_config`` (cfg.partition, cfg.seed).
 
     Memoised per process (the ImageData is shared: read-only), so a long-lived
     simulation actor loads and partitions once.
@@ -739,17 +737,7 @@ def _load_train_cached(cfg: DatasetConfig, seed: int) -> ImageData:
 def _partitions_cached(
     dcfg: DatasetConfig, pcfg: PartitionConfig, seed: int, num_partitions: int
 ) -> tuple[np.ndarray, ...]:
-    labels = _load_train_cached(dcfg, seed).labels
-    parts = partition_indices(
-        labels,
-        num_partitions,
-        name=pcfg.name,
-        alpha=pcfg.alpha,
-        classes_per_client=pcfg.classes_per_client,
-        imb_factor=pcfg.imb_factor,
-        seed=seed,
-    )
-    return tuple(parts)
+    return tuple(partition_by_config(_load_train_cached(dcfg, seed).labels, num_partitions, pcfg, seed))
 
 
 # =========================================================================== transforms
@@ -818,13 +806,8 @@ class IndexedDataset(Dataset):
     def __init__(
         self, data: ImageData, indices: np.ndarray, transform: ImageTransform, seed: int | None = None
     ) -> None:
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or (len(idx) and not np.issubdtype(idx.dtype, np.integer)):
-            raise ValueError(f"indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
-        if len(idx) and (idx.min() < 0 or idx.max() >= len(data)):
-            raise IndexError(f"indices outside 0..{len(data) - 1} of {data.name}/{data.split}")
         self.data = data
-        self.indices = idx.astype(np.int64)
+        self.indices = as_indices(indices, f"indices of {data.name}/{data.split}", size=len(data))
         self.transform = transform
         self.generator: torch.Generator | None = None
         if seed is not None:
@@ -866,8 +849,6 @@ def make_loader(
     ``seed`` (and ``num_workers``) gives the same batches, augmentation included,
     whatever the global torch RNG state.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: expected >= 1")
     if train and len(indices) < 2:
         raise ValueError(
             f"{len(indices)} training image(s) on this node: BatchNorm needs at least 2 per batch"

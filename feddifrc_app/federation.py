@@ -57,10 +57,11 @@ def check_stop() -> None:
 
 
 class _Chosen:
-    """A view of the Grid that shows the strategy only the nodes our seeded sampler chose."""
+    """A view of the Grid that shows the strategy only the nodes our seeded sampler chose, and
+    how many distinct nodes the federation has (``num_nodes``: SCAFFOLD's N)."""
 
-    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
-        self._grid, self._ids = grid, node_ids
+    def __init__(self, grid: Grid, node_ids: list[int], num_nodes: int) -> None:
+        self._grid, self._ids, self.num_nodes = grid, node_ids, num_nodes
 
     def get_node_ids(self) -> list[int]:
         return list(self._ids)
@@ -143,7 +144,7 @@ class Federation:
         return sorted(random.Random(self.cfg.seed * 1_000_003 + rnd).sample(known, k), key=self._order)
 
     def view(self, chosen: list[int]) -> _Chosen:
-        return _Chosen(self.grid, chosen)
+        return _Chosen(self.grid, chosen, self.distinct_nodes())
 
     def _send_and_receive(self, msgs: list[Message], timeout: float) -> list[Message]:
         """Grid.send_and_receive (same push, pull and timeout) that also ends on a stop."""

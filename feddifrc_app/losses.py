@@ -214,8 +214,6 @@ def feddifrc_loss(
     """
     _check_choice("loss variant", variant, LOSS_VARIANTS)
     _check_choice("TDCL normaliser", normaliser, NORMALISERS)
-    if tdcl_weight < 0 or ndcr_weight < 0:
-        raise ValueError(f"loss weights must be >= 0, got tdcl {tdcl_weight!r}, ndcr {ndcr_weight!r}")
     if variant == "code" and (num_negatives != 0 or normaliser != "none"):
         raise ValueError(
             "loss variant 'code' reproduces the public code, which uses all negatives and plain "

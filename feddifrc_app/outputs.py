@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -27,65 +26,11 @@ from typing import Any
 import torch
 
 from feddifrc_app import log
-from feddifrc_app.config import Config
+from feddifrc_app.config import RESUME_MAY_CHANGE, Config
 from feddifrc_app.files import LOCK_NAME, FolderInUse, atomic_write, folder_holder, lock_folder, write_json
+from feddifrc_app.results import Results, summarize
 
 _CKPT = re.compile(r"^round-(\d{4,})\.pt$")
-
-
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:
-    """Test accuracy final, best and mean of the last 5 (and 10) trained rounds, reported together
-    (the paper's code reports the max: selection on test), and the test accuracy at the round
-    with the best VALIDATION accuracy (first such round), the one checkpoint choice that is not
-    read off the test split. Round 0 (the initial model) counts only when no round has trained."""
-    done = [r for r in rounds if r.get("test-accuracy") is not None]
-    trained = [r for r in done if r["round"] >= 1] or done
-    accs = [r["test-accuracy"] for r in trained]
-    out: dict[str, float | int | None] = dict.fromkeys(
-        ("final-accuracy", "best-accuracy", "mean-last-5-accuracy", "mean-last-10-accuracy")
-    )
-    if accs:
-        out["final-accuracy"], out["best-accuracy"] = accs[-1], max(accs)
-        out["mean-last-5-accuracy"] = sum(accs[-5:]) / len(accs[-5:])
-        out["mean-last-10-accuracy"] = sum(accs[-10:]) / len(accs[-10:])
-    val = [r for r in trained if r.get("val-accuracy") is not None]
-    best = max(val, key=lambda r: r["val-accuracy"]) if val else None  # max() keeps the first
-    out["val-best-round"] = best["round"] if best else None
-    out["val-best-accuracy"] = best["val-accuracy"] if best else None
-    out["test-at-val-best-accuracy"] = best["test-accuracy"] if best else None
-    return out
-
-
-# Keys a resumed run may change: where and how long it runs, not what it computes.
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "resume-from",
-        "run-name",
-        "outputs-dir",
-        "num-server-rounds",
-        "keep-checkpoints",
-        "min-nodes",
-        "strategy.round-timeout",
-        "strategy.setup-timeout",
-        "train.device",
-        "train.eval-batch-size",
-        "dataset.num-workers",
-        "diffusion.device",
-        "diffusion.batch-size",
-        "diffusion.cache-dir",
-    }
-)
-
-
-def finite_or_none(obj: Any) -> Any:
-    """``obj`` with every NaN / inf float replaced by None, so results.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_none(v) for v in obj]
-    return obj
 
 
 class RunDir:
@@ -166,19 +111,58 @@ class RunDir:
     def results_path(self) -> Path:
         return self.path / "results.json"
 
-    def load_results(self) -> dict[str, Any] | None:
+    def load_results(self) -> Results | None:
+        """None when there is no results.json yet; a file that is not JSON is a ValueError naming it,
+        one of another layout a TypeError (a key of the wrong type) or AttributeError (not an object)."""
         if not self.results_path.exists():
             return None
         try:
-            return json.loads(self.results_path.read_text())
+            obj = json.loads(self.results_path.read_text())
         except ValueError as e:
             raise ValueError(
                 f"{self.results_path} is not valid JSON ({e}); restore it or start a new run"
             ) from None
+        return Results.from_json(obj)
 
-    def save_results(self, results: dict[str, Any]) -> None:
-        results["summary"] = summarize(results["rounds"])
-        write_json(self.results_path, finite_or_none(results))
+    def save_results(self, results: Results) -> None:
+        results.summary = summarize(results.rounds)
+        write_json(self.results_path, results.to_json())
+
+    def begin(self, cfg: Config, run_id: int) -> tuple[Results, dict[str, Any] | None]:
+        """The results this run writes and, under ``resume-from``, the checkpoint it continues
+        (the newest readable one): the rows after its round are dropped, the resume is recorded,
+        the error of the run that stopped or failed is cleared. The one place a run resumes."""
+        if not cfg.resume_from:
+            new = Results(cfg.method, cfg.strategy.name, cfg.dataset.name, cfg.partition.name, [], [])
+            return new, None
+        found = self.load_last_checkpoint()
+        if found is None:
+            raise FileNotFoundError(
+                f"resume-from = {cfg.resume_from!r}: no readable checkpoint in {self.ckpt_dir}"
+            )
+        last, checkpoint = found
+        results = self.resumed_results(last)
+        results.rounds = [r for r in results.rounds if r["round"] <= last]
+        if results.diverged_rounds is not None:
+            results.diverged_rounds = [r for r in results.diverged_rounds if r <= last]
+        results.resumed = [*(results.resumed or []), {"after-round": last, "run-id": run_id}]
+        results.error = None
+        log.info("resumed from %s at round %d", self.path, last)
+        return results, checkpoint
+
+    def resumed_results(self, last: int) -> Results:
+        """The results.json a resume after round ``last`` continues; refused when it is gone, since
+        a new history would report rounds 1..last as never run."""
+        try:
+            results = self.load_results()
+        except (AttributeError, TypeError):  # valid JSON of another layout
+            results = None
+        if results is None or not results.rounds:
+            raise FileNotFoundError(
+                f"resume-from = '{self.path}': {self.results_path} is missing or holds no rounds, so the "
+                f"history of rounds 0..{last} would be lost; restore it, or start a new run"
+            )
+        return results
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_path(self, rnd: int) -> Path:

@@ -10,10 +10,11 @@ exactly; its deviations from that code are listed in docs/method-notes.md.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from feddifrc_app.config import PARTITIONS
+from feddifrc_app.config import PARTITIONS, PartitionConfig
 
 # Public code's group size ("n_auxi_workers"): the Dirichlet split runs in groups of this many workers.
 _GROUP_WORKERS = 5
@@ -37,20 +38,24 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _check_indices(indices: np.ndarray, n_labels: int | None = None) -> np.ndarray:
-    """Return ``indices`` as a 1-D int64 array of unique positions (< ``n_labels``), or raise."""
-    arr = np.asarray(indices)
+def as_indices(
+    values: Any, what: str = "indices", *, size: int | None = None, unique: bool = False
+) -> np.ndarray:
+    """``values`` as a 1-D int64 array of positions, or raise naming ``what``: the one check of an
+    index array (partitions, a loader's images, feature-cache ids). ValueError: not 1-D, not
+    integers, duplicates (with ``unique``), a negative position; IndexError: one at or past ``size``."""
+    arr = np.asarray(values)
     if arr.ndim != 1:
-        raise ValueError(f"indices: expected a 1-D array, got shape {arr.shape}")
+        raise ValueError(f"{what}: expected a 1-D array, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"indices: expected integer positions, got dtype {arr.dtype}")
+        raise ValueError(f"{what}: expected integer positions, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
-    if np.unique(arr).size != arr.size:
-        raise ValueError("indices: contains duplicates; each sample may be assigned only once")
-    if arr.size and (arr.min() < 0 or (n_labels is not None and arr.max() >= n_labels)):
-        raise ValueError(
-            f"indices: positions must lie in [0, {n_labels}), got min {int(arr.min())} max {int(arr.max())}"
-        )
+    if unique and np.unique(arr).size != arr.size:
+        raise ValueError(f"{what}: contains duplicates; each sample may be assigned only once")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{what}: positions must be non-negative, got {int(arr.min())}")
+    if arr.size and size is not None and arr.max() >= size:
+        raise IndexError(f"{what}: positions must lie in [0, {size}), got {int(arr.max())}")
     return arr
 
 
@@ -112,7 +117,7 @@ def long_tail(labels: np.ndarray, imb_factor: float, seed: int | None = None) ->
 
 def iid(indices: np.ndarray, num_partitions: int, seed: int) -> list[np.ndarray]:
     """Uniform random split into ``num_partitions`` sorted int64 parts (the first ``K mod M`` one larger)."""
-    indices = _check_indices(indices)
+    indices = as_indices(indices, unique=True)
     _check_num_partitions(num_partitions, indices.size)
     shuffled = np.random.default_rng(seed).permutation(indices)
     return [np.sort(part) for part in np.array_split(shuffled, num_partitions)]
@@ -176,7 +181,7 @@ def dirichlet_nid1(
     4. Concatenate all workers' lists and cut into ``M`` contiguous near-equal chunks.
     """
     labels = _check_labels(labels)
-    indices = _check_indices(indices, labels.size)
+    indices = as_indices(indices, size=labels.size, unique=True)
     _check_num_partitions(num_partitions, indices.size)
     if not (isinstance(alpha, (int, float, np.floating)) and math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha={alpha!r}: expected a finite number > 0")
@@ -218,7 +223,7 @@ def pathological(
     has fewer samples than holders. Returns ``M`` sorted int64 arrays.
     """
     labels = _check_labels(labels)
-    indices = _check_indices(indices, labels.size)
+    indices = as_indices(indices, size=labels.size, unique=True)
     _check_num_partitions(num_partitions, indices.size)
     present = np.unique(labels[indices])
     n_cls, m, k = present.size, num_partitions, classes_per_client
@@ -283,3 +288,18 @@ def partition_indices(
     if name == "iid":
         return iid(kept, num_partitions, seed)
     return pathological(kept, labels, num_partitions, classes_per_client, seed)
+
+
+def partition_by_config(
+    labels: np.ndarray, num_partitions: int, cfg: PartitionConfig, seed: int
+) -> list[np.ndarray]:
+    """``partition_indices`` under the run config's ``partition.*`` keys."""
+    return partition_indices(
+        labels,
+        num_partitions,
+        name=cfg.name,
+        alpha=cfg.alpha,
+        classes_per_client=cfg.classes_per_client,
+        imb_factor=cfg.imb_factor,
+        seed=seed,
+    )

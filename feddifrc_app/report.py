@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from feddifrc_app.files import atomic_write  # noqa: E402
+from feddifrc_app.results import Results  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -22,12 +23,12 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_accuracy(results: dict[str, Any], path: Path) -> None:
+def plot_accuracy(results: Results, path: Path) -> None:
     """Validation and test accuracy per round (round 0 = the initial model), summary in the title."""
-    s = results.get("summary", {})
+    s = results.summary or {}
     fig, ax = plt.subplots(figsize=(6, 4))
     for split in ("val", "test"):
-        rows = [r for r in results["rounds"] if r.get(f"{split}-accuracy") is not None]
+        rows = [r for r in results.rounds if r.get(f"{split}-accuracy") is not None]
         if rows:
             ax.plot(
                 [r["round"] for r in rows],
@@ -39,7 +40,7 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)")
-    title = f"{results.get('method', '')} / {results.get('strategy', '')} on {results.get('dataset', '')}"
+    title = f"{results.method or ''} / {results.strategy or ''} on {results.dataset or ''}"
     if s.get("final-accuracy") is not None:
         title += (
             f"\nfinal {100 * s['final-accuracy']:.2f}  best {100 * s['best-accuracy']:.2f}  "
@@ -47,7 +48,7 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> None:
         )
         if s.get("test-at-val-best-accuracy") is not None:
             title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
-    if results.get("teacher", {}).get("random-weights"):
+    if (results.teacher or {}).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -73,12 +74,12 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
     _save(fig, path)
 
 
-def format_table(results: dict[str, Any]) -> str:
+def format_table(results: Results) -> str:
     """A plain-text per-round table plus the summary line."""
     keys = "round val-accuracy test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds"
     keys = keys.split()
     lines = ["  ".join(f"{k:>13}" for k in keys)]
-    for r in results["rounds"]:
+    for r in results.rounds:
         row = []
         for k in keys:
             v = r.get(k, r.get("train-metrics", {}).get(k))
@@ -86,7 +87,7 @@ def format_table(results: dict[str, Any]) -> str:
                 v = len(v)
             row.append(f"{v:>13.4f}" if isinstance(v, float) else f"{'' if v is None else v!s:>13}")
         lines.append("  ".join(row))
-    s = results.get("summary", {})
+    s = results.summary or {}
     if s.get("final-accuracy") is not None:
         lines.append(
             f"final {100 * s['final-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%  "
@@ -140,7 +141,7 @@ def _read_json(path: Path) -> tuple[Any, str]:
         return None, f"{path} is unreadable ({type(e).__name__}: {e})"
 
 
-def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[dict[str, Any] | None, str]:
+def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results | None, str]:
     """(results.json, "") of a run that completed all its rounds, else (None, why not).
 
     ``rounds``: the configured number of rounds (default: config.json's ``num-server-rounds``).
@@ -154,20 +155,25 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[dict[st
         rounds = config.get("num-server-rounds") if isinstance(config, dict) else None
         if not isinstance(rounds, int):
             return None, f"{run_dir / 'config.json'} has no integer num-server-rounds"
-    r, why = _read_json(run_dir / "results.json")
-    if r is None:
+    path = run_dir / "results.json"
+    obj, why = _read_json(path)
+    if obj is None:
         return None, why
     try:
-        status, last = r.get("status"), r["rounds"][-1]["round"] if r.get("rounds") else None
-        summary_ok = all(isinstance(r["summary"][k], (int, float)) for k in _SUMMARY)
-    except (AttributeError, KeyError, TypeError, IndexError):
-        return None, f"{run_dir / 'results.json'} lacks rounds or summary"
-    if status != "completed":
-        return None, f"results.json status is {status!r}, not 'completed'"
+        r = Results.from_json(obj)
+    except (AttributeError, TypeError):  # valid JSON of another layout
+        return None, f"{path} lacks rounds or summary"
+    try:
+        last = r.rounds[-1]["round"] if r.rounds else None
+        summary_ok = all(isinstance(r.summary[k], (int, float)) for k in _SUMMARY)
+    except (KeyError, TypeError):
+        return None, f"{path} lacks rounds or summary"
+    if r.status != "completed":
+        return None, f"results.json status is {r.status!r}, not 'completed'"
     if last != rounds:
         return None, f"results.json ends at round {last}, the config asks for {rounds}"
     if not summary_ok:
-        return None, f"{run_dir / 'results.json'} has no final/best/mean-last-5 accuracy"
+        return None, f"{path} has no final/best/mean-last-5 accuracy"
     return r, ""
 
 
@@ -205,8 +211,8 @@ def collect(
     return groups, skipped
 
 
-def _cell_text(runs: list[dict[str, Any]], key: str) -> str:
-    v = np.array([100 * r["summary"][key] for r in runs])
+def _cell_text(runs: list[Results], key: str) -> str:
+    v = np.array([100 * r.summary[key] for r in runs])
     return f"{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0:.2f}"
 
 
@@ -251,7 +257,7 @@ def write_sweep_table(sweep_dir: Path) -> str:
             final, best, last5 = (_cell_text(g["runs"], k) for k in _SUMMARY)
             paper = f" (paper {g['paper']:.2f})" if g["paper"] is not None else ""
             entries.append(f"{final} / {best} / {last5} (n={len(g['runs'])}){paper}")
-            nums = [np.array([100 * r["summary"][k] for r in g["runs"]]) for k in _SUMMARY]
+            nums = [np.array([100 * r.summary[k] for r in g["runs"]]) for k in _SUMMARY]
             stats = [
                 f"{f(v):.4f}" for v in nums for f in (np.mean, lambda a: a.std(ddof=1) if len(a) > 1 else 0.0)
             ]
@@ -274,8 +280,8 @@ def _plot_curves(groups: dict[tuple[str, str], dict[str, Any]], settings: list[s
     for ax, s in zip(axes[0], settings, strict=True):
         for (m, s2), g in sorted(groups.items()):
             if s2 == s:
-                n = min(len(r["rounds"]) for r in g["runs"])
-                acc = np.array([[100 * row["test-accuracy"] for row in r["rounds"][:n]] for r in g["runs"]])
+                n = min(len(r.rounds) for r in g["runs"])
+                acc = np.array([[100 * row["test-accuracy"] for row in r.rounds[:n]] for r in g["runs"]])
                 ax.plot(acc.mean(0), label=m)
         ax.set(title=f"{s} (mean over seeds)", xlabel="round", ylabel="test accuracy (%)")
         ax.grid(alpha=0.3)

@@ -18,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore.run import RunNotRunningException
 
-from feddifrc_app import log, report
+from feddifrc_app import baselines, log, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
@@ -26,6 +26,7 @@ from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
+from feddifrc_app.results import Results
 from feddifrc_app.strategy import build_strategy, load_strategy_state, strategy_state
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe
 
@@ -96,11 +97,14 @@ class RoundLoop:
         cfg: Config,
         fed: Federation,
         run: RunDir,
-        results: dict[str, Any],
+        results: Results,
         evaluator: CentralEvaluator,
         num_classes: int,
         basis: ArrayRecord | None,
+        checkpoint: dict[str, Any] | None = None,
     ) -> None:
+        """``checkpoint``: the one ``RunDir.begin`` returns under resume-from; the loop continues
+        after its round with its model, strategy state and basis."""
         self.cfg, self.fed, self.run, self.results, self.evaluator, self.basis = (
             cfg,
             fed,
@@ -112,41 +116,34 @@ class RoundLoop:
         torch.manual_seed(cfg.seed)
         self.model = model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
-        self.arrays = state_to_record(self.model.state_dict())
         self.first = 1
-        self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
-
-    def resume(self, last: int, payload: dict[str, Any], run_id: int) -> None:
-        """Continue after round ``last`` of a checkpoint: model, strategy state and results rows."""
-        load_weights(self.model, payload["model"])
-        load_strategy_state(self.strategy, payload["strategy"])
+        if checkpoint is not None:
+            load_weights(self.model, checkpoint["model"])
+            load_strategy_state(self.strategy, checkpoint["strategy"])
+            self.first = int(checkpoint["round"]) + 1
+            if checkpoint.get("basis") is not None:
+                self.basis = ArrayRecord(checkpoint["basis"])
         self.arrays = state_to_record(self.model.state_dict())
-        self.first = last + 1
-        self.results["rounds"] = [r for r in self.results["rounds"] if r["round"] <= last]
-        if "diverged-rounds" in self.results:
-            self.results["diverged-rounds"] = [r for r in self.results["diverged-rounds"] if r <= last]
-        self.results["resumed"].append({"after-round": last, "run-id": run_id})
-        self.results.pop("error", None)  # of the run that stopped or failed
-        log.info("resumed from %s at round %d", self.run.path, last)
+        self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
 
     def evaluate(self) -> dict[str, float | None]:
         load_weights(self.model, record_to_state(self.arrays))
         return self.evaluator(self.model)
 
     def run_all(self) -> None:
-        self.results["status"] = "running"
+        self.results.status = "running"
         # Who runs it: with the run directory's lock (files.lock_folder), how `feddifrc status`
         # tells a live run from one whose process died without a word.
-        self.results["process"] = {"pid": os.getpid(), "host": socket.gethostname()}
+        self.results.process = {"pid": os.getpid(), "host": socket.gethostname()}
         try:
             if self.first == 1:
-                self.results["rounds"] = [{"round": 0, **self.evaluate()}]
+                self.results.rounds = [{"round": 0, **self.evaluate()}]
                 self.run.save_results(self.results)
             for rnd in range(self.first, self.cfg.num_server_rounds + 1):
                 check_stop()
                 row = self.train_round(rnd)
                 check_stop()  # a round that ends after the stop is not saved
-                self.results["rounds"].append(row)
+                self.results.rounds.append(row)
                 if self.empty_rounds >= MAX_EMPTY_ROUNDS:
                     raise self.no_update_error(row)  # results.json keeps the round's failures
                 self.save(rnd)
@@ -160,13 +157,13 @@ class RoundLoop:
         except BaseException as e:
             self.record_end(e)
             raise
-        self.results["status"] = "diverged" if self.results.get("diverged-rounds") else "completed"
+        self.results.status = "diverged" if self.results.diverged_rounds else "completed"
         self.run.save_results(self.results)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")
-        if self.results["status"] == "diverged":
+        if self.results.status == "diverged":
             # Reported as a failed run (flwr ls), after every result is on disk.
-            raise DivergedError(f"the run (rounds {self.results['diverged-rounds']})", self.cfg.train.lr)
-        s = self.results["summary"]
+            raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.cfg.train.lr)
+        s = self.results.summary
         log.info(
             "finished: final %.4f, best %.4f, mean of last 5 %.4f -> %s",
             s.get("final-accuracy") or 0,
@@ -193,10 +190,10 @@ class RoundLoop:
     def record_end(self, e: BaseException) -> None:
         """A run that ends early says so in results.json: stopped, or failed with the reason."""
         stopped = isinstance(e, RunStopped | RunNotRunningException | KeyboardInterrupt | SystemExit)
-        self.results["status"] = "stopped" if stopped else "failed"
-        self.results["error"] = f"{type(e).__name__}: {e}"
-        done = [r["round"] for r in self.results["rounds"]]
-        log.warning("run %s after round %s: %s", self.results["status"], max(done, default=None), e)
+        self.results.status = "stopped" if stopped else "failed"
+        self.results.error = f"{type(e).__name__}: {e}"
+        done = [r["round"] for r in self.results.rounds]
+        log.warning("run %s after round %s: %s", self.results.status, max(done, default=None), e)
         self.run.save_results(self.results)
 
     def train_round(self, rnd: int) -> dict[str, Any]:
@@ -205,7 +202,9 @@ class RoundLoop:
         if not chosen:  # every node left: wait for one (or fail after round-timeout), never hang
             self.fed.wait_for_nodes()
             chosen = self.fed.sample(rnd)
-        msgs = list(self.strategy.configure_train(rnd, self.arrays, ConfigRecord({}), self.fed.view(chosen)))
+        # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
+        config = ConfigRecord(baselines.train_config(self.cfg))
+        msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
                 m.content["basis"] = self.basis
@@ -223,8 +222,6 @@ class RoundLoop:
                 failures,
             )
         before = strategy_state(self.strategy)
-        if hasattr(self.strategy, "fraction_of_nodes"):  # SCAFFOLD's |S| / N, as it really was
-            self.strategy.fraction_of_nodes = len(ok) / max(self.fed.distinct_nodes(), 1)
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
         if arrays is not None and not _finite(arrays):
             load_strategy_state(self.strategy, before)  # a rejected update leaves no trace
@@ -240,7 +237,7 @@ class RoundLoop:
             self.arrays = arrays
         diverged = [f["reason"] for f in failures if DivergedError.TAG in str(f["reason"])]
         if diverged:
-            self.results.setdefault("diverged-rounds", []).append(rnd)
+            self.results.diverged_rounds = [*(self.results.diverged_rounds or []), rnd]
             log.error("round %d diverged (%s); the global model stays the last finite one", rnd, diverged[0])
         if arrays is None:
             log.warning("round %d: no usable update; the global model is unchanged", rnd)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
@@ -17,6 +16,7 @@ from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import arrays_to_record, record_to_arrays
+from feddifrc_app.results import Results
 from feddifrc_app.rounds import CentralEvaluator, RoundLoop
 
 app = ServerApp()
@@ -28,26 +28,20 @@ def main(grid: Grid, context: Context) -> None:
     watch_for_stop()
     run = RunDir.for_config(cfg, context.run_id)
     log.info("run directory: %s", run.path)
-    resumed = run.load_last_checkpoint() if cfg.resume_from else None
-    if cfg.resume_from and resumed is None:
-        raise FileNotFoundError(
-            f"resume-from = {cfg.resume_from!r}: no readable checkpoint in {run.ckpt_dir}"
-        )
-    results = resumed_results(run, resumed[0]) if resumed else new_results(cfg)
+    results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
     write_json(run.path / "config.json", cfg.to_flat())
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
 
-    # Setup exchange: node -> partition map and, once, the shared basis (federated PCA).
+    # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a
+    # resumed run continues with the checkpoint's).
     fed = Federation(grid, cfg)
-    want_stats = cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and resumed is None
+    want_stats = cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and checkpoint is None
     t0 = time.perf_counter()
     setup = fed.setup(fed.wait_for_nodes(), want_stats)
     check_classes(setup, fed, test)
     check_teachers(setup, fed)
     basis = federated_basis(cfg, setup, results) if want_stats else None
-    if resumed is not None and resumed[1].get("basis") is not None:
-        basis = ArrayRecord(resumed[1]["basis"])
-    results["setup-seconds"] = time.perf_counter() - t0
+    results.setup_seconds = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
 
     rounds = RoundLoop(
@@ -58,52 +52,26 @@ def main(grid: Grid, context: Context) -> None:
         CentralEvaluator(cfg, test, load_validation(cfg.dataset)),
         test.num_classes,
         basis,
+        checkpoint,
     )
-    if resumed is not None:
-        rounds.resume(*resumed, run_id=context.run_id)
     rounds.run_all()
 
 
-def resumed_results(run: RunDir, last: int) -> dict[str, Any]:
-    """The results.json a resume after round ``last`` continues; refused when it is gone, since
-    a new history would report rounds 1..last as never run."""
-    results = run.load_results()
-    rounds = results.get("rounds") if isinstance(results, dict) else None
-    if not isinstance(rounds, list) or not isinstance(results.get("resumed", []), list):
-        raise FileNotFoundError(
-            f"resume-from = '{run.path}': {run.results_path} is missing or holds no rounds, so the "
-            f"history of rounds 0..{last} would be lost; restore it, or start a new run"
-        )
-    results.setdefault("resumed", [])
-    return results
-
-
-def new_results(cfg: Config) -> dict[str, Any]:
-    return {
-        "method": cfg.method,
-        "strategy": cfg.strategy.name,
-        "dataset": cfg.dataset.name,
-        "partition": cfg.partition.name,
-        "rounds": [],
-        "resumed": [],
-    }
-
-
-def federated_basis(cfg: Config, setup: dict[int, RecordDict], results: dict[str, Any]) -> ArrayRecord:
+def federated_basis(cfg: Config, setup: dict[int, RecordDict], results: Results) -> ArrayRecord:
     """Fit the shared PCA basis from the nodes' sufficient statistics (counts, sums, second moments)."""
     stats = [stats_from_arrays(record_to_arrays(c["pca-stats"])) for c in setup.values() if "pca-stats" in c]
     merged = merge_client_stats(stats)
     blocks = cfg.diffusion.blocks
     widths = fused_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks], cfg.embedding_dim)
     basis = fit_basis(merged, widths, blocks, mode="federated-pca")
-    results["basis"] = {
+    results.basis = {
         "mode": "federated-pca",
         "fingerprint": basis.fingerprint(),
         "rows": merged[blocks[0]].count,
         "nodes": len(stats),
         "widths": list(widths),
     }
-    results["setup-cache-misses"] = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
+    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
     return arrays_to_record(basis.to_arrays())
 
 
@@ -139,7 +107,7 @@ def record_setup(
     fed: Federation,
     test: ImageData,
     run: RunDir,
-    results: dict[str, Any],
+    results: Results,
 ) -> None:
     """Which teacher the nodes run, and each node's label counts (table and plot)."""
     teacher = [c["info"] for c in setup.values() if "teacher-model" in c["info"]]
@@ -147,14 +115,14 @@ def record_setup(
         devices: dict[str, list[int]] = {}
         for n in sorted(setup, key=lambda n: (fed.partition_of[n], n)):
             devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(fed.partition_of[n])
-        results["teacher"] = {
+        results.teacher = {
             "model": str(teacher[0]["teacher-model"]),
             "weights-sha256": str(teacher[0]["teacher-weights"]),  # check_teachers: the same on every node
             "random-weights": bool(teacher[0]["teacher-random-weights"]),
             "devices": devices,  # "cuda float16" -> partition ids
         }
-        log.info("diffusion teacher %s on %s", results["teacher"]["model"], devices)
-        if results["teacher"]["random-weights"]:
+        log.info("diffusion teacher %s on %s", results.teacher["model"], devices)
+        if results.teacher["random-weights"]:
             log.warning(
                 "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
                 "(or is a control), not that FedDifRC helps"
@@ -162,7 +130,7 @@ def record_setup(
     # Each node reports its own label counts, so the plot also covers nodes with their own data-dir.
     order = sorted(setup, key=lambda n: (fed.partition_of[n], n))
     counts = np.array([list(setup[n]["info"]["label-counts"]) for n in order], dtype=np.int64)
-    results["label-counts"] = {
+    results.label_counts = {
         str(fed.partition_of[n]): row.tolist() for n, row in zip(order, counts, strict=True)
     }
     title = f"{cfg.dataset.name}: {cfg.partition.name} (alpha={cfg.partition.alpha}), {len(order)} clients"

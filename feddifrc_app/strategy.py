@@ -1,8 +1,11 @@
-"""Strategy factory: one config value picks a built-in ``flwr.serverapp.strategy``.
+"""Strategy factory: ``strategy.name`` picks the server-side aggregation.
 
-Only FedAvg-family strategies of Flower itself; their own hyper-parameters are
-``strategy.*`` config keys. Minimum node counts are derived from the number of
-connected partitions so that a run never waits forever for nodes that do not exist.
+Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
+FedAdagrad, FedMedian, FedTrimmedAvg) and the baselines' server halves that Flower lacks
+(``baselines/``: SCAFFOLD, FedNova; FedNH for ``method = "fednh"``); their hyper-parameters
+are ``strategy.*`` config keys. Minimum node counts are derived from the number of connected
+partitions so that a run never waits forever for nodes that do not exist. The strategy's
+state (server momentum, control variates, prototypes) is what a checkpoint keeps of it.
 """
 
 from __future__ import annotations
@@ -72,9 +75,7 @@ def build_strategy(cfg: Config) -> Strategy:
     if name == "fedtrimmedavg":
         return FedTrimmedAvg(**common, beta=s.trim_beta)
     if name == "scaffold":
-        return Scaffold(
-            **common, server_learning_rate=s.server_learning_rate, fraction_of_nodes=cfg.fraction_train
-        )
+        return Scaffold(**common, server_learning_rate=s.server_learning_rate)
     if name == "fednova":
         return FedNova(**common)
     raise ValueError(f"unknown strategy {name!r}")  # unreachable: load_config validated it

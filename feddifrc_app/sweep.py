@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import Config, load_config, resumable
+from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
-from feddifrc_app.outputs import RESUME_MAY_CHANGE
+from feddifrc_app.results import Results
+from feddifrc_app.run_config import parse_run_config
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -264,8 +265,6 @@ class Sweep:
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
         """The flat run config of ``cell`` (without resume-from)."""
-        from feddifrc_app.cli import parse_run_config
-
         conf = parse_run_config([cell.conf]) if cell.conf else {}
         refuse_owned_keys(conf, cell.conf)
         return {
@@ -294,7 +293,7 @@ class Sweep:
         ]
         return f"{self.runs / cell.name} holds a run with other settings ({'; '.join(diff)})" if diff else ""
 
-    def finished(self, cell: Cell, cfg: Config) -> dict[str, Any] | None:
+    def finished(self, cell: Cell, cfg: Config) -> Results | None:
         if self.stale(cell, cfg):
             return None
         from feddifrc_app.report import completed_results
@@ -360,7 +359,7 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
             seconds=round(time.monotonic() - t_cell, 1),
         )
         eta = (time.monotonic() - t0) / i * (len(todo) - i)
-        what = f"final {done['summary']['final-accuracy']:.4f}" if done else f"FAILED ({status})"
+        what = f"final {done.summary['final-accuracy']:.4f}" if done else f"FAILED ({status})"
         print(
             f"[{i}/{len(todo)}] {cell.name}: {what} in {time.monotonic() - t_cell:.0f}s; "
             f"{len(todo) - i} left, ETA {eta / 60:.1f} min",

@@ -474,8 +474,6 @@ def conditioned_targets(
     target stays the static one). Not cacheable: it changes every round. Returns the new
     targets and the seconds it cost.
     """
-    if basis is None:
-        raise ValueError("diffusion.condition = 'global-model' needs a shared basis (not 'per-batch')")
     t0 = time.perf_counter()
     feat = featurizer_for(cfg, cache_dir)
     k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0

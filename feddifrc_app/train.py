@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +21,8 @@ from feddifrc_app import losses
 from feddifrc_app.config import Config, LossConfig
 from feddifrc_app.dataset import clean_batch
 
-if TYPE_CHECKING:  # only the type: training never touches the teacher itself
+if TYPE_CHECKING:  # only the types: training never touches the teacher or Flower itself
+    from feddifrc_app.baselines import NodeHalf
     from feddifrc_app.targets import TeacherTargets
 
 
@@ -36,11 +37,6 @@ class DivergedError(FloatingPointError):
         )
 
 
-def _proximal_term(model: nn.Module, global_params: list[torch.Tensor]) -> torch.Tensor:
-    # FedProx: (mu/2) * ||w - w_global||^2 over trainable parameters; the caller scales by mu/2.
-    return sum((p - g).pow(2).sum() for p, g in zip(model.parameters(), global_params, strict=True))
-
-
 def train_local(
     model: nn.Module,
     loader: DataLoader,
@@ -48,95 +44,115 @@ def train_local(
     device: torch.device,
     *,
     targets: TeacherTargets | None = None,
-    proximal_mu: float = 0.0,
     momentum_state: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
-    before_step: Callable[[nn.Module], None] | None = None,
-    extra_term: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
+    halves: Sequence[NodeHalf] = (),
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Run ``cfg.train.local_epochs`` epochs of SGD on ``loader`` (items: x, y, dataset index).
 
-    Loss = CE (unless self-supervised) + tdcl_weight * TDCL + ndcr_weight * NDCR (+ FedProx).
-    ``before_step(model)`` runs between backward and the optimiser step (SCAFFOLD's correction);
-    ``extra_term = (name, f)`` adds ``f(x, z)`` to the loss (MOON's contrastive term).
+    Loss = CE (unless self-supervised) + tdcl_weight * TDCL + ndcr_weight * NDCR, plus the
+    ``term`` of every method's node half (``baselines.NodeHalf``: FedProx, MOON), whose
+    ``before_step`` runs between backward and the optimiser step (SCAFFOLD's correction).
     Returns (metrics averaged over samples, plus ``local-steps``; SGD momentum buffers by name).
     """
     tc, lc = cfg.train, cfg.loss
-    ssl = cfg.method == "feddifrc-ssl"
-    use_teacher = cfg.uses_diffusion
+    ssl, use_teacher = cfg.method == "feddifrc-ssl", cfg.uses_diffusion
     if use_teacher and targets is None:
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()
-    if use_teacher:
-        targets = targets.to(device)
+    targets = targets.to(device) if use_teacher else None
     opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     if momentum_state and tc.momentum > 0:
         _restore_momentum(opt, model, momentum_state, device)
-    global_params = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+    for h in halves:
+        h.start(model)
     gen = torch.Generator().manual_seed(seed)  # negative sampling in TDCL
-
-    # Running sums stay on the device (float64, the same numbers as Python floats): no host sync
-    # per step; they are read once per epoch.
-    sums: dict[str, torch.Tensor] = {}
-    seen = steps = 0
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    t0 = time.perf_counter()
-    # NDCR's target was computed from the un-augmented image: align that view's embedding, in the
-    # same forward pass as the augmented batch (one call, BatchNorm statistics over both).
-    clean_view = (
-        use_teacher and lc.ndcr_weight > 0 and lc.ndcr_view == "clean" and loader.dataset.transform.random
-    )
-    data = loader.dataset.data if clean_view else None
+    run = _Running(device, ssl)
+    clean = _clean_view_data(loader, lc) if use_teacher else None
     for _ in range(tc.local_epochs):
         for x, y, idx in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            b = y.shape[0]
-            if clean_view:
-                z_all, logits_all = model(torch.cat([x, clean_batch(data, idx).to(device)]))
-                z, logits, z_ndcr = z_all[:b], logits_all[:b], z_all[b:]
-            else:
-                z, logits = model(x)
-                z_ndcr = z
-            reps = ndcr = None
-            if use_teacher:
-                reps, ndcr = targets.take(idx)
-                reps = None if reps is None else reps.to(device)
-                ndcr = None if ndcr is None else ndcr.to(device)
+            z, logits, z_ndcr = _forward(model, x, idx, clean, device)
+            reps, ndcr = _teacher_batch(targets, idx, device)
             parts = _loss_parts(
                 logits, y, z, reps, ndcr, lc, ssl=ssl, use_teacher=use_teacher, gen=gen, ndcr_z=z_ndcr
             )
             loss = parts["total"]
-            if extra_term is not None:
-                parts[extra_term[0]] = extra_term[1](x, z)
-                loss = loss + parts[extra_term[0]]
-            if proximal_mu > 0:
-                prox = 0.5 * proximal_mu * _proximal_term(model, global_params)
-                loss = loss + prox
-                parts["prox"] = prox.detach()
+            for h in halves:
+                if (t := h.term(model, x, z)) is not None:
+                    parts[h.name], loss = t, loss + t
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if before_step is not None:
-                before_step(model)
+            for h in halves:
+                h.before_step(model)
             opt.step()
-            steps += 1
-            if use_teacher and ndcr is not None:
+            if ndcr is not None:
                 parts["ndcr-cosine"] = losses.cosine_alignment(z_ndcr.detach(), ndcr)
-            seen += b
-            if not ssl:
-                correct += (logits.argmax(1) == y).sum()
-            for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().double() * b
-        if not math.isfinite(float(sums.get("total", 0.0))):
+            run.add(parts, logits, y)
+        if not math.isfinite(float(run.sums.get("total", 0.0))):
             raise DivergedError("the training loss", tc.lr)
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise DivergedError("the model weights", tc.lr)
-    metrics = {f"train-{k}": float(v) / max(seen, 1) for k, v in sums.items()}
-    if not ssl:
-        metrics["train-accuracy"] = int(correct) / max(seen, 1)
-    metrics["train-seconds"] = time.perf_counter() - t0
-    metrics["local-steps"] = float(steps)
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
-    return metrics, {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
+    return run.metrics(), {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
+
+
+class _Running:
+    """Per-sample sums of the loss parts and the correct predictions of one local training.
+
+    They stay on the device (float64, the same numbers as Python floats): no host sync per
+    step; they are read once per epoch."""
+
+    def __init__(self, device: torch.device, ssl: bool) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.seen = self.steps = 0
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.ssl, self.t0 = ssl, time.perf_counter()
+
+    def add(self, parts: dict[str, torch.Tensor], logits: torch.Tensor, y: torch.Tensor) -> None:
+        b = y.shape[0]
+        self.steps += 1
+        self.seen += b
+        if not self.ssl:
+            self.correct += (logits.argmax(1) == y).sum()
+        for k, v in parts.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach().double() * b
+
+    def metrics(self) -> dict[str, float]:
+        """Averages over samples (``train-<part>``, ``train-accuracy``), seconds and ``local-steps``."""
+        metrics = {f"train-{k}": float(v) / max(self.seen, 1) for k, v in self.sums.items()}
+        if not self.ssl:
+            metrics["train-accuracy"] = int(self.correct) / max(self.seen, 1)
+        metrics["train-seconds"] = time.perf_counter() - self.t0
+        metrics["local-steps"] = float(self.steps)
+        return metrics
+
+
+def _clean_view_data(loader: DataLoader, lc: LossConfig):
+    """The dataset's images when NDCR aligns the clean view of augmented batches, else None.
+
+    NDCR's target was computed from the un-augmented image: that view's embedding is taken in
+    the same forward pass as the augmented batch (one call, BatchNorm statistics over both)."""
+    clean = lc.ndcr_weight > 0 and lc.ndcr_view == "clean" and loader.dataset.transform.random
+    return loader.dataset.data if clean else None
+
+
+def _forward(model: nn.Module, x: torch.Tensor, idx: torch.Tensor, clean, device: torch.device):
+    """(z, logits, the embedding NDCR aligns) of the batch ``x``."""
+    if clean is None:
+        z, logits = model(x)
+        return z, logits, z
+    b = x.shape[0]
+    z_all, logits_all = model(torch.cat([x, clean_batch(clean, idx).to(device)]))
+    return z_all[:b], logits_all[:b], z_all[b:]
+
+
+def _teacher_batch(targets: TeacherTargets | None, idx: torch.Tensor, device: torch.device):
+    """(TDCL representations, NDCR targets) of the batch's images; (None, None) without a teacher."""
+    if targets is None:
+        return None, None
+    reps, ndcr = targets.take(idx)
+    return (None if reps is None else reps.to(device)), (None if ndcr is None else ndcr.to(device))
 
 
 def _restore_momentum(

@@ -23,6 +23,8 @@ def reply(arrays: dict[str, list[float]], **metrics: float) -> Message:
 
 
 class Nodes:
+    num_nodes = 4  # the federation's distinct nodes (federation.Federation.view): |S| / N = 2 / 4
+
     def get_node_ids(self):
         return [1, 2]
 
@@ -152,3 +154,81 @@ def test_fednh_server_smoothing_by_hand():
     # class 0: avg = [0, 1]; 0.9 [1, 0] + 0.1 [0, 1] normalised; class 1: held by no node, kept
     np.testing.assert_allclose(new[0], np.array([0.9, 0.1]) / np.hypot(0.9, 0.1), rtol=1e-6)
     np.testing.assert_allclose(new[1], [0.0, 1.0])
+
+
+# ----------------------------------------------------------------------------- a new method
+
+NEW_METHOD = '''
+"""A method that exists only in this file: a weighted mean-square embedding term."""
+from flwr.app import ConfigRecord
+
+from feddifrc_app.baselines import NodeHalf
+
+KEY = "demo-weight"
+
+
+def train_config(cfg):
+    return {KEY: 0.5}
+
+
+class Demo(NodeHalf):
+    name = "demo"
+
+    def __init__(self, w):
+        self.w = w
+
+    def term(self, model, x, z):
+        return self.w * z.pow(2).mean()
+
+    def finish(self, model, metrics):
+        metrics["demo-finished"] = 1.0
+        return {"demo-record": ConfigRecord({"seen": True})}
+
+
+def node_half(msg, node):
+    w = msg.content["config"].get(KEY)
+    return None if w is None else Demo(float(w))
+'''
+
+
+def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
+    """docs/architecture.md, "Add a method": its module in baselines/ is all the server and the
+    ClientApp need (a config section and defaults only for keys of its own); nothing names it."""
+    import sys
+
+    from conftest import default_run_config
+    from flwr.app import Context
+
+    from feddifrc_app import baselines, client_app
+    from feddifrc_app.model import build_model
+    from feddifrc_app.records import state_to_record
+
+    (tmp_path / "demo.py").write_text(NEW_METHOD)
+    monkeypatch.setattr(baselines, "__path__", [*baselines.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "feddifrc_app.baselines.demo", raising=False)
+    baselines.modules.cache_clear()
+    try:
+        rc = default_run_config(method="fedavg", dataset__train_limit=40, train__device="cpu")
+        sent = baselines.train_config(make_config(method="fedavg"))  # the server half
+        assert sent == {"demo-weight": 0.5}
+        content = RecordDict(
+            {
+                "arrays": state_to_record(build_model("resnet10", 10).state_dict()),
+                "config": ConfigRecord({"server-round": 1, **sent}),
+            }
+        )
+        ctx = Context(
+            run_id=1,
+            node_id=1,
+            node_config={"partition-id": 0, "num-partitions": 4},
+            state=RecordDict(),
+            run_config=rc,
+        )
+        reply = client_app.app(Message(content=content, message_type="train", dst_node_id=1), ctx)
+        assert not reply.has_error(), reply.error.reason
+        m = reply.content["metrics"]
+        assert m["train-demo"] > 0 and m["demo-finished"] == 1.0  # its term and its reply metric
+        assert reply.content["demo-record"]["seen"] is True  # its own record in the reply
+    finally:
+        baselines.modules.cache_clear()
+        sys.modules.pop("feddifrc_app.baselines.demo", None)

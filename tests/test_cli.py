@@ -1,4 +1,4 @@
-"""The `feddifrc` command: parser table, run-config overrides, and `extract` end to end."""
+"""The `feddifrc` command: parser table, one-line errors, and `extract` end to end."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 
 from feddifrc_app import cli
+from feddifrc_app.run_config import load_app_config
 
 
 def test_parser_has_subcommand_table():
@@ -40,56 +41,6 @@ def test_parser_has_subcommand_table():
         p.parse_args([])
 
 
-def test_parse_run_config_pairs_exactly_like_flwr():
-    from flwr.common.config import parse_config_args
-
-    line = (
-        'seed=3 method="fedavg" train.lr=0.1 diffusion.blocks="1,2" '
-        "train.augment=false dataset.name='cifar10'"
-    )
-    got = cli.parse_run_config([line])
-    assert got == {
-        "seed": 3,
-        "method": "fedavg",
-        "train.lr": 0.1,
-        "diffusion.blocks": "1,2",
-        "train.augment": False,
-        "dataset.name": "cifar10",
-    }
-    assert got == parse_config_args([line])  # Flower's own parser, so `flwr run` agrees
-    assert cli.parse_run_config(['diffusion.ndcr-prompt="a photo"']) == {"diffusion.ndcr-prompt": "a photo"}
-    assert cli.parse_run_config(["seed=1", "seed=2"]) == {"seed": 2}  # later wins
-    assert cli.parse_run_config(None) == {} and cli.parse_run_config([""]) == {}
-    # As strict as flwr: a bare word is not TOML, so it is an error, not a guess.
-    with pytest.raises(cli.CLIError, match="invalid format"):
-        cli.parse_run_config(["method=feddifrc-ssl"])
-    with pytest.raises(cli.CLIError, match="cannot parse"):
-        cli.parse_run_config(["seed 3"])
-
-
-def test_parse_run_config_toml_file(tmp_path, monkeypatch):
-    f = tmp_path / "x.toml"
-    f.write_text("seed = 5\n[diffusion]\ntimestep = 200\n[partition]\nalpha = 0.05\n")
-    assert cli.parse_run_config([str(f)]) == {"seed": 5, "diffusion.timestep": 200, "partition.alpha": 0.05}
-    monkeypatch.chdir(tmp_path)  # relative to the current folder, as flwr run reads it
-    assert cli.parse_run_config(["x.toml"])["seed"] == 5
-    with pytest.raises(cli.CLIError, match="not found"):
-        cli.parse_run_config(["nope.toml"])
-    with pytest.raises(cli.CLIError, match="TOML files cannot be passed alongside"):
-        cli.parse_run_config([str(f), "seed=1"])
-
-
-def test_app_config_defaults_plus_overrides():
-    cfg = cli.load_app_config(ROOT, ['diffusion.timestep=200 method="fedavg"'])
-    assert cfg.diffusion.timestep == 200 and cfg.method == "fedavg" and cfg.seed == 7
-    for f in sorted((ROOT / "conf").glob("*.toml")):  # every shipped override file loads the same way
-        cli.load_app_config(ROOT, [str(f)])
-    with pytest.raises(cli.CLIError, match="unknown config key.*diffusion.timesteps"):
-        cli.load_app_config(ROOT, ["diffusion.timesteps=200"])
-    with pytest.raises(cli.CLIError, match="no pyproject.toml"):
-        cli.load_app_config(ROOT / "tests", None)
-
-
 def test_cli_errors_are_one_line_exit_2(capsys):
     assert cli.main(["extract", "--app", str(ROOT), "--run-config", "diffusion.timestep=5000"]) == 2
     err = capsys.readouterr().err
@@ -112,7 +63,7 @@ def test_fetch_names_the_teacher_weights_and_dataset_splits_and_fails_offline_in
 
     assert cli.main(["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    cfg = cli.load_app_config(str(ROOT), None)
+    cfg = load_app_config(str(ROOT), None)
     ident = teacher_identity("tiny-mnist", tmp_path)
     assert f"teacher tiny-mnist: weights sha256 {ident.weights_hash} in {ident.folder}" in out
     for split in ("train", "test"):
@@ -131,14 +82,6 @@ def test_fetch_names_the_teacher_weights_and_dataset_splits_and_fails_offline_in
     assert cli.main([*argv, "--run-config", "method='fedavg'"]) == 0
     out = capsys.readouterr().out
     assert "teacher" not in out.splitlines()[0] and "dataset mnist-5k/test" in out
-
-
-def test_resolve_cache_dir(tmp_path):
-    cfg = cli.load_app_config(ROOT, None)
-    assert cli.resolve_cache_dir(cfg, str(tmp_path)) == tmp_path.resolve()
-    assert cli.resolve_cache_dir(cfg, None) == Path("~/.cache/feddifrc").expanduser().resolve()
-    cfg2 = cli.load_app_config(ROOT, [f'diffusion.cache-dir="{tmp_path}"'])
-    assert cli.resolve_cache_dir(cfg2, None) == tmp_path.resolve()
 
 
 def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys):
@@ -189,34 +132,37 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
 def _fake_run(run_dir: Path) -> None:
     from feddifrc_app.files import write_json
     from feddifrc_app.outputs import RunDir
+    from feddifrc_app.results import Results
 
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True)
     write_json(run_dir / "config.json", {"num-server-rounds": 3})
     run.save_results(
-        {
-            "method": "feddifrc",
-            "strategy": "fedavg",
-            "dataset": "digits",
-            "partition": "dirichlet",
-            "teacher": {"model": "tiny-seed0", "random-weights": True},
-            "rounds": [
-                {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-                {
-                    "round": 1,
-                    "test-accuracy": 0.4,
-                    "test-loss": 1.9,
-                    "failures": [],
-                    "train-metrics": {"train-tdcl": 2.2},
-                },
-                {
-                    "round": 2,
-                    "test-accuracy": 0.3,
-                    "test-loss": 1.7,
-                    "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
-                },
-            ],
-        }
+        Results.from_json(
+            {
+                "method": "feddifrc",
+                "strategy": "fedavg",
+                "dataset": "digits",
+                "partition": "dirichlet",
+                "teacher": {"model": "tiny-seed0", "random-weights": True},
+                "rounds": [
+                    {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+                    {
+                        "round": 1,
+                        "test-accuracy": 0.4,
+                        "test-loss": 1.9,
+                        "failures": [],
+                        "train-metrics": {"train-tdcl": 2.2},
+                    },
+                    {
+                        "round": 2,
+                        "test-accuracy": 0.3,
+                        "test-loss": 1.7,
+                        "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
+                    },
+                ],
+            }
+        )
     )
 
 

@@ -240,7 +240,7 @@ def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_pat
         "import json, sys\n"
         "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.losses, feddifrc_app.model\n"
         "import feddifrc_app.targets, feddifrc_app.baselines.moon, sklearn.datasets, mlxtend.data\n"
-        "from feddifrc_app.cli import app_defaults\n"
+        "from feddifrc_app.run_config import app_defaults\n"
         "from feddifrc_app.config import load_config\n"
         "from feddifrc_app.dataset import eval_transform, load_dataset\n"
         "seen = ['torchvision' in sys.modules]\n"
@@ -486,10 +486,11 @@ def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path
     from feddifrc_app.baselines import moon
 
     state = RecordDict()
-    ctx = context(run_config(tmp_path, method="moon", train__batch_size=5), 0, state)
-    first = call("train", train_msg(1), ctx).content["metrics"]
+    rc = run_config(tmp_path, method="moon", train__batch_size=5)
+    ctx, sent = context(rc, 0, state), moon.train_config(load_config(rc))  # the server half's keys
+    first = call("train", train_msg(1, **sent), ctx).content["metrics"]
     assert first["train-moon"] == 0.0 and moon.PREVIOUS in state  # no previous model yet: CE only
-    second = call("train", train_msg(2, seed=1), ctx).content["metrics"]
+    second = call("train", train_msg(2, seed=1, **sent), ctx).content["metrics"]
     assert second["train-moon"] > 0  # now the global and the previous local model differ
 
 

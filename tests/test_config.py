@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, default_run_config, make_config
 
-from feddifrc_app.cli import parse_run_config
 from feddifrc_app.config import (
     STRATEGIES,
     ConfigError,
     load_config,
     load_node_config,
+    resolve_cache_dir,
 )
+from feddifrc_app.run_config import load_app_config, parse_run_config
 
 
 def test_defaults_load_and_round_trip():
@@ -256,3 +257,11 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
             if isinstance(got, str):
                 assert "\0" not in got, (k, v)
     assert cases >= 300 and accepted < cases / 2, (cases, accepted)
+
+
+def test_resolve_cache_dir(tmp_path):
+    cfg = load_app_config(ROOT, None)
+    assert resolve_cache_dir(cfg, str(tmp_path)) == tmp_path.resolve()
+    assert resolve_cache_dir(cfg, None) == Path("~/.cache/feddifrc").expanduser().resolve()
+    cfg2 = load_app_config(ROOT, [f'diffusion.cache-dir="{tmp_path}"'])
+    assert resolve_cache_dir(cfg2, None) == tmp_path.resolve()

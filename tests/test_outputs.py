@@ -11,36 +11,9 @@ import torch
 from conftest import make_config
 
 from feddifrc_app.files import atomic_write, write_json
-from feddifrc_app.outputs import RunDir, summarize
+from feddifrc_app.outputs import RunDir
 from feddifrc_app.report import format_table, plot_accuracy, plot_label_distribution
-
-
-def _rows(test, val=None, first=1):
-    val = val or [None] * len(test)
-    return [
-        {"round": first + i, "test-accuracy": t, "val-accuracy": v}
-        for i, (t, v) in enumerate(zip(test, val, strict=True))
-    ]
-
-
-def test_summary_final_best_mean_last5():
-    accs = [0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35, 0.5, 0.45, 0.55, 0.65]
-    s = summarize([{"round": 0, "test-accuracy": 0.9}, *_rows(accs)])  # round 0 is no training result
-    assert s["final-accuracy"] == 0.65
-    assert s["best-accuracy"] == 0.65
-    assert s["mean-last-5-accuracy"] == pytest.approx((0.35 + 0.5 + 0.45 + 0.55 + 0.65) / 5)
-    assert s["mean-last-10-accuracy"] == pytest.approx(sum(accs[1:]) / 10)
-    assert s["val-best-round"] is None and s["test-at-val-best-accuracy"] is None  # no validation
-    one = summarize(_rows([0.2]))
-    assert (one["final-accuracy"], one["best-accuracy"], one["mean-last-5-accuracy"]) == (0.2, 0.2, 0.2)
-    assert summarize([])["final-accuracy"] is None
-
-
-def test_summary_reads_the_checkpoint_round_off_validation_not_test():
-    # Test peaks in round 2, validation in rounds 3 and 4 (ties: the first): test at round 3.
-    s = summarize(_rows([0.5, 0.9, 0.6, 0.7], val=[0.4, 0.5, 0.8, 0.8]))
-    assert (s["val-best-round"], s["val-best-accuracy"], s["test-at-val-best-accuracy"]) == (3, 0.8, 0.6)
-    assert s["best-accuracy"] == 0.9  # still reported beside it, as the paper's code does
+from feddifrc_app.results import Results, summarize
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
@@ -77,13 +50,13 @@ def test_run_dir_results_and_checkpoints(tmp_path):
     cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
     run = RunDir.for_config(cfg, run_id=5)
     assert run.path == tmp_path / "r1"
-    results = {
-        "rounds": [
+    results = Results(
+        rounds=[
             {"round": 0, "test-accuracy": 0.1},
             {"round": 1, "test-accuracy": 0.5},
             {"round": 2, "test-accuracy": 0.4},
         ]
-    }
+    )
     run.save_results(results)
     saved = json.loads(run.results_path.read_text())
     # round 0 (the untrained model) is not part of the summary
@@ -109,7 +82,7 @@ def test_resume_from_missing_dir_is_clear(tmp_path):
 def test_a_run_directory_belongs_to_one_run(tmp_path):
     cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
     run = RunDir.for_config(cfg, run_id=1)
-    run.save_results({"rounds": [{"round": 1, "test-accuracy": 0.5}]})
+    run.save_results(Results(rounds=[{"round": 1, "test-accuracy": 0.5}]))
     run.save_checkpoint(1, {"round": 1, "model": {"w": torch.zeros(1)}})
     before = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match="already holds another run.*resume-from = '.*r1'"):
@@ -185,7 +158,12 @@ def test_results_json_is_strict_json_and_readable_by_others(tmp_path):
     old = os.umask(0o022)
     try:
         run.save_results(
-            {"rounds": [{"round": 1, "test-accuracy": 0.1, "test-loss": float("nan")}], "x": [float("inf")]}
+            Results.from_json(
+                {
+                    "rounds": [{"round": 1, "test-accuracy": 0.1, "test-loss": float("nan")}],
+                    "x": [float("inf")],
+                }
+            )
         )
     finally:
         os.umask(old)
@@ -201,24 +179,56 @@ def test_corrupt_results_json_is_named_on_resume(tmp_path):
         run.load_results()
 
 
+def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    with pytest.raises(
+        FileNotFoundError, match=r"results.json is missing or holds no rounds, so the history"
+    ):
+        run.resumed_results(3)
+    run.results_path.write_text('{"status": "stopped"}')  # no rounds: nothing to continue
+    with pytest.raises(FileNotFoundError, match="rounds 0..3 would be lost"):
+        run.resumed_results(3)
+    run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
+    assert run.resumed_results(3).rounds == [{"round": 0}]
+
+
+def test_a_resume_continues_the_results_after_the_checkpoints_round(tmp_path):
+    run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    rows = [{"round": r, "test-accuracy": 0.1 * r} for r in range(4)]  # round 3 saved, its checkpoint not
+    run.save_results(Results(rounds=rows, resumed=[], status="failed", diverged_rounds=[1, 3], error="E: x"))
+    run.save_checkpoint(2, {"round": 2, "model": {"w": torch.ones(1)}})
+    fresh, none = run.begin(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
+    assert none is None and (fresh.rounds, fresh.resumed, fresh.method) == ([], [], "feddifrc")
+    results, checkpoint = RunDir(run.path).begin(make_config(resume_from=str(run.path)), 9)
+    assert checkpoint["round"] == 2 and [r["round"] for r in results.rounds] == [0, 1, 2]
+    assert (results.diverged_rounds, results.resumed, results.error) == (
+        [1],
+        [{"after-round": 2, "run-id": 9}],
+        None,
+    )
+
+
 def test_plots_are_png(tmp_path):
-    results = {
-        "method": "feddifrc",
-        "strategy": "fedavg",
-        "dataset": "digits",
-        "teacher": {"random-weights": True},
-        "rounds": [
-            {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-            {
-                "round": 1,
-                "test-accuracy": 0.6,
-                "test-loss": 1.2,
-                "failures": [],
-                "train-metrics": {"train-ce": 1.5},
-            },
-        ],
-        "summary": summarize([{"round": 1, "test-accuracy": 0.6}]),
-    }
+    results = Results.from_json(
+        {
+            "method": "feddifrc",
+            "strategy": "fedavg",
+            "dataset": "digits",
+            "teacher": {"random-weights": True},
+            "rounds": [
+                {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
+                {
+                    "round": 1,
+                    "test-accuracy": 0.6,
+                    "test-loss": 1.2,
+                    "failures": [],
+                    "train-metrics": {"train-ce": 1.5},
+                },
+            ],
+            "summary": summarize([{"round": 1, "test-accuracy": 0.6}]),
+        }
+    )
     plot_accuracy(results, tmp_path / "acc.png")
     plot_label_distribution(np.array([[3, 0], [1, 2]]), ["a", "b"], tmp_path / "dist.png", "t")
     for p in ("acc.png", "dist.png"):

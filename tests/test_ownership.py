@@ -15,6 +15,7 @@ from conftest import ROOT, make_config
 
 from feddifrc_app import cli
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, release_folder
+from feddifrc_app.run_config import app_defaults
 
 _HOLD = (
     "import sys; from pathlib import Path; from feddifrc_app.files import lock_folder; "
@@ -72,7 +73,7 @@ def test_a_live_run_directory_cannot_be_started_resumed_or_deleted(tmp_path, hol
         with pytest.raises(FolderInUse, match=f"run directory {run_dir} is in use by pid {p.pid} on "):
             RunDir.for_config(c, 1)
     # The sweep neither deletes nor resumes into it.
-    sweep = Sweep(tmp_path, ROOT, cli.app_defaults(ROOT), {})
+    sweep = Sweep(tmp_path, ROOT, app_defaults(ROOT), {})
     sweep.runs = tmp_path / "runs"
     with pytest.raises(SweepError, match=f"{run_dir} is in use by pid {p.pid} on .*flwr stop"):
         sweep.submit_file(Cell("", 0))
@@ -127,7 +128,7 @@ def test_ctrl_c_stops_the_cells_flower_run_before_the_sweep_exits(tmp_path, monk
     monkeypatch.setattr(sw.Flower, "json", fake_json)
     monkeypatch.setattr(sw.subprocess, "run", fake_run)
     flower = sw.Flower(ROOT, tmp_path / "home", "local", "")
-    sweep = sw.Sweep(tmp_path / "sw", ROOT, cli.app_defaults(ROOT), {})
+    sweep = sw.Sweep(tmp_path / "sw", ROOT, app_defaults(ROOT), {})
     cell = sw.Cell("", 0)
     with pytest.raises(KeyboardInterrupt):
         sw.run_sweep(sweep, [cell], flower, 100)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
+from feddifrc_app.results import Results
 from feddifrc_app.server_app import check_classes, check_teachers
 
 
@@ -65,7 +66,7 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     cfg = make_config(method="fedavg", num_server_rounds=3)
     (tmp_path / "run").mkdir()
     run = RunDir(tmp_path / "run")
-    results: dict = {"rounds": [], "resumed": []}
+    results = Results(rounds=[], resumed=[])
 
     def evaluator(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
@@ -83,23 +84,6 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     assert not list((tmp_path / "run").rglob("round-*.pt"))  # an untrained round is not checkpointed
 
 
-def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) -> None:
-    from feddifrc_app.outputs import RunDir
-    from feddifrc_app.server_app import resumed_results
-
-    run = RunDir(tmp_path / "run")
-    run.path.mkdir()
-    with pytest.raises(
-        FileNotFoundError, match=r"results.json is missing or holds no rounds, so the history"
-    ):
-        resumed_results(run, 3)
-    run.results_path.write_text('{"status": "stopped"}')  # no rounds: nothing to continue
-    with pytest.raises(FileNotFoundError, match="rounds 0..3 would be lost"):
-        resumed_results(run, 3)
-    run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
-    assert resumed_results(run, 3)["rounds"] == [{"round": 0}]
-
-
 def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) -> None:
     from conftest import make_config
 
@@ -111,7 +95,7 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
             return [object(), object()], []  # two replies, no failure
 
     (tmp_path / "run").mkdir()
-    results: dict = {"rounds": [], "resumed": []}
+    results = Results(rounds=[], resumed=[])
     loop = RoundLoop(
         make_config(method="fedavg", num_server_rounds=2),
         Replying(),
@@ -128,7 +112,7 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
         r"strategy 'fedavg' aggregated nothing; the ServerApp log says why",
     ):
         loop.run_all()
-    assert results["status"] == "failed"
+    assert results.status == "failed"
 
 
 def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replies(tmp_path, caplog) -> None:
@@ -150,7 +134,7 @@ def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replie
         make_config(method="fedavg", num_server_rounds=2),
         OneLost(),
         RunDir(tmp_path / "run"),
-        {"rounds": [], "resumed": []},
+        Results(rounds=[], resumed=[]),
         lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
         10,
         None,
@@ -224,7 +208,7 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
             return [11, 12]
 
         def view(self, chosen):
-            return SimpleNamespace(get_node_ids=lambda: list(chosen))
+            return SimpleNamespace(get_node_ids=lambda: list(chosen), num_nodes=self.distinct_nodes())
 
         def exchange(self, msgs, chosen):
             replies = []
@@ -252,7 +236,7 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
 
     cfg = make_config(method="fedavg", strategy__name="scaffold", num_server_rounds=1)
     (tmp_path / "run").mkdir()
-    results: dict = {"rounds": [], "resumed": []}
+    results = Results(rounds=[], resumed=[])
     loop = RoundLoop(cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10, None)
     loop.train_round(1)
     assert loop.strategy.fraction_of_nodes == 0.5

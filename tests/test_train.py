@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_config
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from feddifrc_app import targets as tg
+from feddifrc_app.baselines import fedprox
 from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.dataset import clean_batch, client_split, eval_transform, make_loader
 from feddifrc_app.diffusion.projection import fuse
@@ -102,6 +104,13 @@ def run(c: Client, cfg: Config, *, model=None, seed: int = 0, augment: bool = Tr
         model, loader_for(c, cfg, seed, augment=augment, data=data), cfg, CPU, targets=t, seed=seed, **kw
     )
     return model, metrics, state
+
+
+def proximal(mu: float) -> list:
+    """FedProx's node half for a train message that carries ``proximal-mu = mu``."""
+    msg = Message(RecordDict({"config": ConfigRecord({fedprox.MU: mu})}), dst_node_id=1, message_type="train")
+    half = fedprox.node_half(msg, None)
+    return [] if half is None else [half]
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -295,8 +304,8 @@ def test_fedprox_term_is_reported_and_pulls_weights_to_the_start(sup: Client) ->
     start = fresh_model()
     w0 = flat(start).clone()
     plain, m_plain, _ = run(sup, cfg, model=copy.deepcopy(start))
-    zero, m_zero, _ = run(sup, cfg, model=copy.deepcopy(start), proximal_mu=0.0)
-    prox, m_prox, _ = run(sup, cfg, model=copy.deepcopy(start), proximal_mu=50.0)
+    zero, m_zero, _ = run(sup, cfg, model=copy.deepcopy(start), halves=proximal(0.0))
+    prox, m_prox, _ = run(sup, cfg, model=copy.deepcopy(start), halves=proximal(50.0))
     assert "train-prox" not in m_plain and "train-prox" not in m_zero
     assert torch.equal(flat(zero), flat(plain))  # mu = 0 is plain training, bit for bit (same seed)
     # 2 steps: the term is 0 at the first (w = w_global) and > 0 after

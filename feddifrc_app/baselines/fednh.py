@@ -10,17 +10,22 @@ rest of the model is averaged as in FedAvg.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
+from feddifrc_app.baselines import Node, NodeHalf
+from feddifrc_app.dataset import make_loader
 from feddifrc_app.records import arrays_to_record, example_weights
 
-PROTOTYPES = "fednh-prototypes"  # node -> server: {"scaled": (C, D), "counts": (C,)}
+# server -> node config: "send your prototypes"; node -> server: {"scaled": (C, D), "counts": (C,)}
+PROTOTYPES = "fednh-prototypes"
 KEY = "fc.prototype"  # the prototypes in the model's state dict
 
 
@@ -39,6 +44,23 @@ def class_prototypes(model: nn.Module, loader: Iterable, num_classes: int, devic
     return scaled.cpu(), counts.cpu()
 
 
+class Prototypes(NodeHalf):
+    """The node half: after training, this node's class prototypes for the reply."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
+        n = self.node
+        loader = make_loader(n.data, n.ids, train=False, batch_size=n.cfg.train.eval_batch_size, seed=n.seed)
+        scaled, counts = class_prototypes(model, loader, n.data.num_classes, n.device)
+        return {PROTOTYPES: ArrayRecord({"scaled": scaled, "counts": counts})}
+
+
+def node_half(msg: Message, node: Node) -> Prototypes | None:
+    return Prototypes(node) if msg.content["config"].get(PROTOTYPES) else None
+
+
 def smooth(old: np.ndarray, scaled: list[np.ndarray], counts: list[np.ndarray], rho: float) -> np.ndarray:
     """The server's prototype update: old (C, D), per node scaled (C, D) and counts (C,)."""
     total = sum(counts)
@@ -55,6 +77,12 @@ class FedNH(FedAvg):
     def __init__(self, *, rho: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.rho = rho
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        config[PROTOTYPES] = True
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -10,15 +10,18 @@ statistics are not gradient steps: they are averaged as in FedAvg.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from feddifrc_app.baselines import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
-A_KEY = "fednova-a"  # node -> server metric: the normalising factor a_i
+A_KEY = "fednova-a"  # server -> node config: "report a_i"; node -> server metric: a_i
 
 
 def normalising_factor(steps: int, momentum: float) -> float:
@@ -26,6 +29,21 @@ def normalising_factor(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
+
+
+class Normalised(NodeHalf):
+    """The node half: report a_i of the steps this node ran."""
+
+    def __init__(self, momentum: float) -> None:
+        self.momentum = momentum
+
+    def finish(self, model: torch.nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
+        metrics[A_KEY] = normalising_factor(int(metrics["local-steps"]), self.momentum)
+        return {}
+
+
+def node_half(msg: Message, node: Node) -> Normalised | None:
+    return Normalised(node.cfg.train.momentum) if msg.content["config"].get(A_KEY) else None
 
 
 class FedNova(FedAvg):
@@ -39,6 +57,7 @@ class FedNova(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
+        config[A_KEY] = True
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(

@@ -5,18 +5,32 @@ The representation is the ResNet-10 embedding z that every method in this app sh
 comparison isolates the loss). The negative is the node's own previous local model, kept
 in ``Context.state``; a node without one (its first round) trains with CE alone, as in
 MOON's code, where the single-column contrastive loss is exactly 0.
+
+Server half: ``moon-mu`` and ``moon-tau`` in every train message of a ``method = "moon"`` run,
+under any strategy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from flwr.app import Message
 from torch import nn
 
+from feddifrc_app.baselines import Node, NodeHalf
+from feddifrc_app.config import Config
 from feddifrc_app.losses import moon_contrastive
+from feddifrc_app.model import load_weights, model_for
+from feddifrc_app.records import record_to_state, state_to_record
 
 PREVIOUS = "moon-previous"  # Context.state: this node's model after its last local training
+MU, TAU = "moon-mu", "moon-tau"  # server -> node: the term's weight and temperature
+
+
+def train_config(cfg: Config) -> dict[str, Any]:
+    return {MU: cfg.moon.mu, TAU: cfg.moon.tau} if cfg.method == "moon" else {}
 
 
 def regulariser(
@@ -32,3 +46,35 @@ def regulariser(
         return mu * moon_contrastive(z, z_global, z_prev, tau)
 
     return term
+
+
+class Moon(NodeHalf):
+    name = "moon"
+
+    def __init__(self, mu: float, tau: float, node: Node) -> None:
+        self.mu, self.tau, self.node = mu, tau, node
+        self.reg: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def start(self, model: nn.Module) -> None:
+        """The received global model and this node's previous local model, frozen (if it has one)."""
+        if PREVIOUS not in self.node.state:
+            return
+        cfg, num_classes = self.node.cfg, self.node.data.num_classes
+        global_model, previous = model_for(cfg, num_classes), model_for(cfg, num_classes)
+        global_model.load_state_dict(model.state_dict())
+        load_weights(previous, record_to_state(self.node.state[PREVIOUS]))
+        self.reg = regulariser(global_model, previous, self.mu, self.tau, self.node.device)
+
+    def term(self, model: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
+        return None if self.reg is None else self.reg(x, z)
+
+    def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
+        # Every node reports the same keys, or Flower refuses to aggregate.
+        metrics.setdefault("train-moon", 0.0)
+        self.node.state[PREVIOUS] = state_to_record(model.state_dict())
+        return {}
+
+
+def node_half(msg: Message, node: Node) -> Moon | None:
+    config = msg.content["config"]
+    return Moon(float(config[MU]), float(config[TAU]), node) if MU in config else None

@@ -36,6 +36,7 @@ import numpy as np
 
 from feddifrc_app import log
 from feddifrc_app.files import CorruptFile, array_digest, atomic_write, read_archive, write_archive
+from feddifrc_app.partition import as_indices
 
 try:  # POSIX; elsewhere writers are not serialised (a lost merge only costs recomputation)
     import fcntl
@@ -106,18 +107,6 @@ def _checksum(ids: np.ndarray, blocks: Mapping[int, np.ndarray]) -> str:
     parts = [("", np.asarray(ids, dtype="<i8"))]
     parts += [(f"|{b}|", np.asarray(blocks[b], dtype="<f2")) for b in sorted(blocks)]
     return array_digest(parts)
-
-
-def _as_ids(ids: Any) -> np.ndarray:
-    a = np.asarray(ids)
-    if a.ndim != 1:
-        raise ValueError(f"ids must be 1-D, got shape {a.shape}")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"ids must be integers, got dtype {a.dtype}")
-    a = a.astype(np.int64, copy=False)
-    if a.size and a.min() < 0:
-        raise ValueError("ids must be non-negative dataset indices")
-    return a
 
 
 # path -> (inode, size, mtime_ns, checksum) of shards whose checksum this process verified.
@@ -252,7 +241,7 @@ class FeatureStore:
         unique ids without a valid entry. Invalid shards are logged and count
         as missing; load never modifies the store.
         """
-        ids = _as_ids(ids)
+        ids = as_indices(ids, "ids")
         uniq = np.unique(ids)
         if uniq.size == 0:
             return None, uniq
@@ -295,7 +284,7 @@ class FeatureStore:
 
     def missing(self, key: str, ids: Any) -> np.ndarray:
         """Sorted unique ``ids`` without a valid entry (verifies the shards, keeps no features)."""
-        uniq = np.unique(_as_ids(ids))
+        uniq = np.unique(as_indices(ids, "ids"))
         have: list[np.ndarray] = []
         ref = None
         shard_of = uniq // self.shard_size
@@ -331,7 +320,7 @@ class FeatureStore:
         rewritten atomically. A shard on disk that is invalid, or whose blocks
         or shapes differ from ``feats``, is replaced by the new rows alone.
         """
-        ids = _as_ids(ids)
+        ids = as_indices(ids, "ids")
         if ids.size == 0:
             return
         if np.unique(ids).size != ids.size:
@@ -492,7 +481,7 @@ def cached_pooled_features(
     ``keep=False`` only fills the cache and returns ``{}`` (``feddifrc extract``).
     """
     t0 = time.perf_counter()
-    ids = _as_ids(ids)
+    ids = as_indices(ids, "ids")
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     stats, corrupt0 = CacheStats(), store.corrupt_seen

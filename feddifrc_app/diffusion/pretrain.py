@@ -367,6 +367,30 @@ def pretrain_teacher(
     ``feddifrc.json`` records the recipe, the training losses and a sha256 of every file
     (the loader checks them); ``README.md`` is the model card.
     """
+    labels_t = _check_data(images, labels, class_prompts)
+    out = Path(out).expanduser().resolve()
+    check_out_folder(out, force, protected)
+    remove_stale_temp(out)
+    t_start = time.perf_counter()
+    pipe, training = _train(images, labels_t, class_prompts, recipe, progress)
+    # The folder may have changed during training: check again at the swap.
+    recheck = lambda p: check_out_folder(p, force, protected)  # noqa: E731
+    with atomic_folder(out, TEMP_TAG, recheck) as tmp:
+        save_tiny_pipeline(pipe, tmp)
+        data = {
+            "images": int(len(images)),
+            "per_class": np.bincount(labels_t.numpy(), minlength=len(class_prompts)).tolist(),
+            "note": data_note,
+        }
+        training["seconds"] = round(time.perf_counter() - t_start, 1)
+        marker = _marker(tmp, name, recipe, class_prompts, data, training)
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(_card(marker))
+    return out
+
+
+def _check_data(images: torch.Tensor, labels: np.ndarray, class_prompts: Sequence[str]) -> torch.Tensor:
+    """``labels`` as int64, once images, labels and prompts fit together (else a ValueError)."""
     labels_t = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
     k = len(class_prompts)
     if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels_t) or len(images) == 0:
@@ -378,33 +402,29 @@ def pretrain_teacher(
         raise ValueError(f"labels must lie in 0..{k - 1} (one prompt per class)")
     if "" in class_prompts:
         raise ValueError("a class prompt is empty: the empty prompt is the unconditional one")
-    out = Path(out).expanduser().resolve()
-    check_out_folder(out, force, protected)
-    remove_stale_temp(out)
-    t_start = time.perf_counter()
-    pipe, training = _train(images, labels_t, class_prompts, recipe, progress)
-    # The folder may have changed during training: check again at the swap.
-    recheck = lambda p: check_out_folder(p, force, protected)  # noqa: E731
-    with atomic_folder(out, TEMP_TAG, recheck) as tmp:
-        save_tiny_pipeline(pipe, tmp)
-        marker: dict[str, Any] = {
-            "kind": PRETRAINED_KIND,
-            "model_id": name,
-            "random_weights": recipe.unet_steps == 0,
-            "resolution": recipe.resolution,
-            "recipe": asdict(recipe),
-            "prompts": [*class_prompts, ""],
-            "data": {
-                "images": int(len(images)),
-                "per_class": np.bincount(labels_t.numpy(), minlength=k).tolist(),
-                "note": data_note,
-            },
-            "training": {**training, "seconds": round(time.perf_counter() - t_start, 1)},
-            "files": folder_digests(tmp),
-        }
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        (tmp / "README.md").write_text(_card(marker))
-    return out
+    return labels_t
+
+
+def _marker(
+    folder: Path,
+    name: str,
+    recipe: PretrainRecipe,
+    class_prompts: Sequence[str],
+    data: dict[str, Any],
+    training: dict[str, Any],
+) -> dict[str, Any]:
+    """``feddifrc.json``: what the loader checks (kind, files' sha256) and how it was made."""
+    return {
+        "kind": PRETRAINED_KIND,
+        "model_id": name,
+        "random_weights": recipe.unet_steps == 0,
+        "resolution": recipe.resolution,
+        "recipe": asdict(recipe),
+        "prompts": [*class_prompts, ""],
+        "data": data,
+        "training": training,
+        "files": folder_digests(folder),
+    }
 
 
 def _fmt(x: float | None) -> str:

@@ -1,0 +1,75 @@
+"""results.json's record: the summary numbers, and a file read and written back unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from feddifrc_app.results import Results, summarize
+
+
+def _rows(test, val=None, first=1):
+    val = val or [None] * len(test)
+    return [
+        {"round": first + i, "test-accuracy": t, "val-accuracy": v}
+        for i, (t, v) in enumerate(zip(test, val, strict=True))
+    ]
+
+
+def test_summary_final_best_mean_last5():
+    accs = [0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35, 0.5, 0.45, 0.55, 0.65]
+    s = summarize([{"round": 0, "test-accuracy": 0.9}, *_rows(accs)])  # round 0 is no training result
+    assert s["final-accuracy"] == 0.65
+    assert s["best-accuracy"] == 0.65
+    assert s["mean-last-5-accuracy"] == pytest.approx((0.35 + 0.5 + 0.45 + 0.55 + 0.65) / 5)
+    assert s["mean-last-10-accuracy"] == pytest.approx(sum(accs[1:]) / 10)
+    assert s["val-best-round"] is None and s["test-at-val-best-accuracy"] is None  # no validation
+    one = summarize(_rows([0.2]))
+    assert (one["final-accuracy"], one["best-accuracy"], one["mean-last-5-accuracy"]) == (0.2, 0.2, 0.2)
+    assert summarize([])["final-accuracy"] is None
+
+
+def test_summary_reads_the_checkpoint_round_off_validation_not_test():
+    # Test peaks in round 2, validation in rounds 3 and 4 (ties: the first): test at round 3.
+    s = summarize(_rows([0.5, 0.9, 0.6, 0.7], val=[0.4, 0.5, 0.8, 0.8]))
+    assert (s["val-best-round"], s["val-best-accuracy"], s["test-at-val-best-accuracy"]) == (3, 0.8, 0.6)
+    assert s["best-accuracy"] == 0.9  # still reported beside it, as the paper's code does
+
+
+def test_a_results_json_reads_and_writes_back_byte_for_byte():
+    # Every key a FedDifRC run with a federated basis writes, in the order it writes them.
+    on_disk = {
+        "method": "feddifrc",
+        "strategy": "fedavg",
+        "dataset": "mnist-5k",
+        "partition": "dirichlet",
+        "rounds": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5, "nodes": [0, 1]}],
+        "resumed": [{"after-round": 1, "run-id": 7}],
+        "basis": {"mode": "federated-pca", "fingerprint": "ab", "rows": 10, "nodes": 2, "widths": [4]},
+        "setup-cache-misses": 3,
+        "setup-seconds": 1.5,
+        "teacher": {"model": "tiny-mnist", "weights-sha256": "cd", "random-weights": False, "devices": {}},
+        "label-counts": {"0": [1, 2], "1": [2, 1]},
+        "status": "diverged",
+        "process": {"pid": 1, "host": "h"},
+        "summary": summarize([{"round": 1, "test-accuracy": 0.5}]),
+        "diverged-rounds": [2],
+        "error": "DivergedError: ...",
+        "from-another-version": {"kept": True},
+    }
+    r = Results.from_json(json.loads(json.dumps(on_disk)))
+    assert (r.setup_cache_misses, r.label_counts, r.extra) == (
+        3,
+        on_disk["label-counts"],
+        {"from-another-version": {"kept": True}},
+    )
+    assert json.dumps(r.to_json()) == json.dumps(on_disk)
+    assert Results(rounds=[]).to_json() == {"rounds": []}  # a key is written once it is set
+
+
+def test_a_key_of_the_wrong_type_is_named():
+    with pytest.raises(TypeError, match="results.json key 'rounds' is a str, expected list"):
+        Results.from_json({"rounds": "none"})
+    with pytest.raises(TypeError, match="key 'setup-cache-misses' is a bool"):
+        Results.from_json({"setup-cache-misses": True})
