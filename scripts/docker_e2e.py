@@ -59,12 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 FLWR_VERSION = "1.42.0"  # docker/*.Dockerfile's FLWR_VERSION (tests/test_docker_files.py checks)
 PROJECT = "feddifrc-e2e"  # the Compose project: its own containers and volumes
-COMPOSE_FILE = DOCKER / "compose.e2e.yml"  # generated, git-ignored; in docker/ for its ./certs paths
 CONN = "e2e"  # the flwr connection, in this run's own FLWR_HOME
 NODES = 2
 KILLED = 2  # the SuperNode killed in the long run (partition-id 1)
 APP_UID = 49999  # user `app` of Flower's images
-ROOTFS_PACKAGES = "python3.11,python3.11-venv,python3.11-distutils,ca-certificates,passwd"
+# python3.11-venv needs python3.11-distutils, a virtual package (python3-distutils provides it),
+# which debootstrap does not resolve.
+ROOTFS_PACKAGES = "python3.11,python3.11-venv,python3-distutils,ca-certificates,passwd"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 # Small runs of the packaged teacher: 200 training and 200 test images per node keep a round short
@@ -76,14 +77,15 @@ RUN_CONFIG = (
 RUNS = {"run": 2, "kill": 4, "rejoin": 1}  # rounds per run
 
 # Each phase's bound, in seconds (cold caches on a 2-core machine; see docs/deploy.md).
+# Together at most 73 min; a cold run here took about 15 (docs/deploy.md).
 TIMEOUTS = {
     "preflight": 60,
-    "bases": 900,
-    "images": 1800,
+    "bases": 600,
+    "images": 1200,
     "up": 420,
-    "run": 900,
-    "kill": 1200,
-    "rejoin": 600,
+    "run": 600,
+    "kill": 900,
+    "rejoin": 420,
     "down": 180,
 }
 
@@ -138,6 +140,9 @@ class E2E:
         self.log = work / "e2e.log"
         self.runs_dir = work / "runs"
         self.flwr_home = work / "flwr-home"
+        # Generated into the work folder (docker/ keeps only the committed files); its relative
+        # paths (./certs, build contexts) resolve against docker/, given as the project directory.
+        self.compose_file = work / "compose.e2e.yml"
         self.cache = Path(os.environ.get("FEDDIFRC_E2E_CACHE", Path.home() / ".cache" / "feddifrc-e2e"))
         self.mirror = os.environ.get("FEDDIFRC_E2E_DEBIAN_MIRROR", "http://deb.debian.org/debian")
         self.torch_index = torch_index
@@ -177,9 +182,18 @@ class E2E:
     def dc(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         """Compose on the e2e file, v1 or v2 (same arguments)."""
         env = {"RUNS_DIR": str(self.runs_dir), "FLWR_VERSION": FLWR_VERSION}
-        return self.sh(
-            [*self.compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), *args], timeout, check, env, cwd=DOCKER
-        )
+        return self.sh([*self.compose_cmd(), *args], timeout, check, env, cwd=DOCKER)
+
+    def compose_cmd(self) -> list[str]:
+        return [
+            *self.compose,
+            "-p",
+            PROJECT,
+            "-f",
+            str(self.compose_file),
+            "--project-directory",
+            str(DOCKER),
+        ]
 
     def flwr(self, *args: str, timeout: float = 120) -> dict[str, Any]:
         """`flwr <args> --format json` with this run's FLWR_HOME; its JSON answer."""
@@ -315,7 +329,7 @@ class E2E:
         self.runs_dir.mkdir()
         os.chown(self.runs_dir, APP_UID, APP_UID)
         self.sh([sys.executable, "docker/make_compose.py", "--cpu-nodes", str(NODES), "--loopback",
-                 "-o", str(COMPOSE_FILE)], 30)  # fmt: skip
+                 "-o", str(self.compose_file)], 30)  # fmt: skip
         self.write_flwr_config(certs / "ca.crt")
         # The SuperLink first: a SuperNode whose key is not registered yet is refused and restarts,
         # and `up` would wait on its health before starting the SuperExec that dials it.
@@ -337,9 +351,11 @@ class E2E:
             f'address = "127.0.0.1:8000"\nroot-certificates = "{ca}"\n'
         )
 
-    def run_phase(self, rounds: int, name: str) -> str:
+    def run_phase(self, phase: str) -> str:
+        """A run that needs both nodes; every round must get a reply from each."""
+        rounds, name = RUNS[phase], f"e2e-{phase}"
         run_id = self.submit(rounds, name)
-        info = self.wait_finished(run_id, TIMEOUTS["run"] - 60)
+        info = self.wait_finished(run_id, TIMEOUTS[phase] - 30)
         res = self.results(name)
         self.check_rounds(res, rounds)
         bad = [r for r in res["rounds"][1:] if r["failures"] or sorted(r["nodes"]) != list(range(NODES))]
@@ -377,9 +393,7 @@ class E2E:
 
     def down(self) -> str:
         if self.keep_up:
-            return (
-                f"left up (--keep-up): {shlex.join([*self.compose, '-p', PROJECT, '-f', str(COMPOSE_FILE)])}"
-            )
+            return f"left up (--keep-up): {shlex.join(self.compose_cmd())}"
         logs = self.dc("logs", "--no-color", "--timestamps", timeout=60, check=False)
         (self.work / "compose.log").write_text(logs.stdout + logs.stderr)
         self.dc("down", "-v", "--remove-orphans", timeout=150)
@@ -497,9 +511,9 @@ class E2E:
             ("bases", self.bases),
             ("images", self.images),
             ("up", self.up),
-            ("run", lambda: self.run_phase(RUNS["run"], "e2e-run")),
+            ("run", lambda: self.run_phase("run")),
             ("kill", self.kill_phase),
-            ("rejoin", lambda: self.run_phase(RUNS["rejoin"], "e2e-rejoin")),
+            ("rejoin", lambda: self.run_phase("rejoin")),
         ]
         started = False
         for name, fn in steps:
@@ -524,6 +538,12 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise PhaseTimeout("the phase ran past its timeout")
 
 
+def _on_term(signum: int, frame: Any) -> None:
+    # `timeout` (CI's overall bound) sends SIGTERM: fail the phase, so that `down` still runs.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the script
+    raise Failed("terminated (SIGTERM)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, help="work folder (default: a new /tmp/feddifrc-e2e.*)")
@@ -533,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.chmod(work, 0o755)  # RUNS_DIR inside it is bind-mounted for uid 49999
     signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGTERM, _on_term)
     print(f"[e2e] work folder {work}", flush=True)
     return E2E(work.resolve(), os.environ.get("FEDDIFRC_E2E_TORCH_INDEX"), a.keep_up).main()
 
