@@ -969,3 +969,40 @@ def test_the_doc_gives_uid_49999_every_private_file_a_container_reads(certs: Pat
     )
     assert _chowned(sections["2"], certs) >= machines, machines - _chowned(sections["2"], certs)
     assert "ca.key" not in _chowned(text, certs)  # never mounted, never handed to a container
+
+
+# ----------------------------------------------------------------------------- scripts/docker_e2e.py
+
+
+def test_e2e_local_base_images_follow_flowers_layout(tmp_path: Path) -> None:
+    """The stand-ins for flwr/{superlink,supernode,superexec}: Flower's entry points, the pinned
+    flwr, user app (uid 49999) with HOME=WORKDIR=/app, the venv first on PATH."""
+    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    assert e2e.FLWR_VERSION == FLWR_VERSION
+    text = e2e.BASE_DOCKERFILE
+    stages = dict(re.findall(r'^FROM base AS (\w+)\nENTRYPOINT \["([\w-]+)"\]$', text, re.M))
+    assert stages == IMAGE_BINARY
+    for want in ("--uid 49999 app", "WORKDIR /app", "USER app", "ENV HOME=/app", "PATH=/python/venv/bin:"):
+        assert want in text, want
+    assert '"flwr==${FLWR_VERSION}"' in text
+
+
+def test_e2e_copies_only_the_pip_settings_that_reach_a_registry(tmp_path: Path) -> None:
+    """file:// indexes, find-links and constraint files are paths of this machine: left out."""
+    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    listing = (
+        "global.index-url='https://mirror.example.org/simple'\n"
+        "global.extra-index-url='file:///opt/pypi/simple https://extra.example.org/simple'\n"
+        "global.constraint='/etc/xdg/pip/constraints.txt'\n"
+        "global.find-links='/opt/wheels'\n"
+        ":env:.default-timeout='180'\n"
+    )
+    run = e2e.E2E(tmp_path, None, False)
+    run.sh = lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, "")
+    conf = run.pip_conf()
+    assert conf.splitlines()[:2] == ["[global]", "cert = /etc/ssl/certs/ca-certificates.crt"]
+    assert "index-url = https://mirror.example.org/simple" in conf
+    assert "extra-index-url = https://extra.example.org/simple" in conf
+    assert "timeout = 180" in conf
+    assert "file://" not in conf and "constraint" not in conf and "find-links" not in conf
+    assert run.registry_index() == "https://mirror.example.org/simple"
