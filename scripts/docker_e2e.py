@@ -331,6 +331,8 @@ class E2E:
         self.sh([sys.executable, "docker/make_compose.py", "--cpu-nodes", str(NODES), "--loopback",
                  "-o", str(self.compose_file)], 30)  # fmt: skip
         self.write_flwr_config(certs / "ca.crt")
+        # Containers and volumes an interrupted earlier run left (its SuperLink state knows old keys).
+        self.dc("down", "-v", "--remove-orphans", timeout=150)
         # The SuperLink first: a SuperNode whose key is not registered yet is refused and restarts,
         # and `up` would wait on its health before starting the SuperExec that dials it.
         self.dc("up", "-d", "--no-build", "superlink", "superexec-serverapp", timeout=240)
