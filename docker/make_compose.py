@@ -4,13 +4,16 @@
     python docker/make_compose.py --gpus 0,1,2,3 -o docker/compose.4gpu.yml
     python docker/make_compose.py --gpus 0,1,2,3 --insecure -o docker/compose.4gpu.insecure.yml
     python docker/make_compose.py --gpus 0,1,2,3 --loopback -o docker/compose.4gpu.loopback.yml
+    python docker/make_compose.py --cpu-nodes 2 --loopback -o docker/compose.cpu.loopback.yml
     docker compose -p feddifrc -f docker/compose.4gpu.yml up -d --build
 
 One SuperNode per GPU (partition-id = its position in --gpus, num-partitions = the
 number of GPUs) and, next to it, the SuperExec that runs its ClientApps pinned to that
 GPU. ``--insecure``: no TLS, no SuperNode authentication (development). ``--loopback``: host
 networking, every address 127.0.0.1 and every service on its own ports (machines whose Docker
-has no bridge network). Each output is a whole file, used alone: Compose v1 (Debian 12's
+has no bridge network). ``--cpu-nodes N`` instead of ``--gpus``: N SuperNodes whose ClientApps run
+on the CPU image, with no GPU reservation (a host without GPUs; what scripts/docker_e2e.py runs).
+Each output is a whole file, used alone: Compose v1 (Debian 12's
 docker-compose 1.29.2) knows neither a top-level ``name:`` nor ``!override``, and refuses host
 networking on a service that publishes ports, so no file overrides another. The committed
 docker/compose.yml, compose.insecure.yml and compose.loopback.yml are this script's output for
@@ -271,6 +274,7 @@ x-{CPU_BUILD}: &{CPU_BUILD}
     FLWR_VERSION: ${{FLWR_VERSION:-{FLWR_VERSION}}}
     TORCH_INDEX_URL: {TORCH_CPU_INDEX}
     REQUIRE_CUDA_TORCH: "0"
+    REQUIRE_CPU_TORCH: "1"
 
 # ClientApps: a CUDA build of torch (pick the index that matches the hosts' driver).
 x-{CUDA_BUILD}: &{CUDA_BUILD}
@@ -280,10 +284,25 @@ x-{CUDA_BUILD}: &{CUDA_BUILD}
     FLWR_VERSION: ${{FLWR_VERSION:-{FLWR_VERSION}}}
     TORCH_INDEX_URL: ${{TORCH_CUDA_INDEX_URL:-{TORCH_CUDA_INDEX}}}
     REQUIRE_CUDA_TORCH: "1"
+    REQUIRE_CPU_TORCH: "0"
 """
 
 
-def render(gpus: list[str], args: str, insecure: bool = False, loopback: bool = False) -> str:
+def _gpu_reservation(gpu: str) -> str:
+    return f"""    deploy:
+      resources:
+        reservations:
+          devices:
+            - driver: nvidia
+              device_ids: ["{gpu}"]
+              capabilities: [gpu]
+"""
+
+
+def render(
+    gpus: list[str], args: str, insecure: bool = False, loopback: bool = False, cpu: bool = False
+) -> str:
+    """The Compose file; ``cpu``: ``gpus`` only numbers the nodes, whose ClientApps run on the CPU image."""
     n, net = len(gpus), Net(loopback)
     name = "compose" + (".insecure" if insecure else "") + (".loopback" if loopback else "") + ".yml"
     intro = INSECURE_INTRO if insecure else SECURE_INTRO
@@ -355,7 +374,7 @@ services:
 {_cmd(serverapp_cmd(insecure, net))}    volumes:
 {_list(mounts, 6)}{_service_tail(net, 1, "superlink")}""")
 
-    # ---- per GPU: a SuperNode and its ClientApps' SuperExec
+    # ---- per GPU (or per CPU node): a SuperNode and its ClientApps' SuperExec
     for index, gpu in enumerate(gpus):
         i = index + 1
         certs = (
@@ -371,25 +390,20 @@ services:
                 "./certs/ca.crt:/app/certs/ca.crt:ro",
                 f"./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro",
             ]
+        build, image, where = (CPU_BUILD, "cpu", "CPU") if cpu else (CUDA_BUILD, "cuda", f"GPU {gpu}")
+        devices = "" if cpu else _gpu_reservation(gpu)
         out.append(f"""
-  # ---- node {i}: partition {index} of {n}, GPU {gpu}
+  # ---- node {i}: partition {index} of {n}, {where}
   supernode-{i}:
     image: flwr/supernode:${{FLWR_VERSION:-{FLWR_VERSION}}}
     command:
 {_cmd(supernode_cmd(index, n, insecure, net))}{certs}{_service_tail(net, 2 * i, "superlink")}
   superexec-clientapp-{i}:
-    build: *{CUDA_BUILD}
-    image: feddifrc-superexec:cuda
+    build: *{build}
+    image: feddifrc-superexec:{image}
     command:
 {_cmd(clientapp_cmd(i, insecure, net))}    volumes:
-{_list(mounts, 6)}    deploy:
-      resources:
-        reservations:
-          devices:
-            - driver: nvidia
-              device_ids: ["{gpu}"]
-              capabilities: [gpu]
-{_service_tail(net, 2 * i + 1, f"supernode-{i}")}""")
+{_list(mounts, 6)}{devices}{_service_tail(net, 2 * i + 1, f"supernode-{i}")}""")
     out.append("\nvolumes:\n  superlink-state:\n  runs:\n  server-cache:\n")
     out.extend(f"  node-{i}-cache:\n" for i in range(1, n + 1))
     return "".join(out)
@@ -397,7 +411,13 @@ services:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", default="0,1", help="comma-separated GPU ids, one SuperNode each (default 0,1)")
+    nodes = p.add_mutually_exclusive_group()
+    nodes.add_argument(
+        "--gpus", default="0,1", help="comma-separated GPU ids, one SuperNode each (default 0,1)"
+    )
+    nodes.add_argument(
+        "--cpu-nodes", type=int, metavar="N", help="N SuperNodes, ClientApps on the CPU image (no GPUs)"
+    )
     p.add_argument(
         "--insecure", action="store_true", help="no TLS, no SuperNode authentication (development)"
     )
@@ -406,15 +426,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     a = p.parse_args(argv)
-    gpus = [g.strip() for g in a.gpus.split(",") if g.strip()]
-    if not gpus or len(set(gpus)) != len(gpus):
-        p.error(f"--gpus needs distinct GPU ids, got {a.gpus!r}")
+    if a.cpu_nodes is not None:
+        if a.cpu_nodes < 1:
+            p.error(f"--cpu-nodes needs at least 1 node, got {a.cpu_nodes}")
+        gpus = [str(i) for i in range(a.cpu_nodes)]
+    else:
+        gpus = [g.strip() for g in a.gpus.split(",") if g.strip()]
+        if not gpus or len(set(gpus)) != len(gpus):
+            p.error(f"--gpus needs distinct GPU ids, got {a.gpus!r}")
     shown = (
-        f"--gpus {','.join(gpus)}"
+        (f"--cpu-nodes {a.cpu_nodes}" if a.cpu_nodes is not None else f"--gpus {','.join(gpus)}")
         + (" --insecure" if a.insecure else "")
         + (" --loopback" if a.loopback else "")
     )
-    text = render(gpus, shown, insecure=a.insecure, loopback=a.loopback)
+    text = render(gpus, shown, insecure=a.insecure, loopback=a.loopback, cpu=a.cpu_nodes is not None)
     if a.output is None:
         sys.stdout.write(text)
     else:

@@ -270,6 +270,58 @@ def test_superexec_dockerfile_installs_the_app_dependencies_with_cuda_torch() ->
     assert any(d.startswith("torch") for d in deps) and any(d.startswith("diffusers") for d in deps)
 
 
+@functools.cache
+def _module(path: Path):
+    """A stdlib-only script of this repository as a module (without running its main)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_image_fails_a_build_without_the_torch_it_requires() -> None:
+    """docker/check_image.py: REQUIRE_CUDA_TORCH=1 refuses a CPU torch, REQUIRE_CPU_TORCH=1 a CUDA one
+    (an index that serves the CUDA wheel to a "CPU" build), and a replaced flwr fails either way."""
+    problems = _module(DOCKER / "check_image.py").problems
+    assert problems("1.42.0", "cuda", "2.14.1+cu130", "13.0", "1.42.0") == []
+    assert problems("1.42.0", "cpu", "2.14.1+cpu", None, "1.42.0") == []
+    assert problems("1.42.0", "any", "2.14.1+cu130", "13.0", "1.42.0") == []
+    assert "CUDA build of torch was required" in problems("1.42.0", "cuda", "2.14.1+cpu", None, "1.42.0")[0]
+    assert "CPU build of torch was required" in problems("1.42.0", "cpu", "2.14.1", "13.0", "1.42.0")[0]
+    assert "flwr changed" in problems("1.43.0", "any", "2.14.1", "13.0", "1.42.0")[0]
+    # As the Dockerfile runs it, against this environment's own torch: the build it is not fails.
+    import torch
+
+    wrong = ["--require-cpu", "1"] if torch.version.cuda else ["--require-cuda", "1"]
+    cmd = [sys.executable, str(DOCKER / "check_image.py"), "--flwr", FLWR_VERSION]
+    bad = subprocess.run([*cmd, *wrong], capture_output=True, text=True)
+    assert bad.returncode == 1 and "build of torch was required" in bad.stderr, bad.stderr
+    ok = subprocess.run(cmd, capture_output=True, text=True)
+    assert ok.returncode == 0 and f"flwr {FLWR_VERSION}" in ok.stdout, ok.stderr
+    both = subprocess.run([*cmd, "--require-cpu", "1", "--require-cuda", "1"], capture_output=True, text=True)
+    assert both.returncode == 2 and "contradict" in both.stderr
+
+
+def test_every_image_build_checks_the_torch_its_index_serves() -> None:
+    """A build from PyTorch's CPU index requires a CPU torch, one from a CUDA index a CUDA torch."""
+    text = (DOCKER / "superexec.Dockerfile").read_text()
+    assert re.search(r"^ARG REQUIRE_CPU_TORCH=0$", text, re.M)
+    assert '--require-cpu "${REQUIRE_CPU_TORCH}"' in text and '--require-cuda "${REQUIRE_CUDA_TORCH}"' in text
+    for compose in COMPOSE_FILES:
+        for name, svc in load_compose(compose)["services"].items():
+            args = (svc.get("build") or {}).get("args") or {}
+            if "TORCH_INDEX_URL" not in args:
+                continue
+            index = interpolate(str(args["TORCH_INDEX_URL"]))
+            cpu, cuda = (
+                interpolate(str(args["REQUIRE_CPU_TORCH"])),
+                interpolate(str(args["REQUIRE_CUDA_TORCH"])),
+            )
+            want = ("1", "0") if index.endswith("/whl/cpu") else ("0", "1")
+            assert (cpu, cuda) == want, f"{compose}/{name}: {index} with CPU={cpu} CUDA={cuda}"
+
+
 def _dockerignore(context: Path, dockerfile: str) -> Path:
     """The ignore file a build uses: BuildKit prefers <Dockerfile>.dockerignore, the legacy builder
     (docker.io 20.10, docker-compose v1) reads only the context's .dockerignore."""
@@ -609,23 +661,53 @@ def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "distinct" in bad.stderr
 
 
-def test_docker_compose_config_accepts_the_files(certs: Path, tmp_path: Path) -> None:
-    probe = (
-        subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
-        if shutil.which("docker")
-        else None
+def test_generator_cpu_nodes_run_the_cpu_image_without_gpus(tmp_path: Path) -> None:
+    """--cpu-nodes N (what scripts/docker_e2e.py brings up): no GPU reservation, the CPU image."""
+    out = tmp_path / "compose.e2e.yml"
+    cmd = [sys.executable, str(MAKE_COMPOSE), "--cpu-nodes", "2", "--loopback", "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    services = yaml.safe_load(out.read_text())["services"]
+    loopback = load_compose("compose.loopback.yml")["services"]
+    for i in range(1, 3):
+        clientapp = services[f"superexec-clientapp-{i}"]
+        assert "deploy" not in clientapp and clientapp["image"] == "feddifrc-superexec:cpu"
+        assert clientapp["build"] == services["superexec-serverapp"]["build"]
+    for name in ("superlink", "superexec-serverapp", "supernode-1", "superexec-clientapp-1"):
+        assert services[name]["command"] == loopback[name]["command"], name  # only the image differs
+    both = subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), "--gpus", "0", "--cpu-nodes", "2"], capture_output=True, text=True
     )
-    if probe is None or probe.returncode != 0:
-        pytest.skip("no `docker compose` plugin on this machine")
+    assert both.returncode != 0 and "not allowed with" in both.stderr
+
+
+def _compose_clis() -> list[list[str]]:
+    """The Compose CLIs on this machine: v2 (`docker compose`) and v1 (`docker-compose`)."""
+    out = []
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
+        out.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        out.append(["docker-compose"])
+    return out
+
+
+def test_docker_compose_config_accepts_the_files(certs: Path, tmp_path: Path) -> None:
+    clis = _compose_clis()
+    if not clis:
+        pytest.skip("neither `docker compose` (v2) nor `docker-compose` (v1) on this machine")
     env = {**os.environ, **REQUIRED_ENV}
-    for compose in COMPOSE_FILES:  # each a whole file, used alone
-        cp = subprocess.run(
-            ["docker", "compose", "-f", str(DOCKER / compose), "config", "-q"],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        assert cp.returncode == 0, f"{compose}: {cp.stderr}"
+    cpu = tmp_path / "compose.cpu.yml"  # the e2e topology, checked by the same CLIs
+    subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), "--cpu-nodes", "2", "--loopback", "-o", str(cpu)], check=True
+    )
+    for cli in clis:
+        for compose in [*(DOCKER / c for c in COMPOSE_FILES), cpu]:  # each a whole file, used alone
+            cp = subprocess.run(
+                [*cli, "-f", str(compose), "config", "-q"], capture_output=True, text=True, env=env
+            )
+            assert cp.returncode == 0, f"{' '.join(cli)} {compose.name}: {cp.stderr}"
 
 
 # ----------------------------------------------------------------------------- make_certs.sh
@@ -887,3 +969,40 @@ def test_the_doc_gives_uid_49999_every_private_file_a_container_reads(certs: Pat
     )
     assert _chowned(sections["2"], certs) >= machines, machines - _chowned(sections["2"], certs)
     assert "ca.key" not in _chowned(text, certs)  # never mounted, never handed to a container
+
+
+# ----------------------------------------------------------------------------- scripts/docker_e2e.py
+
+
+def test_e2e_local_base_images_follow_flowers_layout(tmp_path: Path) -> None:
+    """The stand-ins for flwr/{superlink,supernode,superexec}: Flower's entry points, the pinned
+    flwr, user app (uid 49999) with HOME=WORKDIR=/app, the venv first on PATH."""
+    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    assert e2e.FLWR_VERSION == FLWR_VERSION
+    text = e2e.BASE_DOCKERFILE
+    stages = dict(re.findall(r'^FROM base AS (\w+)\nENTRYPOINT \["([\w-]+)"\]$', text, re.M))
+    assert stages == IMAGE_BINARY
+    for want in ("--uid 49999 app", "WORKDIR /app", "USER app", "ENV HOME=/app", "PATH=/python/venv/bin:"):
+        assert want in text, want
+    assert '"flwr==${FLWR_VERSION}"' in text
+
+
+def test_e2e_copies_only_the_pip_settings_that_reach_a_registry(tmp_path: Path) -> None:
+    """file:// indexes, find-links and constraint files are paths of this machine: left out."""
+    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    listing = (
+        "global.index-url='https://mirror.example.org/simple'\n"
+        "global.extra-index-url='file:///opt/pypi/simple https://extra.example.org/simple'\n"
+        "global.constraint='/etc/xdg/pip/constraints.txt'\n"
+        "global.find-links='/opt/wheels'\n"
+        ":env:.default-timeout='180'\n"
+    )
+    run = e2e.E2E(tmp_path, None, False)
+    run.sh = lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, "")
+    conf = run.pip_conf()
+    assert conf.splitlines()[:2] == ["[global]", "cert = /etc/ssl/certs/ca-certificates.crt"]
+    assert "index-url = https://mirror.example.org/simple" in conf
+    assert "extra-index-url = https://extra.example.org/simple" in conf
+    assert "timeout = 180" in conf
+    assert "file://" not in conf and "constraint" not in conf and "find-links" not in conf
+    assert run.registry_index() == "https://mirror.example.org/simple"
