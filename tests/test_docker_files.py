@@ -569,7 +569,7 @@ def test_compose_files_are_accepted_by_compose_v1_and_v2() -> None:
                 assert not svc.get("ports") and not svc.get("networks"), f"{compose}/{name}"
 
 
-def test_every_flower_process_polls_for_work_every_50_ms() -> None:
+def test_every_flower_process_polls_for_work_every_0_2_s() -> None:
     """FLWR_SUPEREXEC_TASK_POLL_INTERVAL (Flower 1.42; 1 s by default, paid by every message) in every
     service, in the loopback test's processes and in the doc's commands without Docker."""
     from flower_procs import flower_env
