@@ -38,10 +38,11 @@ from feddifrc_app.train import train_local
 app = ClientApp()
 
 
-def _arrived(msg: Message) -> None:
+def _arrived(msg: Message) -> float:
     """Log, at handler start, where the message's seconds went before it: this process's age (a
     deployment starts one per message: its start and imports) and the time since the server
-    created the message (queues and polls; across machines, also their clocks' difference)."""
+    created the message (queues and polls; across machines, also their clocks' difference).
+    Returns the handler's start (``time.perf_counter``), for the handler's own time."""
     try:  # Linux: field 22 of /proc/self/stat is the process's start, in clock ticks after boot
         stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         started = int(stat[19]) / os.sysconf("SC_CLK_TCK")
@@ -50,6 +51,7 @@ def _arrived(msg: Message) -> None:
         age = "unknown (no /proc)"
     waited = time.time() - msg.metadata.created_at
     log.info("%s message: process age %s, created %.2f s ago", msg.metadata.message_type, age, waited)
+    return time.perf_counter()
 
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
@@ -109,7 +111,7 @@ def setup(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    _arrived(msg)
+    started = _arrived(msg)
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
     seed = _seed(cfg, int(msg.content["config"]["server-round"]), node)
@@ -140,6 +142,7 @@ def train(msg: Message, context: Context) -> Message:
         context.state["momentum"] = ArrayRecord(buffers)
     extra = {k: v for h in halves for k, v in h.finish(model, metrics).items()}
     arrays = state_to_record(model.state_dict())
+    log.info("train message: handled in %.2f s", time.perf_counter() - started)
     return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), **extra}), reply_to=msg)
 
 

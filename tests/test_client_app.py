@@ -256,6 +256,17 @@ def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_pat
     assert json.loads(cp.stdout.strip().splitlines()[-1]) == ["mnist-5k", 28, False, False, True]
 
 
+def test_the_train_handler_logs_its_own_time(tmp_path: Path, caplog) -> None:
+    rc = run_config(tmp_path, method="fedavg")
+    msg = Message(content=train_msg(1), message_type="train", dst_node_id=1)
+    with caplog.at_level(logging.INFO, logger="flwr.feddifrc"):
+        reply = client_app.app(msg, context(rc, 0))
+    assert not reply.has_error(), reply.error
+    m = re.search(r"train message: handled in ([\d.]+) s", caplog.text)
+    assert m, caplog.text
+    assert float(m.group(1)) >= reply.content["metrics"]["train-seconds"] > 0  # training is part of it
+
+
 def test_each_handler_logs_the_process_age_and_the_message_age(tmp_path: Path, caplog) -> None:
     rc = run_config(tmp_path, method="fedavg")
     msg = Message(content=train_msg(1), message_type="evaluate", dst_node_id=1)

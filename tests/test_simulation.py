@@ -2,7 +2,7 @@
 
 Runs are submitted without --stream (which exits 0 even on failure) and their status is
 read with `flwr ls --run-id ID --format json`; every process started is killed by PID by
-the `flower_procs` fixture, also when a test fails. The stop/resume and variant runs are in
+the `flower_procs` fixture, also when a test fails. The stop/resume runs are in
 test_simulation_resume.py: two files, so two workers share the waits.
 """
 
@@ -66,6 +66,33 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     assert w["setup-cache-misses"] == 0
     assert all(row["train-metrics"]["teacher-cache-misses"] == 0 for row in w["rounds"][1:])
     assert "loaded diffusion teacher" not in second["log"]
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # FedDifRC composes with other strategies by changing `strategy.name` only.
+        ("ssl-fedadam", "method='feddifrc-ssl' strategy.name='fedadam'"),
+        ("conditioned-fedprox", "diffusion.condition='global-model' strategy.name='fedprox'"),
+    ],
+)
+def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
+    out = tmp_path / "runs"
+    run_ok(
+        flower_procs,
+        f"num-server-rounds=1 dataset.train-limit=60 {EVAL} outputs-dir='{out}' run-name='{name}' "
+        f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}",
+    )
+    r = results(out / name)
+    row = r["rounds"][1]
+    assert row["failures"] == []
+    assert 0.0 <= row["test-accuracy"] <= 1.0
+    m = row["train-metrics"]
+    if name.startswith("ssl"):
+        assert "train-ce" not in m and m["train-tdcl"] > 0  # no labels, no CE
+        assert row["test-loss"] is None  # linear-probe accuracy only
+    else:
+        assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
 
 
 def _failed_run(procs, run_config: str) -> dict:

@@ -2,8 +2,7 @@
 
 Runs are submitted without --stream (which exits 0 even on failure) and their status is
 read with `flwr ls --run-id ID --format json`; every process started is killed by PID by
-the `flower_procs` fixture, also when a test fails. Resume after `flwr stop`, and FedDifRC
-under other strategies.
+the `flower_procs` fixture, also when a test fails. Resume after `flwr stop`.
 """
 
 from __future__ import annotations
@@ -71,30 +70,3 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
     wb = torch.load(out / "part" / "checkpoints" / ckpt, weights_only=False)["model"]
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    ("name", "overrides"),
-    [
-        # FedDifRC composes with other strategies by changing `strategy.name` only.
-        ("ssl-fedadam", "method='feddifrc-ssl' strategy.name='fedadam'"),
-        ("conditioned-fedprox", "diffusion.condition='global-model' strategy.name='fedprox'"),
-    ],
-)
-def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
-    out = tmp_path / "runs"
-    run_ok(
-        flower_procs,
-        f"num-server-rounds=1 dataset.train-limit=60 {EVAL} outputs-dir='{out}' run-name='{name}' "
-        f"diffusion.cache-dir='{tmp_path / 'cache'}' {overrides}",
-    )
-    r = results(out / name)
-    row = r["rounds"][1]
-    assert row["failures"] == []
-    assert 0.0 <= row["test-accuracy"] <= 1.0
-    m = row["train-metrics"]
-    if name.startswith("ssl"):
-        assert "train-ce" not in m and m["train-tdcl"] > 0  # no labels, no CE
-        assert row["test-loss"] is None  # linear-probe accuracy only
-    else:
-        assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
