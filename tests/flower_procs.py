@@ -569,10 +569,6 @@ class FlowerProcs:
             f"{self.run_log(run_id, connection)[-6000:]}\n{self.report()}"
         )
 
-    def streamed_log(self, run_id: int) -> str:
-        """The run's ServerApp log as :meth:`wait_for_run` streamed it (no further `flwr` call)."""
-        return (self.logs / f"run-{run_id}.log").read_text(errors="replace")
-
     def run_log(self, run_id: int, connection: str) -> str:
         """The run's ServerApp log so far (``flwr log ID <conn> --show``)."""
         cp = self.flwr(["log", str(run_id), connection, "--show"], check=False, timeout=60)

@@ -16,7 +16,7 @@ def run_ok(procs, run_config: str, timeout: float = 600) -> dict:
     """Submit, wait, and require ``finished:completed``; the run id and its ServerApp log."""
     run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=FED)
     info = procs.wait_for_run(run_id, "local", timeout=timeout)
-    log = procs.streamed_log(run_id)
+    log = procs.run_log(run_id, "local")
     assert info["status"] == "finished:completed", f"{info}\n{log[-4000:]}\n{procs.report()}"
     return {"id": run_id, "log": log}
 
