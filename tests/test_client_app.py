@@ -362,15 +362,20 @@ def test_evaluate_scores_the_sent_model_on_the_held_out_part_only(teacher_cache:
     )
     assert m["eval-accuracy"] == pytest.approx(direct["accuracy"])
     assert m["eval-loss"] == pytest.approx(direct["loss"], rel=1e-5)
-    # training (and setup's counts) see the other 7 only
-    setup = call("query.setup", setup_msg(False), context(rc, 0)).content["info"]
-    assert setup["num-examples"] == 7 and sum(setup["label-counts"]) == 7
-    train = call(
-        "train",
-        train_msg(1),
-        context(run_config(teacher_cache, method="fedavg", fraction_evaluate=1.0, evaluate_holdout=0.3), 0),
-    )
-    assert train.content["metrics"]["num-examples"] == 7.0
+
+
+def test_with_a_hold_out_the_teacher_sees_and_trains_against_the_training_part_only(tmp_path: Path) -> None:
+    rc = run_config(tmp_path, fraction_evaluate=1.0, evaluate_holdout=0.3, diffusion__projection="random")
+    info = call("query.setup", setup_msg(True), context(rc, 0)).content["info"]
+    assert info["num-examples"] == 7 and sum(info["label-counts"]) == 7  # the 10 less the 3 held out
+    assert info["teacher-cache-misses"] == 7  # the 3 held-out images never go through the teacher
+    m = call("train", train_msg(1), context(rc, 0)).content["metrics"]
+    assert m["teacher-cache-misses"] == 0 and m["num-examples"] == 7.0  # the same 7, cached by id
+    cfg, node = load_config(rc), load_node_config({"partition-id": 0, "num-partitions": N_PARTS})
+    train_ids, held = ds.client_split(cfg, node)[1], ds.client_holdout(cfg, node)[1]
+    targets, _ = next(reversed(tg.PREPARED.items.values()))  # the targets this train message used
+    assert (targets.rows[torch.as_tensor(train_ids)] >= 0).all()
+    assert all(int(i) >= len(targets.rows) or targets.rows[int(i)] == -1 for i in held)
 
 
 def test_evaluate_without_a_hold_out_fails_saying_so(teacher_cache: Path) -> None:
