@@ -51,6 +51,8 @@ def plot_accuracy(results: Results, path: Path) -> None:
         )
         if s.get("test-at-val-best-accuracy") is not None:
             title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
+        if s.get("final-federated-accuracy") is not None:
+            title += f"\nfinal federated {100 * s['final-federated-accuracy']:.2f}"
     if (results.teacher or {}).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
