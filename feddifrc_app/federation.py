@@ -7,6 +7,7 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -141,8 +142,11 @@ class Federation:
         if new:  # joined, or rejoined with a new id, since setup: learn who they are
             self.setup(new, want_stats=False)
         known = sorted((n for n in current if n in self.partition_of), key=self._order)
-        fraction = self.cfg.fraction_evaluate if evaluate else self.cfg.fraction_train
-        k = min(nodes_per_round(self.cfg, len(known), fraction), len(known))
+        if evaluate:  # nodes_per_round's rule (at least 1), with fraction-evaluate
+            k = max(1, math.floor(len(known) * self.cfg.fraction_evaluate + 1e-9))
+        else:
+            k = nodes_per_round(self.cfg, len(known))
+        k = min(k, len(known))
         seed = f"evaluate {self.cfg.seed} {rnd}" if evaluate else self.cfg.seed * 1_000_003 + rnd
         return sorted(random.Random(seed).sample(known, k), key=self._order)
 

@@ -34,10 +34,9 @@ from feddifrc_app.baselines.scaffold import Scaffold
 from feddifrc_app.config import Config
 
 
-def nodes_per_round(cfg: Config, num_nodes: int, fraction: float | None = None) -> int:
-    """Nodes per round: ``fraction`` (``fraction-train`` if None) of the connected nodes, at least 1."""
-    share = cfg.fraction_train if fraction is None else fraction
-    return max(1, int(math.floor(num_nodes * share + 1e-9)))
+def nodes_per_round(cfg: Config, num_nodes: int) -> int:
+    """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""
+    return max(1, int(math.floor(num_nodes * cfg.fraction_train + 1e-9)))
 
 
 def build_strategy(cfg: Config) -> Strategy:

@@ -208,4 +208,7 @@ def test_evaluation_is_sampled_by_seed_and_round_apart_from_training() -> None:
     ev = fed.sample(4, evaluate=True)
     assert len(ev) == 3 and ev == fed.sample(4, evaluate=True)  # seeded: a resume repeats it
     assert len(fed.sample(4)) == 5  # training: fraction-train
+    two = Federation(SimpleNamespace(get_node_ids=lambda: [1, 2]), fed.cfg)
+    two.partition_of = {1: 0, 2: 1}
+    assert len(two.sample(1, evaluate=True)) == 1  # 0.3 of 2 nodes: at least 1, never 0
     assert {tuple(fed.sample(r, evaluate=True)) for r in range(1, 9)} != {tuple(ev)}  # per round
