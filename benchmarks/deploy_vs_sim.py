@@ -13,7 +13,8 @@ on 2 nodes, each starting with a COLD feature cache:
    client-resources-num-cpus=1"`` with a fresh shared ``diffusion.cache-dir``;
 2. deployment: ``flower-superlink --insecure`` (this measures time; TLS and node auth are
    tested in tests/test_deployment.py) + 2 ``flower-supernode --insecure`` with
-   ``--node-config "partition-id=i num-partitions=2 cache-dir=<fresh per-node dir>"``, and
+   ``--node-config "partition-id=i num-partitions=2 cache-dir=<fresh per-node dir>"`` and
+   ``OMP_NUM_THREADS=1`` (the simulated client's one CPU; Ray sets the same in its actors), and
    ``flwr run . <connection>``.
 
 Printed per mode from its ``results.json``: ``setup-seconds``, ``setup-cache-misses``, every
@@ -61,7 +62,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from flower_procs import FlowerProcs, free_port  # noqa: E402
 
 NEEDLE = "loaded diffusion teacher"
-FED = "num-supernodes={n} client-resources-num-cpus=1"
+SIM_CPUS = 1  # per simulated client, and the thread budget of each deployment node
+FED = "num-supernodes={n} client-resources-num-cpus=" + str(SIM_CPUS)
 CONN = "bench-deploy"
 
 
@@ -171,6 +173,10 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
                         node_cfg,
                     ],
                     ready_port=rport,
+                    # The simulated client's CPU budget (client-resources-num-cpus=1: Ray sets
+                    # OMP_NUM_THREADS=1 in its actors), inherited by every ClientApp process:
+                    # two 2-thread processes on 2 cores measured a 3 s first step instead of 0.75 s.
+                    env={"OMP_NUM_THREADS": str(SIM_CPUS)},
                 )
             )
         procs.wait_for_nodes_online(CONN, a.nodes, timeout=90)
