@@ -64,8 +64,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from feddifrc_app.config import load_config, load_node_config
 from feddifrc_app.dataset import client_split
-from feddifrc_app.diffusion.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays
 from feddifrc_app.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
     from feddifrc_app.dataset import load_dataset
     from feddifrc_app.diffusion.cache import FeatureStore
-    from feddifrc_app.diffusion.prompts import teacher_prompts
+    from feddifrc_app.prompts import teacher_prompts
     from feddifrc_app.targets import teacher_key
 
     data = load_dataset(cfg.dataset, "train", seed=cfg.seed)

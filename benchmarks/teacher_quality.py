@@ -48,16 +48,16 @@ import numpy as np
 import torch
 
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
-from feddifrc_app.diffusion.projection import (
+from feddifrc_app.files import write_json
+from feddifrc_app.losses import tdcl_paper
+from feddifrc_app.projection import (
     client_stats,
     clip_widths,
     fit_basis,
     fuse,
     merge_client_stats,
 )
-from feddifrc_app.diffusion.prompts import teacher_prompts
-from feddifrc_app.files import write_json
-from feddifrc_app.losses import tdcl_paper
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.run_config import load_app_config
 from feddifrc_app.targets import pooled_features
 

@@ -134,7 +134,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from feddifrc_app.dataset import load_dataset
     from feddifrc_app.device import DeviceError, resolve_device, resolve_dtype
     from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
-    from feddifrc_app.diffusion.prompts import teacher_prompts
+    from feddifrc_app.prompts import teacher_prompts
     from feddifrc_app.targets import pooled_features, teacher_key
 
     try:
@@ -300,7 +300,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         check_out_folder,
         pretrain_teacher,
     )
-    from feddifrc_app.diffusion.prompts import teacher_prompts
+    from feddifrc_app.prompts import teacher_prompts
 
     protected = [Path(args.app)]
     try:  # before anything is loaded or trained

@@ -26,10 +26,10 @@ from feddifrc_app.dataset import ImageData, client_split, make_loader
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.pipeline import teacher_identity
-from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.model import load_weights, model_for
+from feddifrc_app.projection import Basis, client_stats, stats_to_arrays
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
 from feddifrc_app.targets import client_targets, conditioned_targets, pooled_features
 from feddifrc_app.train import evaluate as evaluate_model

@@ -11,10 +11,10 @@ from flwr.serverapp import Grid, ServerApp
 from feddifrc_app import log, report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import ImageData, load_dataset, load_validation
-from feddifrc_app.diffusion.projection import fit_basis, fused_widths, merge_client_stats, stats_from_arrays
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
+from feddifrc_app.projection import fit_basis, fused_widths, merge_client_stats, stats_from_arrays
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 from feddifrc_app.rounds import CentralEvaluator, RoundLoop

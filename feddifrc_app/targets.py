@@ -56,7 +56,8 @@ from feddifrc_app.diffusion.cache import (
 )
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import load_teacher, teacher_identity, teacher_resolution
-from feddifrc_app.diffusion.projection import (
+from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
+from feddifrc_app.projection import (
     Basis,
     clip_widths,
     fuse,
@@ -65,7 +66,6 @@ from feddifrc_app.diffusion.projection import (
     local_pca_basis,
     random_basis,
 )
-from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
 
 
 @dataclass

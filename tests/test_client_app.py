@@ -28,9 +28,9 @@ from feddifrc_app import dataset as ds
 from feddifrc_app import targets as tg
 from feddifrc_app.config import ConfigError, load_config, load_node_config
 from feddifrc_app.diffusion.pipeline import teacher_identity
-from feddifrc_app.diffusion.projection import fit_basis, merge_client_stats, stats_from_arrays
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.records import arrays_to_record, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 

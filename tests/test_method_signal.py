@@ -27,8 +27,8 @@ from conftest import make_config
 
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.targets import TeacherTargets, build_targets, client_basis, pooled_features
 from feddifrc_app.train import train_local
 

@@ -17,10 +17,10 @@ from conftest import make_config
 
 from feddifrc_app import targets as tg
 from feddifrc_app.dataset import load_dataset
-from feddifrc_app.diffusion.projection import random_basis
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.files import CorruptFile
+from feddifrc_app.projection import random_basis
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.targets import teacher_key
 
 

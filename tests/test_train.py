@@ -24,9 +24,9 @@ from feddifrc_app import targets as tg
 from feddifrc_app.baselines import fedprox
 from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.dataset import clean_batch, client_split, eval_transform, make_loader
-from feddifrc_app.diffusion.projection import fuse
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import fuse
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.targets import TeacherTargets
 from feddifrc_app.train import linear_probe, train_local
 
