@@ -1,5 +1,5 @@
-"""targets.py: the feature-cache key of a run's teacher (what changes it, and what must not), and
-a client's prepared targets on disk (what a new process loads instead of the feature shards)."""
+"""targets.py: a client's prepared targets on disk (what a new process loads instead of the
+feature shards) and the key they are stored under."""
 
 from __future__ import annotations
 
@@ -17,31 +17,10 @@ from conftest import make_config
 
 from feddifrc_app import targets as tg
 from feddifrc_app.dataset import load_dataset
-from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.files import CorruptFile
 from feddifrc_app.projection import random_basis
 from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.targets import teacher_key
-
-
-def test_cache_key_names_the_weights_never_their_folder(tmp_path):
-    """The same weights moved or copied elsewhere hit the same cache; other weights or dtype do not."""
-    a = build_tiny_pipeline(tmp_path / "here" / "teacher", seed=0)
-    b = tmp_path / "moved" / "elsewhere"
-    shutil.copytree(a, b)
-    other = build_tiny_pipeline(tmp_path / "other", seed=1)
-
-    def key(model, **over):
-        cfg = make_config(**{"diffusion.model": str(model), "diffusion.device": "cpu", **over})
-        data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-        return teacher_key(cfg, tmp_path / "cache", data, teacher_prompts(cfg, data.class_names))
-
-    (ka, fields), (kb, _) = key(a), key(b)
-    assert ka == kb and str(tmp_path) not in str(fields) and "model_id" not in fields
-    assert key(other)[0] != ka  # other weights
-    assert key(a, **{"diffusion.dtype": "bfloat16"})[0] != ka  # the dtype is part of the key
-    assert fields["dtype"] == "float32" and len(fields["weights_hash"]) == 64
-
+from feddifrc_app.teacher import feature_set, teacher_spec
 
 # ----------------------------------------------------------------------------- prepared targets on disk
 
@@ -65,7 +44,7 @@ def _client(cache: Path, **over):
 
 
 def _prepare(cache: Path, cfg, data, ids, prompts, k, basis=None):
-    return tg.client_targets(cfg, cache, data, ids, prompts, basis, k)
+    return tg.client_targets(cfg, feature_set(teacher_spec(cfg, cache), data, prompts), ids, basis, k)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +52,7 @@ def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The client's features extracted once (the tiny teacher built there too)."""
     cache = tmp_path_factory.mktemp("targets") / "cache"
     cfg, data, ids, prompts, _ = _client(cache)
-    _, stats = tg.pooled_features(cfg, cache, data, ids, prompts)
+    _, stats = tg.pooled_features(feature_set(teacher_spec(cfg, cache), data, prompts), ids)
     assert stats.misses == N
     return cache
 
