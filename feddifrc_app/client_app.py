@@ -25,7 +25,7 @@ from feddifrc_app.config import Config, NodeConfig, load_config, load_node_confi
 from feddifrc_app.dataset import ImageData, client_split, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.model import load_weights, model_for
+from feddifrc_app.model import load_weights
 from feddifrc_app.projection import Basis, client_stats, stats_to_arrays
 from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
@@ -106,7 +106,7 @@ def train(msg: Message, context: Context) -> Message:
     seed = _seed(cfg, int(msg.content["config"]["server-round"]), node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
-    model = model_for(cfg, data.num_classes)
+    model = baselines.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
 
     metrics: dict[str, float] = {}
@@ -163,7 +163,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     _arrived(msg)
     cfg, node = _context(context)
     data, ids = client_split(cfg, node)
-    model = model_for(cfg, data.num_classes)
+    model = baselines.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))
