@@ -206,3 +206,26 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     _prepare(cache, *client)  # rewritten now: the newest; one of the other two must go
     left = {p.name for p in (cache / "targets").iterdir()}
     assert left == {path.name, files[1].name, live.name}, left
+
+
+def test_node_targets_refuses_a_missing_federated_basis_before_touching_the_teacher(monkeypatch, tmp_path):
+    """The one door fails on a train message without the server's basis before any teacher work."""
+    cfg, data, ids, _, _ = _client(tmp_path / "cache", **{"diffusion.projection": "federated-pca"})
+
+    def refuse(*a, **k):
+        raise AssertionError("the teacher was resolved")
+
+    monkeypatch.setattr(tg, "teacher_spec", refuse)
+    with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
+        tg.node_targets(cfg, tmp_path / "cache", data, ids, None, torch.nn.Linear(1, 1), torch.device("cpu"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_node_targets_are_client_targets_plus_their_cost(prepared) -> None:
+    cache, client, first, basis, _ = prepared
+    cfg, data, ids, _, _ = client
+    model, cpu = torch.nn.Linear(1, 1), torch.device("cpu")  # no model-conditioned targets here
+    targets, metrics = tg.node_targets(cfg, cache, data, ids, None, model, cpu)
+    assert torch.equal(targets.prompt_reps, first.prompt_reps) and torch.equal(targets.ndcr, first.ndcr)
+    assert set(metrics) == {"teacher-seconds", "teacher-cache-misses"}
+    assert metrics["teacher-cache-misses"] == 0
