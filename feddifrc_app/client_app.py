@@ -26,11 +26,10 @@ from feddifrc_app.dataset import ImageData, client_split, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.model import load_weights
-from feddifrc_app.projection import Basis, client_stats, stats_to_arrays
-from feddifrc_app.prompts import teacher_prompts
+from feddifrc_app.projection import Basis
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
-from feddifrc_app.targets import node_targets
-from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.targets import node_stats, node_targets
+from feddifrc_app.teacher import teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -88,13 +87,11 @@ def setup(msg: Message, context: Context) -> Message:
         info["teacher-random-weights"] = bool(spec.identity.random_weights)
         info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
         info["teacher-device"] = spec.where  # where this node's teacher runs, the dtype in its cache key
-    if cfg.uses_diffusion and bool(msg.content["config"]["want-stats"]):  # the server asks only then
-        features = feature_set(spec, data, teacher_prompts(cfg, data.class_names))
-        pooled, stats = pooled_features(features, ids)
-        arrays = stats_to_arrays(client_stats(pooled))
-        content["pca-stats"] = arrays_to_record(arrays)
-        info["teacher-seconds"] = float(stats.seconds)
-        info["teacher-cache-misses"] = int(stats.misses)
+        if bool(msg.content["config"]["want-stats"]):  # once, for the federated basis
+            arrays, stats = node_stats(cfg, spec, data, ids)
+            content["pca-stats"] = arrays_to_record(arrays)
+            info["teacher-seconds"] = float(stats.seconds)
+            info["teacher-cache-misses"] = int(stats.misses)
     return Message(content, reply_to=msg)
 
 

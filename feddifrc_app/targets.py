@@ -50,15 +50,24 @@ from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
 from feddifrc_app.projection import (
     Basis,
+    client_stats,
     clip_widths,
     fuse,
     fuse_per_batch,
     fused_widths,
     local_pca_basis,
     random_basis,
+    stats_to_arrays,
 )
 from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import FeatureSet, feature_set, featurizer, pooled_features, teacher_spec
+from feddifrc_app.teacher import (
+    FeatureSet,
+    TeacherSpec,
+    feature_set,
+    featurizer,
+    pooled_features,
+    teacher_spec,
+)
 
 
 @dataclass
@@ -326,6 +335,15 @@ def client_targets(
                 "prepared targets: could not write %s (%s); a new process will prepare them again", path, e
             )
     return targets, basis, stats
+
+
+def node_stats(
+    cfg: Config, spec: TeacherSpec, data: ImageData, ids: np.ndarray
+) -> tuple[dict[str, np.ndarray], CacheStats]:
+    """What a node sends once for the federated basis: the sufficient statistics of its pooled
+    teacher features (``projection.stats_to_arrays``; no raw feature leaves it), and their cost."""
+    pooled, stats = pooled_features(feature_set(spec, data, teacher_prompts(cfg, data.class_names)), ids)
+    return stats_to_arrays(client_stats(pooled)), stats
 
 
 def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
