@@ -64,8 +64,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from feddifrc_app.config import load_config, load_node_config
 from feddifrc_app.dataset import client_split
-from feddifrc_app.diffusion.projection import clip_widths, fit_basis, merge_client_stats, stats_from_arrays
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,12 +161,13 @@ def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
     from feddifrc_app.dataset import load_dataset
     from feddifrc_app.diffusion.cache import FeatureStore
-    from feddifrc_app.diffusion.prompts import teacher_prompts
-    from feddifrc_app.targets import teacher_key
+    from feddifrc_app.prompts import teacher_prompts
+    from feddifrc_app.teacher import feature_set, teacher_spec
 
     data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
     prompts = teacher_prompts(cfg, data.class_names)
-    key, fields = teacher_key(cfg, cache_dir, data, prompts)
+    features = feature_set(teacher_spec(cfg, cache_dir), data, prompts)
+    key, fields = features.key, features.fields
     store = FeatureStore(cache_dir / "features")
     store.describe(key, fields)
     rng = np.random.default_rng(1)
@@ -213,10 +214,9 @@ def setup(ctxs: list[Context], cfg) -> ArrayRecord:
             f"{info.get('teacher-seconds', 0.0):.1f}s, {info.get('teacher-cache-misses', 0)} cache misses"
         )
         stats.append(stats_from_arrays({k: v.numpy() for k, v in r.content["pca-stats"].items()}))
-    merged = merge_client_stats(stats)
-    blocks = cfg.diffusion.blocks
-    widths = clip_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks])
-    return arrays_to_record(fit_basis(merged, widths, blocks, mode="federated-pca").to_arrays())
+    d = cfg.diffusion
+    basis, _ = fit_federated_basis(stats, d.channels, d.blocks, cfg.embedding_dim)
+    return arrays_to_record(basis.to_arrays())
 
 
 def train_round(

@@ -48,18 +48,12 @@ import numpy as np
 import torch
 
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
-from feddifrc_app.diffusion.projection import (
-    client_stats,
-    clip_widths,
-    fit_basis,
-    fuse,
-    merge_client_stats,
-)
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.files import write_json
 from feddifrc_app.losses import tdcl_paper
+from feddifrc_app.projection import client_stats, clip_widths, fit_basis, fit_federated_basis, fuse
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.run_config import load_app_config
-from feddifrc_app.targets import pooled_features
+from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,16 +88,13 @@ def teacher_features(cfg, cache_dir: Path, data) -> tuple[np.ndarray, np.ndarray
     raw: the teacher's own pooled features, each block L2-normalised, concatenated.
     fused: what the app trains against, a PCA basis (label-free) to the configured widths.
     """
-    prompts = teacher_prompts(cfg, data.class_names)
-    ids = np.arange(len(data))
-    pooled, _ = pooled_features(cfg, cache_dir, data, ids, prompts, progress=True)
+    features = feature_set(teacher_spec(cfg, cache_dir), data, teacher_prompts(cfg, data.class_names))
+    pooled, _ = pooled_features(features, np.arange(len(data)), progress=True)
     blocks = cfg.diffusion.blocks
     raw = np.concatenate(
         [pooled[b] / np.linalg.norm(pooled[b], axis=-1, keepdims=True).clip(1e-12) for b in blocks], axis=-1
     )
-    stats = merge_client_stats([client_stats(pooled)])
-    widths = clip_widths(cfg.diffusion.channels, [stats[b].channels for b in blocks])
-    basis = fit_basis(stats, widths, blocks, mode="federated-pca")
+    basis, _ = fit_federated_basis([client_stats(pooled)], cfg.diffusion.channels, blocks, cfg.embedding_dim)
     return raw, fuse(pooled, basis), data.num_classes
 
 
@@ -191,17 +182,18 @@ def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
     y = test.labels
     pixels = test.images[:, 0].reshape(len(test), -1).numpy()
     tau = cfg.loss.temperature
+    spec = teacher_spec(cfg, cache_dir)
     prompts = teacher_prompts(cfg, test.class_names)
-    pooled, _ = pooled_features(cfg, cache_dir, test, np.arange(len(test)), prompts)
+    pooled, _ = pooled_features(feature_set(spec, test, prompts), np.arange(len(test)))
     blocks = cfg.diffusion.blocks
     widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in blocks])
     own = fit_basis(
         client_stats({b: pooled[b][:, -1:] for b in blocks}), widths, blocks, mode="federated-pca"
     )
-    basis = fit_basis(merge_client_stats([client_stats(pooled)]), widths, blocks, mode="federated-pca")
+    basis, _ = fit_federated_basis([client_stats(pooled)], cfg.diffusion.channels, blocks, cfg.embedding_dim)
     moved = shifted(test)
     # The NDCR prompt alone for the shifted images (a tenth of the UNet rows).
-    pooled_moved, _ = pooled_features(cfg, cache_dir, moved, np.arange(len(test)), prompts[-1:])
+    pooled_moved, _ = pooled_features(feature_set(spec, moved, prompts[-1:]), np.arange(len(test)))
     ndcr, ndcr_moved = fuse(pooled, basis)[:, -1], fuse(pooled_moved, basis)[:, 0]
     teacher_space = raw[:, -1] - raw[:, -1].mean(0)
     out = {

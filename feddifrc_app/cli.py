@@ -24,11 +24,14 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
 from feddifrc_app.results import Results
 from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
+
+if TYPE_CHECKING:  # torch-free at import: `feddifrc --help` stays fast
+    from feddifrc_app.teacher import FeatureSet
 
 EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
 
@@ -132,38 +135,35 @@ def cmd_extract(args: argparse.Namespace) -> int:
         )
 
     from feddifrc_app.dataset import load_dataset
-    from feddifrc_app.device import DeviceError, resolve_device, resolve_dtype
-    from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
-    from feddifrc_app.diffusion.prompts import teacher_prompts
-    from feddifrc_app.targets import pooled_features, teacher_key
+    from feddifrc_app.device import DeviceError
+    from feddifrc_app.diffusion.pipeline import TeacherLoadError
+    from feddifrc_app.prompts import teacher_prompts
+    from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
 
     try:
-        device = resolve_device(d.device, "diffusion.device")
-        dtype = resolve_dtype(d.dtype, device, "diffusion.dtype")
-        ident = teacher_identity(d.model, cache_dir)  # no network is built for this
+        spec = teacher_spec(cfg, cache_dir)  # no network is built for this
     except (DeviceError, TeacherLoadError) as e:
         raise CLIError(str(e)) from None
+    ident = spec.identity
     print(
         f"teacher {ident.model_id} (weights {ident.weights_hash[:12]})"
         f"{' RANDOM weights: plumbing only' if ident.random_weights else ''}"
-        f" on {device} / {str(dtype).removeprefix('torch.')}; cache {cache_dir / 'features'}"
+        f" on {spec.device} / {str(spec.dtype).removeprefix('torch.')}; cache {cache_dir / 'features'}"
     )
     for split in splits:
         data = load_dataset(cfg.dataset, split, seed=cfg.seed)
-        prompts = teacher_prompts(cfg, data.class_names)
+        features = feature_set(spec, data, teacher_prompts(cfg, data.class_names))
         ids, which = _split_ids(cfg, data, split, args.num_partitions, wanted)
         if args.check:
-            _check(cfg, cache_dir, data, split, ids, which, prompts)
+            _check(features, split, ids, which)
             continue
         try:
             # The same keyed, lazily-loading path the ClientApp uses: identical cache keys.
             progress = not args.no_progress
-            _, st = pooled_features(
-                cfg, cache_dir, data, ids, prompts, keep=False, progress=progress, chunk=args.chunk
-            )
+            _, st = pooled_features(features, ids, keep=False, progress=progress, chunk=args.chunk)
         except TeacherLoadError as e:
             raise CLIError(str(e)) from None
-        key, _ = teacher_key(cfg, cache_dir, data, prompts)
+        prompts, key = features.prompts, features.key
         rate = st.misses / st.extract_seconds if st.extract_seconds > 0 else float("nan")
         print(
             f"{data.name}/{split} partitions {which}: {len(ids)} images x {len(prompts)} prompts; "
@@ -175,13 +175,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(cfg: Config, cache_dir: Path, data: Any, split: str, ids: Any, which: str, prompts) -> None:
+def _check(features: FeatureSet, split: str, ids: Any, which: str) -> None:
     """``extract --check``: the hit ratio of this config's key, and what the key is made of."""
     from feddifrc_app.diffusion.cache import FeatureStore
-    from feddifrc_app.targets import teacher_key
 
-    key, fields = teacher_key(cfg, cache_dir, data, prompts)
-    missing = FeatureStore(cache_dir / "features").missing(key, ids)
+    data, key, fields = features.data, features.key, features.fields
+    missing = FeatureStore(features.spec.cache_dir / "features").missing(key, ids)
     hits = len(ids) - len(missing)
     print(
         f"{data.name}/{split} partitions {which}: {hits} of {len(ids)} images cached "
@@ -300,7 +299,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         check_out_folder,
         pretrain_teacher,
     )
-    from feddifrc_app.diffusion.prompts import teacher_prompts
+    from feddifrc_app.prompts import teacher_prompts
 
     protected = [Path(args.app)]
     try:  # before anything is loaded or trained

@@ -24,15 +24,13 @@ from flwr.clientapp import ClientApp
 from feddifrc_app import baselines, log
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_holdout, client_split, make_loader
-from feddifrc_app.device import resolve_device, resolve_dtype
-from feddifrc_app.diffusion.cache import CacheStats
-from feddifrc_app.diffusion.pipeline import teacher_identity
-from feddifrc_app.diffusion.projection import Basis, client_stats, stats_to_arrays
-from feddifrc_app.diffusion.prompts import teacher_prompts
+from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.model import load_weights, model_for
+from feddifrc_app.model import load_weights
+from feddifrc_app.projection import Basis
 from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
-from feddifrc_app.targets import client_targets, conditioned_targets, pooled_features
+from feddifrc_app.targets import node_stats, node_targets
+from feddifrc_app.teacher import teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -66,14 +64,6 @@ def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:
     return (cfg.seed * 1_000_003 + rnd * 9_176 + who) % (2**31)
 
 
-def _pooled(
-    cfg: Config, node: NodeConfig, data, ids
-) -> tuple[dict[int, np.ndarray], tuple[str, ...], CacheStats]:
-    prompts = teacher_prompts(cfg, data.class_names)
-    pooled, stats = pooled_features(cfg, node.resolve_cache_dir(cfg), data, ids, prompts)
-    return pooled, prompts, stats
-
-
 @app.query("setup")
 def setup(msg: Message, context: Context) -> Message:
     _arrived(msg)
@@ -92,21 +82,17 @@ def setup(msg: Message, context: Context) -> Message:
     content = RecordDict({"info": info})
     if cfg.uses_diffusion:
         ensure_writable_dir(node.resolve_cache_dir(cfg), "cache-dir (node-config, else diffusion.cache-dir)")
-        t = teacher_identity(cfg.diffusion.model, node.resolve_cache_dir(cfg))  # no SD load
-        info["teacher-model"] = t.model_id
-        info["teacher-random-weights"] = bool(t.random_weights)
-        info["teacher-weights"] = t.weights_hash  # the server checks that every node runs the same teacher
-        # Where this node's teacher runs (and the dtype in its cache key); no GPU for 'cuda' fails here.
-        device = resolve_device(cfg.diffusion.device, "diffusion.device")
-        info["teacher-device"] = (
-            f"{device.type} {str(resolve_dtype(cfg.diffusion.dtype, device)).removeprefix('torch.')}"
-        )
-    if bool(msg.content["config"]["want-stats"]):
-        pooled, _, stats = _pooled(cfg, node, data, ids)
-        arrays = stats_to_arrays(client_stats(pooled))
-        content["pca-stats"] = arrays_to_record(arrays)
-        info["teacher-seconds"] = float(stats.seconds)
-        info["teacher-cache-misses"] = int(stats.misses)
+        # No SD load; no GPU for diffusion.device = 'cuda' fails here.
+        spec = teacher_spec(cfg, node.resolve_cache_dir(cfg))
+        info["teacher-model"] = spec.identity.model_id
+        info["teacher-random-weights"] = bool(spec.identity.random_weights)
+        info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
+        info["teacher-device"] = spec.where  # where this node's teacher runs, the dtype in its cache key
+        if bool(msg.content["config"]["want-stats"]):  # once, for the federated basis
+            arrays, stats = node_stats(cfg, spec, data, ids)
+            content["pca-stats"] = arrays_to_record(arrays)
+            info["teacher-seconds"] = float(stats.seconds)
+            info["teacher-cache-misses"] = int(stats.misses)
     return Message(content, reply_to=msg)
 
 
@@ -118,7 +104,7 @@ def train(msg: Message, context: Context) -> Message:
     seed = _seed(cfg, int(msg.content["config"]["server-round"]), node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
-    model = model_for(cfg, data.num_classes)
+    model = baselines.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
 
     metrics: dict[str, float] = {}
@@ -163,24 +149,10 @@ def _targets(
     device: torch.device,
     metrics: dict[str, float],
 ):
-    """This node's teacher targets under the server's basis (cached features, no SD call on a hit)."""
-    if cfg.diffusion.projection == "federated-pca" and "basis" not in msg.content:
-        # Fail before touching the teacher: extracting features for nothing would waste minutes.
-        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
-    t0 = time.perf_counter()
-    prompts = teacher_prompts(cfg, data.class_names)
-    server_basis = (
-        Basis.from_arrays(record_to_arrays(msg.content["basis"])) if "basis" in msg.content else None
-    )
-    k = data.num_classes if cfg.method == "feddifrc" else len(prompts) - 1
-    cache_dir = node.resolve_cache_dir(cfg)
-    targets, basis, stats = client_targets(cfg, cache_dir, data, ids, prompts, server_basis, k)
-    if cfg.diffusion.condition == "global-model":
-        targets, metrics["condition-seconds"] = conditioned_targets(
-            cfg, cache_dir, model, data, ids, prompts, basis, targets, device
-        )
-    metrics["teacher-seconds"] = time.perf_counter() - t0
-    metrics["teacher-cache-misses"] = float(stats.misses)
+    """This node's teacher targets under the server's basis; their cost goes into ``metrics``."""
+    basis = Basis.from_arrays(record_to_arrays(msg.content["basis"])) if "basis" in msg.content else None
+    targets, cost = node_targets(cfg, node.resolve_cache_dir(cfg), data, ids, basis, model, device)
+    metrics.update(cost)
     return targets
 
 
@@ -191,7 +163,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     data, ids = client_holdout(cfg, node)
     if not len(ids):  # load_config refuses fraction-evaluate > 0 with none: a hand-made message
         raise ValueError("evaluate message, but evaluate-holdout = 0: this node holds out nothing")
-    model = model_for(cfg, data.num_classes)
+    model = baselines.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))

@@ -237,6 +237,11 @@ class Config:
     def uses_diffusion(self) -> bool:
         return self.method in ("feddifrc", "feddifrc-ssl")
 
+    @property
+    def self_supervised(self) -> bool:
+        """FedDifRC without labels: a positive prompt and negatives instead of class prompts."""
+        return self.method == "feddifrc-ssl"
+
     def to_flat(self) -> dict[str, Any]:
         """Back to the flat dotted-key form (lists joined by commas); round-trips load_config."""
         return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in _walk(self)}

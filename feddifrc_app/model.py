@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from feddifrc_app.config import RESNET10_STRIDES, Config
+from feddifrc_app.config import RESNET10_STRIDES
 
 
 class BasicBlock(nn.Module):
@@ -130,12 +130,6 @@ def build_model(
     if prototype_scale is not None:
         model.fc = PrototypeHead(model.embedding_dim, num_classes, prototype_scale)
     return model
-
-
-def model_for(cfg: Config, num_classes: int) -> nn.Module:
-    """The run's classifier: ``model.*``, with FedNH's head when ``method = "fednh"``."""
-    scale = cfg.fednh.scale if cfg.method == "fednh" else None
-    return build_model(cfg.model.name, num_classes, cfg.model.width, prototype_scale=scale)
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

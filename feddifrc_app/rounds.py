@@ -29,7 +29,7 @@ from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
-from feddifrc_app.model import load_weights, model_for
+from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.results import Results
@@ -67,7 +67,7 @@ class CentralEvaluator:
                 " / ".join(str(len(d)) for d in (val, test) if d is not None),
             )
         # The training split is needed centrally only for the self-supervised linear probe.
-        ssl = cfg.method == "feddifrc-ssl"
+        ssl = cfg.self_supervised
         self.train = self._loader(load_dataset(cfg.dataset, "train", seed=cfg.seed)) if ssl else None
 
     def _loader(self, data: ImageData):
@@ -120,7 +120,7 @@ class RoundLoop:
             basis,
         )
         torch.manual_seed(cfg.seed)
-        self.model = model_for(cfg, num_classes)
+        self.model = baselines.model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
         self.federated = FederatedEvaluation(cfg, fed, self.strategy)
         self.first = 1

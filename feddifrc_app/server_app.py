@@ -11,10 +11,10 @@ from flwr.serverapp import Grid, ServerApp
 from feddifrc_app import log, report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import ImageData, load_dataset, load_validation
-from feddifrc_app.diffusion.projection import fit_basis, fused_widths, merge_client_stats, stats_from_arrays
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
+from feddifrc_app.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 from feddifrc_app.rounds import CentralEvaluator, RoundLoop
@@ -60,16 +60,14 @@ def main(grid: Grid, context: Context) -> None:
 def federated_basis(cfg: Config, setup: dict[int, RecordDict], results: Results) -> ArrayRecord:
     """Fit the shared PCA basis from the nodes' sufficient statistics (counts, sums, second moments)."""
     stats = [stats_from_arrays(record_to_arrays(c["pca-stats"])) for c in setup.values() if "pca-stats" in c]
-    merged = merge_client_stats(stats)
-    blocks = cfg.diffusion.blocks
-    widths = fused_widths(cfg.diffusion.channels, [merged[b].channels for b in blocks], cfg.embedding_dim)
-    basis = fit_basis(merged, widths, blocks, mode="federated-pca")
+    d = cfg.diffusion
+    basis, merged = fit_federated_basis(stats, d.channels, d.blocks, cfg.embedding_dim)
     results.basis = {
         "mode": "federated-pca",
         "fingerprint": basis.fingerprint(),
-        "rows": merged[blocks[0]].count,
+        "rows": merged[d.blocks[0]].count,
         "nodes": len(stats),
-        "widths": list(widths),
+        "widths": list(basis.widths),
     }
     results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
     return arrays_to_record(basis.to_arrays())

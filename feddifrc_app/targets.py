@@ -10,8 +10,9 @@ Pipeline for a client's images ``ids`` (dataset indices)::
 
 Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
 (self-supervised: the positive prompt, the negatives, then the NDCR prompt).
-The teacher is loaded lazily, only when the cache misses, so a warm cache means
-no Stable Diffusion load at all.
+The pooled features come through ``teacher.py`` (the teacher is loaded lazily, only when the
+cache misses, so a warm cache means no Stable Diffusion load at all). A ClientApp makes one
+call here per train message: ``node_targets``.
 
 A client's fused targets are prepared once (``client_targets``) and kept twice: in this
 process (``PREPARED``) and on disk beside the feature cache, so that a new process (a
@@ -36,7 +37,6 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -45,27 +45,29 @@ import torch
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, eval_transform
-from feddifrc_app.device import resolve_device, resolve_dtype
-from feddifrc_app.diffusion.cache import (
-    CacheStats,
-    FeatureStore,
-    LazyExtractor,
-    cached_pooled_features,
-    key_fields,
-    key_from_fields,
-)
+from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.diffusion.pipeline import load_teacher, teacher_identity, teacher_resolution
-from feddifrc_app.diffusion.projection import (
+from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
+from feddifrc_app.projection import (
     Basis,
+    client_stats,
     clip_widths,
     fuse,
     fuse_per_batch,
     fused_widths,
     local_pca_basis,
     random_basis,
+    stats_to_arrays,
 )
-from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
+from feddifrc_app.prompts import teacher_prompts
+from feddifrc_app.teacher import (
+    FeatureSet,
+    TeacherSpec,
+    feature_set,
+    featurizer,
+    pooled_features,
+    teacher_spec,
+)
 
 
 @dataclass
@@ -113,113 +115,6 @@ class TeacherTargets:
         reps = None if self.prompt_reps is None else self.prompt_reps[r.to(self.prompt_reps.device)]
         ndcr = None if self.ndcr is None else self.ndcr[r.to(self.ndcr.device)]
         return reps, ndcr
-
-
-@cache
-def _featurizer(
-    model: str,
-    cache_dir: str,
-    device: str,
-    dtype: str,
-    resolution: int,
-    timestep: int,
-    blocks: tuple[int, ...],
-    ensemble: int,
-    seed: int,
-) -> Featurizer:
-    dev = resolve_device(device, key="diffusion.device")
-    t0 = time.perf_counter()
-    teacher = load_teacher(model, Path(cache_dir), dev, resolve_dtype(dtype, dev, key="diffusion.dtype"))
-    log.info(
-        "loaded diffusion teacher %s on %s in %.1fs%s",
-        teacher.model_id,
-        dev,
-        time.perf_counter() - t0,
-        " (RANDOM weights)" if teacher.random_weights else "",
-    )
-    trained_at = teacher_resolution(model, Path(cache_dir))
-    if trained_at is not None and trained_at != resolution:
-        log.warning(
-            "diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
-            "this size are out of its training distribution",
-            teacher.model_id,
-            trained_at,
-            resolution,
-        )
-    return Featurizer(
-        teacher, resolution=resolution, timestep=timestep, blocks=blocks, ensemble=ensemble, seed=seed
-    )
-
-
-def featurizer_for(cfg: Config, cache_dir: Path) -> Featurizer:
-    """The frozen teacher + featurizer of this config, loaded once per process."""
-    d = cfg.diffusion
-    return _featurizer(
-        d.model, str(cache_dir), d.device, d.dtype, d.resolution, d.timestep, d.blocks, d.ensemble, cfg.seed
-    )
-
-
-def teacher_key(cfg: Config, cache_dir: Path, data: ImageData, prompts: tuple[str, ...]) -> tuple[str, dict]:
-    """(cache key, key fields) for ``data`` under ``prompts``, WITHOUT loading the teacher."""
-    d = cfg.diffusion
-    ident = teacher_identity(d.model, cache_dir)
-    dtype = resolve_dtype(d.dtype, resolve_device(d.device, key="diffusion.device"), key="diffusion.dtype")
-    fields = key_fields(
-        weights_hash=ident.weights_hash,
-        resolution=d.resolution,
-        timestep=d.timestep,
-        blocks=d.blocks,
-        prompts=prompts,
-        seed=cfg.seed,
-        ensemble=d.ensemble,
-        dataset_fingerprint=data.fingerprint,
-        dtype=str(dtype),
-    )
-    return key_from_fields(fields), fields
-
-
-def pooled_features(
-    cfg: Config,
-    cache_dir: Path,
-    data: ImageData,
-    ids: np.ndarray,
-    prompts: tuple[str, ...],
-    *,
-    keep: bool = True,
-    progress: bool = False,
-    chunk: int = 256,
-) -> tuple[dict[int, np.ndarray], CacheStats]:
-    """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
-
-    The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
-    ``keep=False`` only fills the cache (``feddifrc extract``).
-    """
-    key, fields = teacher_key(cfg, cache_dir, data, prompts)
-    store = FeatureStore(cache_dir / "features")
-    store.describe(key, fields)
-
-    def make():
-        f = featurizer_for(cfg, cache_dir)
-        return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
-
-    extractor = LazyExtractor(
-        make, lambda sub: data.images[torch.as_tensor(sub)], prompts, cfg.diffusion.batch_size
-    )
-    out = cached_pooled_features(
-        store,
-        key,
-        np.asarray(ids),
-        extractor,
-        keep=keep,
-        progress=progress,
-        chunk=chunk,
-        desc=f"{data.name}/{data.split} teacher features",
-    )
-    if extractor.loaded and torch.cuda.is_available():
-        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache
-        # otherwise; the teacher itself stays loaded for the next client this process serves.
-        torch.cuda.empty_cache()
-    return out
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
@@ -412,25 +307,22 @@ def targets_key(
 
 def client_targets(
     cfg: Config,
-    cache_dir: Path,
-    data: ImageData,
+    features: FeatureSet,
     ids: np.ndarray,
-    prompts: tuple[str, ...],
     server_basis: Basis | None,
     num_prompts_tdcl: int,
 ) -> tuple[TeacherTargets, Basis | None, CacheStats]:
     """A client's static targets and the basis they were fused with: from this process's memory,
     else from ``<cache_dir>/targets/``, else prepared (cache read, basis, fusion) and stored in both."""
-    feature_key, _ = teacher_key(cfg, cache_dir, data, prompts)
     ids = np.asarray(ids, dtype=np.int64)
-    key = targets_key(cfg, feature_key, ids, server_basis, num_prompts_tdcl)
+    key = targets_key(cfg, features.key, ids, server_basis, num_prompts_tdcl)
     if (hit := PREPARED.get(key)) is not None:
         return *hit, CacheStats(hits=int(np.unique(ids).size))
-    path = cache_dir / "targets" / f"{key}.npz"
+    path = features.spec.cache_dir / "targets" / f"{key}.npz"
     if cfg.diffusion.projection != "per-batch" and (stored := _stored(path, key, ids)) is not None:
         PREPARED.put(key, stored)
         return *stored, CacheStats(hits=int(np.unique(ids).size))
-    pooled, stats = pooled_features(cfg, cache_dir, data, ids, prompts)
+    pooled, stats = pooled_features(features, ids)
     basis = client_basis(cfg, pooled, server_basis)
     targets = build_targets(cfg, pooled, ids, basis, num_prompts_tdcl)
     PREPARED.put(key, (targets, basis))
@@ -445,6 +337,52 @@ def client_targets(
     return targets, basis, stats
 
 
+def node_stats(
+    cfg: Config, spec: TeacherSpec, data: ImageData, ids: np.ndarray
+) -> tuple[dict[str, np.ndarray], CacheStats]:
+    """What a node sends once for the federated basis: the sufficient statistics of its pooled
+    teacher features (``projection.stats_to_arrays``; no raw feature leaves it), and their cost."""
+    pooled, stats = pooled_features(feature_set(spec, data, teacher_prompts(cfg, data.class_names)), ids)
+    return stats_to_arrays(client_stats(pooled)), stats
+
+
+def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
+    """How many of ``prompts`` TDCL contrasts (the rest: the NDCR prompt, last): every class
+    prompt, or (self-supervised) the positive prompt and the negatives."""
+    return len(prompts) - 1 if cfg.self_supervised else num_classes
+
+
+def node_targets(
+    cfg: Config,
+    cache_dir: Path,
+    data: ImageData,
+    ids: np.ndarray,
+    server_basis: Basis | None,
+    model: torch.nn.Module,
+    device: torch.device,
+) -> tuple[TeacherTargets, dict[str, float]]:
+    """The one call a ClientApp makes for its teacher targets in a train message: this node's
+    targets under the server's basis (cached features, no SD call on a hit), conditioned on the
+    received ``model`` when ``diffusion.condition = "global-model"``, and their cost as reply
+    metrics (``teacher-seconds``, ``teacher-cache-misses``, ``condition-seconds``)."""
+    if cfg.diffusion.projection == "federated-pca" and server_basis is None:
+        # Fail before touching the teacher: extracting features for nothing would waste minutes.
+        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
+    t0 = time.perf_counter()
+    prompts = teacher_prompts(cfg, data.class_names)
+    features = feature_set(teacher_spec(cfg, cache_dir), data, prompts)
+    k = num_prompts_tdcl(cfg, data.num_classes, prompts)
+    targets, basis, stats = client_targets(cfg, features, ids, server_basis, k)
+    metrics: dict[str, float] = {}
+    if cfg.diffusion.condition == "global-model":
+        targets, metrics["condition-seconds"] = conditioned_targets(
+            features, model, ids, basis, targets, device
+        )
+    metrics["teacher-seconds"] = time.perf_counter() - t0
+    metrics["teacher-cache-misses"] = float(stats.misses)
+    return targets, metrics
+
+
 # What a VAE latent depends on -> {image id: latent (C, h, w)}: ~12 KB per image at 224 px.
 _LATENTS: dict[tuple, dict[int, torch.Tensor]] = {}
 
@@ -455,12 +393,9 @@ def _latent_key(feat: Featurizer, data: ImageData) -> tuple:
 
 
 def conditioned_targets(
-    cfg: Config,
-    cache_dir: Path,
+    features: FeatureSet,
     model: torch.nn.Module,
-    data: ImageData,
     ids: np.ndarray,
-    prompts: tuple[str, ...],
     basis: Basis | None,
     targets: TeacherTargets,
     device: torch.device,
@@ -475,20 +410,21 @@ def conditioned_targets(
     targets and the seconds it cost.
     """
     t0 = time.perf_counter()
-    feat = featurizer_for(cfg, cache_dir)
+    spec, data = features.spec, features.data
+    feat = featurizer(spec)
     k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0
     if k == 0:
         return targets, 0.0
-    class_prompts = prompts[:k]
+    class_prompts = features.prompts[:k]
     width = feat.teacher.text_width
-    gen = torch.Generator().manual_seed(cfg.seed + 0xC0D1)
-    dim = cfg.embedding_dim
+    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
+    dim = int(targets.prompt_reps.shape[-1])  # D: the fused width is the student's embedding width
     proj = torch.randn(dim, width, generator=gen) / dim**0.5  # (D, D_text)
     token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
     model.to(device).eval()
     reps = []
     tf = eval_transform(data)
-    bs = cfg.diffusion.batch_size
+    bs = spec.batch_size
     # The images are the same every round: their VAE latents are encoded once per process.
     memo = _LATENTS.setdefault(_latent_key(feat, data), {})
     for s in range(0, len(ids), bs):

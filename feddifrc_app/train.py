@@ -56,7 +56,7 @@ def train_local(
     Returns (metrics averaged over samples, plus ``local-steps``; SGD momentum buffers by name).
     """
     tc, lc = cfg.train, cfg.loss
-    ssl, use_teacher = cfg.method == "feddifrc-ssl", cfg.uses_diffusion
+    ssl, use_teacher = cfg.self_supervised, cfg.uses_diffusion
     if use_teacher and targets is None:
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()

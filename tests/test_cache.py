@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from feddifrc_app.diffusion.cache import (
     FeatureStore,
@@ -21,7 +20,6 @@ from feddifrc_app.diffusion.cache import (
     key_fields,
     key_from_fields,
 )
-from feddifrc_app.diffusion.prompts import teacher_prompts
 
 P = 3
 CH = {1: 5, 2: 4}
@@ -336,26 +334,6 @@ def test_lazy_extractor_builds_teacher_only_on_a_miss(store):
     cold = LazyExtractor(make_featurizer, lambda i: images[i], BASE["prompts"], batch_size=4)
     cached_pooled_features(store, KEY, np.arange(10), cold)
     assert not cold.loaded and built == [1]
-
-
-def test_teacher_prompts():
-    cfg = make_config()
-    names = ["zero", "one", "two"]
-    assert teacher_prompts(cfg, names) == ("a photo of a zero", "a photo of a one", "a photo of a two", "")
-    ssl = make_config(method="feddifrc-ssl", ssl__num_negatives=3)
-    p = teacher_prompts(ssl, names, negative_pool=["cat", "dog", "emu", "fox", "gnu"])
-    assert p[0] == "a photo of a similar object" and p[-1] == "a photo of a visual object"
-    assert len(p) == 5 and all(x.startswith("a photo of a ") for x in p[1:4])
-    assert p == teacher_prompts(ssl, [], negative_pool=["cat", "dog", "emu", "fox", "gnu"])  # seeded
-    default = teacher_prompts(ssl, [])
-    assert len(default) == 5
-    explicit = make_config(method="feddifrc-ssl", ssl__negatives="cat,dog")
-    assert teacher_prompts(explicit, []) == (
-        "a photo of a similar object",
-        "a photo of a cat",
-        "a photo of a dog",
-        "a photo of a visual object",
-    )
 
 
 def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):

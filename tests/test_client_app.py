@@ -26,12 +26,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from feddifrc_app import client_app
 from feddifrc_app import dataset as ds
 from feddifrc_app import targets as tg
+from feddifrc_app import teacher as th
 from feddifrc_app.config import ConfigError, load_config, load_node_config
 from feddifrc_app.diffusion.pipeline import teacher_identity
-from feddifrc_app.diffusion.projection import fit_basis, merge_client_stats, stats_from_arrays
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.records import arrays_to_record, state_to_record
+from feddifrc_app.teacher import feature_set, featurizer, pooled_features, teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +149,8 @@ def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: P
             assert s.count == N_IMAGES * N_PROMPTS
             assert np.allclose(s.outer, s.outer.T)
         # the statistics are those of the client's own pooled teacher features
-        pooled, _ = tg.pooled_features(cfg, teacher_cache, data, ids, teacher_prompts(cfg, data.class_names))
+        features = feature_set(teacher_spec(cfg, teacher_cache), data, teacher_prompts(cfg, data.class_names))
+        pooled, _ = pooled_features(features, ids)
         assert np.allclose(stats[2].total, pooled[2].reshape(-1, 128).astype(np.float64).sum(0), rtol=1e-6)
     # a second setup without want-stats: identity only, no statistics, no teacher work
     again = call("query.setup", setup_msg(False), context(rc, 0))
@@ -182,10 +185,10 @@ def test_train_with_federated_basis_then_warm_cache_without_teacher(teacher_cach
     assert m["teacher-cache-misses"] == 0  # setup filled the cache
 
     # a second call in a "new process": no teacher in memory, and none gets built
-    tg._featurizer.cache_clear()
+    th._featurizer.cache_clear()
     second = call("train", train_msg(2, basis), context(rc, 0))
     assert second.content["metrics"]["teacher-cache-misses"] == 0
-    assert tg._featurizer.cache_info().currsize == 0
+    assert th._featurizer.cache_info().currsize == 0
 
 
 def test_targets_are_prepared_once_per_process_and_per_basis(
@@ -300,7 +303,7 @@ def test_each_handler_logs_the_process_age_and_the_message_age(tmp_path: Path, c
 
 
 def test_fedavg_train_needs_no_basis_and_no_teacher(tmp_path: Path) -> None:
-    tg._featurizer.cache_clear()
+    th._featurizer.cache_clear()
     rc = run_config(tmp_path, method="fedavg")
     content = train_msg(1)
     sent = {k: v.numpy() for k, v in content["arrays"].items()}
@@ -309,7 +312,7 @@ def test_fedavg_train_needs_no_basis_and_no_teacher(tmp_path: Path) -> None:
     assert not same_arrays(arrays(reply), sent)
     assert m["num-examples"] == N_IMAGES and m["train-ce"] > 0
     assert not any(k.startswith(("teacher-", "train-tdcl", "train-ndcr")) for k in m)
-    assert tg._featurizer.cache_info().currsize == 0
+    assert th._featurizer.cache_info().currsize == 0
     assert not any(tmp_path.iterdir())  # nothing written to the teacher cache
 
 
@@ -398,16 +401,14 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     cfg = load_config(run_config(teacher_cache, diffusion__condition="global-model"))
     data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
     ids = ids[:4]  # 4 images x 10 class prompts: keeps the UNet work small
-    prompts = teacher_prompts(cfg, data.class_names)
-    pooled, _ = tg.pooled_features(cfg, teacher_cache, data, ids, prompts)
+    features = feature_set(teacher_spec(cfg, teacher_cache), data, teacher_prompts(cfg, data.class_names))
+    pooled, _ = pooled_features(features, ids)
     static = tg.build_targets(cfg, pooled, ids, basis, data.num_classes)
     out = {}
     for seed in (0, 1):
         model = build_model("resnet10", 10)
         model.load_state_dict(model_state(seed))
-        out[seed], cost = tg.conditioned_targets(
-            cfg, teacher_cache, model, data, ids, prompts, basis, static, torch.device("cpu")
-        )
+        out[seed], cost = tg.conditioned_targets(features, model, ids, basis, static, torch.device("cpu"))
         assert cost > 0
     a, b = out[0], out[1]
     assert a.prompt_reps.shape == static.prompt_reps.shape == (4, 10, 512)
@@ -420,7 +421,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     assert torch.isfinite(a.prompt_reps).all()
 
     # The images' VAE latents were encoded once: a later round re-encodes nothing, same numbers.
-    feat = tg.featurizer_for(cfg, teacher_cache)
+    feat = featurizer(features.spec)
     assert {int(i) for i in ids} <= set(tg._LATENTS[tg._latent_key(feat, data)])  # other tests add more
 
     def no_encode(images):
@@ -429,9 +430,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     feat.encode, model = no_encode, build_model("resnet10", 10)
     model.load_state_dict(model_state(0))
     try:
-        again, _ = tg.conditioned_targets(
-            cfg, teacher_cache, model, data, ids, prompts, basis, static, torch.device("cpu")
-        )
+        again, _ = tg.conditioned_targets(features, model, ids, basis, static, torch.device("cpu"))
     finally:
         del feat.encode
     assert torch.equal(again.prompt_reps, a.prompt_reps)

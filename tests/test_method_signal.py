@@ -27,9 +27,10 @@ from conftest import make_config
 
 from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
-from feddifrc_app.targets import TeacherTargets, build_targets, client_basis, pooled_features
+from feddifrc_app.prompts import teacher_prompts
+from feddifrc_app.targets import TeacherTargets, build_targets, client_basis
+from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
 from feddifrc_app.train import train_local
 
 CHANCE = math.log(10)
@@ -49,7 +50,7 @@ def _last_epoch_tdcl(cfg, data, ids: np.ndarray, targets: TeacherTargets) -> flo
 
 def _targets(cfg, cache: Path, data, ids: np.ndarray) -> TeacherTargets:
     prompts = teacher_prompts(cfg, data.class_names)
-    pooled, _ = pooled_features(cfg, cache, data, ids, prompts)
+    pooled, _ = pooled_features(feature_set(teacher_spec(cfg, cache), data, prompts), ids)
     return build_targets(cfg, pooled, ids, client_basis(cfg, pooled, None), data.num_classes)
 
 

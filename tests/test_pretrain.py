@@ -172,12 +172,25 @@ def test_the_training_resolution_is_recorded_and_checked_against_the_config(
     few_steps: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from feddifrc_app.diffusion.pipeline import teacher_resolution
-    from feddifrc_app.targets import _featurizer
+    from feddifrc_app.teacher import TeacherSpec, featurizer
 
     assert teacher_resolution(str(few_steps), tmp_path) == 32
     assert teacher_resolution("tiny", tmp_path) == 16
+    spec = TeacherSpec(
+        model=str(few_steps),
+        cache_dir=tmp_path,
+        identity=teacher_identity(str(few_steps), tmp_path),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        resolution=16,
+        timestep=100,
+        blocks=(1, 2, 3),
+        ensemble=1,
+        seed=0,
+        batch_size=16,
+    )
     with caplog.at_level("WARNING", logger="flwr.feddifrc"):
-        _featurizer(str(few_steps), str(tmp_path), "cpu", "float32", 16, 100, (1, 2, 3), 1, 0)
+        featurizer(spec)
     assert "trained at 32 px but diffusion.resolution = 16" in caplog.text
 
 

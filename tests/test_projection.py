@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from sklearn.decomposition import PCA
 
-from feddifrc_app.diffusion.projection import (
+from feddifrc_app.projection import (
     Basis,
     block_stats,
     client_stats,
     clip_widths,
     fit_basis,
+    fit_federated_basis,
     fuse,
     fuse_per_batch,
     local_pca_basis,
@@ -43,6 +44,18 @@ def _clients(k: int = 4) -> list[dict[int, np.ndarray]]:
 
 def _union(clients, b):
     return np.concatenate([c[b].reshape(-1, c[b].shape[-1]) for c in clients]).astype(np.float64)
+
+
+def test_the_federated_basis_merges_clips_and_checks_the_embedding_width():
+    """The one fit the ServerApp and the benchmarks share: merged statistics, the configured widths
+    clipped to the blocks (64 > block 3's 16 channels), one PCA per block."""
+    stats = [client_stats(c) for c in _clients()]
+    basis, merged = fit_federated_basis(stats, (8, 8, 64), BLOCKS, embedding_dim=32)
+    ref = fit_basis(merge_client_stats(stats), (8, 8, 16), BLOCKS)
+    assert basis.widths == (8, 8, 16) and basis.fingerprint() == ref.fingerprint()
+    assert merged[1].count == sum(7 + 3 * i for i in range(4)) * 3
+    with pytest.raises(ValueError, match="ResNet-10 embedding is 40-d"):
+        fit_federated_basis(stats, (8, 8, 64), BLOCKS, embedding_dim=40)
 
 
 def test_block_stats_by_hand():

@@ -1,5 +1,5 @@
-"""targets.py: the feature-cache key of a run's teacher (what changes it, and what must not), and
-a client's prepared targets on disk (what a new process loads instead of the feature shards)."""
+"""targets.py: a client's prepared targets on disk (what a new process loads instead of the
+feature shards) and the key they are stored under."""
 
 from __future__ import annotations
 
@@ -17,31 +17,10 @@ from conftest import make_config
 
 from feddifrc_app import targets as tg
 from feddifrc_app.dataset import load_dataset
-from feddifrc_app.diffusion.projection import random_basis
-from feddifrc_app.diffusion.prompts import teacher_prompts
-from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.files import CorruptFile
-from feddifrc_app.targets import teacher_key
-
-
-def test_cache_key_names_the_weights_never_their_folder(tmp_path):
-    """The same weights moved or copied elsewhere hit the same cache; other weights or dtype do not."""
-    a = build_tiny_pipeline(tmp_path / "here" / "teacher", seed=0)
-    b = tmp_path / "moved" / "elsewhere"
-    shutil.copytree(a, b)
-    other = build_tiny_pipeline(tmp_path / "other", seed=1)
-
-    def key(model, **over):
-        cfg = make_config(**{"diffusion.model": str(model), "diffusion.device": "cpu", **over})
-        data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-        return teacher_key(cfg, tmp_path / "cache", data, teacher_prompts(cfg, data.class_names))
-
-    (ka, fields), (kb, _) = key(a), key(b)
-    assert ka == kb and str(tmp_path) not in str(fields) and "model_id" not in fields
-    assert key(other)[0] != ka  # other weights
-    assert key(a, **{"diffusion.dtype": "bfloat16"})[0] != ka  # the dtype is part of the key
-    assert fields["dtype"] == "float32" and len(fields["weights_hash"]) == 64
-
+from feddifrc_app.projection import random_basis
+from feddifrc_app.prompts import teacher_prompts
+from feddifrc_app.teacher import feature_set, teacher_spec
 
 # ----------------------------------------------------------------------------- prepared targets on disk
 
@@ -65,7 +44,7 @@ def _client(cache: Path, **over):
 
 
 def _prepare(cache: Path, cfg, data, ids, prompts, k, basis=None):
-    return tg.client_targets(cfg, cache, data, ids, prompts, basis, k)
+    return tg.client_targets(cfg, feature_set(teacher_spec(cfg, cache), data, prompts), ids, basis, k)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +52,7 @@ def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The client's features extracted once (the tiny teacher built there too)."""
     cache = tmp_path_factory.mktemp("targets") / "cache"
     cfg, data, ids, prompts, _ = _client(cache)
-    _, stats = tg.pooled_features(cfg, cache, data, ids, prompts)
+    _, stats = tg.pooled_features(feature_set(teacher_spec(cfg, cache), data, prompts), ids)
     assert stats.misses == N
     return cache
 
@@ -227,3 +206,26 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     _prepare(cache, *client)  # rewritten now: the newest; one of the other two must go
     left = {p.name for p in (cache / "targets").iterdir()}
     assert left == {path.name, files[1].name, live.name}, left
+
+
+def test_node_targets_refuses_a_missing_federated_basis_before_touching_the_teacher(monkeypatch, tmp_path):
+    """The one door fails on a train message without the server's basis before any teacher work."""
+    cfg, data, ids, _, _ = _client(tmp_path / "cache", **{"diffusion.projection": "federated-pca"})
+
+    def refuse(*a, **k):
+        raise AssertionError("the teacher was resolved")
+
+    monkeypatch.setattr(tg, "teacher_spec", refuse)
+    with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
+        tg.node_targets(cfg, tmp_path / "cache", data, ids, None, torch.nn.Linear(1, 1), torch.device("cpu"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_node_targets_are_client_targets_plus_their_cost(prepared) -> None:
+    cache, client, first, basis, _ = prepared
+    cfg, data, ids, _, _ = client
+    model, cpu = torch.nn.Linear(1, 1), torch.device("cpu")  # no model-conditioned targets here
+    targets, metrics = tg.node_targets(cfg, cache, data, ids, None, model, cpu)
+    assert torch.equal(targets.prompt_reps, first.prompt_reps) and torch.equal(targets.ndcr, first.ndcr)
+    assert set(metrics) == {"teacher-seconds", "teacher-cache-misses"}
+    assert metrics["teacher-cache-misses"] == 0

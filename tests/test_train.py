@@ -24,10 +24,11 @@ from feddifrc_app import targets as tg
 from feddifrc_app.baselines import fedprox
 from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.dataset import clean_batch, client_split, eval_transform, make_loader
-from feddifrc_app.diffusion.projection import fuse
-from feddifrc_app.diffusion.prompts import teacher_prompts
 from feddifrc_app.model import build_model
+from feddifrc_app.projection import fuse
+from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.targets import TeacherTargets
+from feddifrc_app.teacher import feature_set, featurizer, pooled_features, teacher_spec
 from feddifrc_app.train import linear_probe, train_local
 
 CPU = torch.device("cpu")
@@ -61,7 +62,8 @@ def _client(cfg: Config) -> Client:
     node = load_node_config(NODE)
     data, ids = client_split(cfg, node)
     prompts = teacher_prompts(cfg, data.class_names)
-    pooled, _ = tg.pooled_features(cfg, node.resolve_cache_dir(cfg), data, ids, prompts)
+    features = feature_set(teacher_spec(cfg, node.resolve_cache_dir(cfg)), data, prompts)
+    pooled, _ = pooled_features(features, ids)
     return Client(cfg, data, ids, pooled, prompts)
 
 
@@ -234,7 +236,7 @@ def test_clean_batch_is_the_eval_transform(sup: Client) -> None:
 
 def test_gradients_reach_the_classifier_and_never_the_teacher(sup: Client) -> None:
     t = targets_for(sup)
-    teacher = tg.featurizer_for(sup.cfg, Path(sup.cfg.diffusion.cache_dir)).teacher
+    teacher = featurizer(teacher_spec(sup.cfg, Path(sup.cfg.diffusion.cache_dir))).teacher
     mods = {"unet": teacher.unet, "vae": teacher.vae, "text_encoder": teacher.text_encoder}
     hashes = {k: state_hash(v) for k, v in mods.items()}
     reps0, h0 = t.prompt_reps.clone(), t.ndcr.clone()

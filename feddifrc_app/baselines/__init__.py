@@ -7,7 +7,9 @@ node adds the proximal term. A module in this package is picked up by being here
 
 - ``train_config(cfg) -> dict``: keys the server adds to every train message's config;
 - ``node_half(msg, node) -> NodeHalf | None``: what this node does with a train message,
-  ``None`` when the message does not ask for the method.
+  ``None`` when the message does not ask for the method;
+- ``model_options(cfg) -> dict``: keyword arguments of ``model.build_model`` the method sets
+  for this run (FedNH's prototype head).
 
 The ClientApp and ``train.train_local`` name no method: they run every ``NodeHalf`` returned.
 """
@@ -26,6 +28,7 @@ import torch
 from flwr.app import Message, RecordDict
 
 from feddifrc_app.config import Config
+from feddifrc_app.model import build_model
 
 if TYPE_CHECKING:
     from feddifrc_app.dataset import ImageData
@@ -83,6 +86,15 @@ def train_config(cfg: Config) -> dict[str, Any]:
         if hasattr(m, "train_config"):
             out |= m.train_config(cfg)
     return out
+
+
+def model_for(cfg: Config, num_classes: int) -> torch.nn.Module:
+    """The run's classifier: ``model.*``, as the run's method changes it (``model_options``)."""
+    options: dict[str, Any] = {}
+    for m in modules():
+        if hasattr(m, "model_options"):
+            options |= m.model_options(cfg)
+    return build_model(cfg.model.name, num_classes, cfg.model.width, **options)
 
 
 def node_halves(msg: Message, node: Node) -> list[NodeHalf]:

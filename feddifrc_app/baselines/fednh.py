@@ -21,6 +21,7 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from feddifrc_app.baselines import Node, NodeHalf
+from feddifrc_app.config import Config
 from feddifrc_app.dataset import make_loader
 from feddifrc_app.records import arrays_to_record, example_weights
 
@@ -55,6 +56,11 @@ class Prototypes(NodeHalf):
         loader = make_loader(n.data, n.ids, train=False, batch_size=n.cfg.train.eval_batch_size, seed=n.seed)
         scaled, counts = class_prototypes(model, loader, n.data.num_classes, n.device)
         return {PROTOTYPES: ArrayRecord({"scaled": scaled, "counts": counts})}
+
+
+def model_options(cfg: Config) -> dict[str, Any]:
+    """FedNH's classifier is its prototype head (``model.PrototypeHead``)."""
+    return {"prototype_scale": cfg.fednh.scale} if cfg.method == "fednh" else {}
 
 
 def node_half(msg: Message, node: Node) -> Prototypes | None:

@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from feddifrc_app.config import Config
+
 
 def teacher_prompts(
-    cfg: Any, class_names: Sequence[str], negative_pool: Sequence[str] | None = None
+    cfg: Config, class_names: Sequence[str], negative_pool: Sequence[str] | None = None
 ) -> tuple[str, ...]:
-    """The prompt list of ``cfg.method``; the NDCR prompt is always LAST.
+    """The prompt list of the run's method; the NDCR prompt is always LAST.
 
     - ``feddifrc`` (and ``fedavg``): ``prompt_template.format(name)`` for every class in LABEL
       order (prompt y is the TDCL positive of a sample with label y, the others its
       negatives), then ``diffusion.ndcr_prompt`` ("" = unconditional).
-    - ``feddifrc-ssl``: ``ssl.positive_prompt``, then the template over ``ssl.negatives`` or,
-      when that is empty, over ``ssl.num_negatives`` names drawn without replacement by
-      ``numpy.random.default_rng(cfg.seed)`` from ``negative_pool`` (default: the 200
+    - ``feddifrc-ssl`` (``cfg.self_supervised``): ``ssl.positive_prompt``, then the template
+      over ``ssl.negatives`` or, when that is empty, over ``ssl.num_negatives`` names drawn
+      without replacement by ``numpy.random.default_rng(cfg.seed)`` from ``negative_pool`` (default: the 200
       Tiny-ImageNet class names) and kept in pool order, then ``ssl.ndcr_prompt``.
     """
     d = cfg.diffusion
-    if cfg.method == "feddifrc-ssl":
+    if cfg.self_supervised:
         negatives = tuple(cfg.ssl.negatives)
         if not negatives:
             if negative_pool is None:

@@ -295,6 +295,24 @@ def fit_basis(
     return Basis(mode=mode, blocks=blocks, means=tuple(means), components=tuple(comps))
 
 
+def fit_federated_basis(
+    clients: Sequence[Mapping[int, BlockStats]],
+    channels: Sequence[int],
+    blocks: Sequence[int],
+    embedding_dim: int,
+) -> tuple[Basis, dict[int, BlockStats]]:
+    """``diffusion.projection = "federated-pca"``: the one basis every client fuses with.
+
+    The clients' ``{block: BlockStats}`` merged (:func:`merge_client_stats`), the configured
+    widths ``channels`` clipped to the teacher's blocks and checked to fuse into the
+    ``embedding_dim``-d student embedding (:func:`fused_widths`), one PCA per block. The
+    ServerApp and the benchmarks both fit it here. Returns (basis, the merged statistics).
+    """
+    merged = merge_client_stats(clients)
+    widths = fused_widths(channels, [merged[int(b)].channels for b in blocks], embedding_dim)
+    return fit_basis(merged, widths, blocks, mode="federated-pca"), merged
+
+
 def local_pca_basis(pooled: Mapping[int, np.ndarray], widths: Sequence[int], blocks: Sequence[int]) -> Basis:
     """PCA on one client's own rows (``local-pca``). Errors when rows < width."""
     widths, blocks = _check_widths(widths, blocks)

@@ -1,0 +1,192 @@
+"""The one door to the frozen teacher's features: its specification, resolved once, and the
+cached pooled features of a dataset under a prompt list.
+
+``teacher_spec(cfg, cache_dir)`` reads the run config once: the weights' identity (no network
+is built for it), the device and dtype the teacher computes in, and every ``diffusion.*`` key a
+feature depends on. Everything below takes the spec, never the run config::
+
+    spec = teacher_spec(cfg, cache_dir)            # TeacherSpec: frozen, hashable
+    features = feature_set(spec, data, prompts)    # FeatureSet: + the feature-cache key
+    pooled, stats = pooled_features(features, ids) # {block: (n, P, C_b)} from the cache
+
+The teacher itself is built only when some id misses the cache (``featurizer(spec)``, once
+per process per spec): a warm cache never loads Stable Diffusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from feddifrc_app import log
+from feddifrc_app.config import Config
+from feddifrc_app.dataset import ImageData
+from feddifrc_app.device import resolve_device, resolve_dtype
+from feddifrc_app.diffusion.cache import (
+    CacheStats,
+    FeatureStore,
+    LazyExtractor,
+    cached_pooled_features,
+    key_fields,
+    key_from_fields,
+)
+from feddifrc_app.diffusion.featurizer import Featurizer
+from feddifrc_app.diffusion.pipeline import (
+    TeacherIdentity,
+    load_teacher,
+    teacher_identity,
+    teacher_resolution,
+)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """Which teacher, where it runs, and how its features are taken (``diffusion.*``, ``seed``)."""
+
+    model: str  # diffusion.model as configured
+    cache_dir: Path  # the node's teacher cache folder (features, tiny models, digests)
+    identity: TeacherIdentity  # the weights' sha256, resolved without building a network
+    device: torch.device
+    dtype: torch.dtype
+    resolution: int
+    timestep: int
+    blocks: tuple[int, ...]
+    ensemble: int
+    seed: int
+    batch_size: int  # images per UNet call: changes the speed, never a feature
+
+    @property
+    def where(self) -> str:
+        """``"cuda float16"``: the device type and the dtype in the feature key."""
+        return f"{self.device.type} {str(self.dtype).removeprefix('torch.')}"
+
+
+def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
+    """The run's teacher; a missing device fails before the weights are looked up (or downloaded)."""
+    d = cfg.diffusion
+    device = resolve_device(d.device, "diffusion.device")
+    dtype = resolve_dtype(d.dtype, device, "diffusion.dtype")
+    return TeacherSpec(
+        model=d.model,
+        cache_dir=Path(cache_dir),
+        identity=teacher_identity(d.model, cache_dir),
+        device=device,
+        dtype=dtype,
+        resolution=d.resolution,
+        timestep=d.timestep,
+        blocks=d.blocks,
+        ensemble=d.ensemble,
+        seed=cfg.seed,
+        batch_size=d.batch_size,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureSet:
+    """The teacher's features of one dataset under one prompt list, and their cache key."""
+
+    spec: TeacherSpec
+    data: ImageData
+    prompts: tuple[str, ...]
+    key: str  # sha256 of ``fields``: names the folder under <cache_dir>/features
+    fields: dict[str, Any]  # everything that changes the numbers (weights, dtype, prompts, data, ...)
+
+
+def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) -> FeatureSet:
+    """``data`` under ``prompts`` with its feature-cache key, WITHOUT loading the teacher."""
+    fields = key_fields(
+        weights_hash=spec.identity.weights_hash,
+        resolution=spec.resolution,
+        timestep=spec.timestep,
+        blocks=spec.blocks,
+        prompts=prompts,
+        seed=spec.seed,
+        ensemble=spec.ensemble,
+        dataset_fingerprint=data.fingerprint,
+        dtype=str(spec.dtype),
+    )
+    return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
+
+
+@functools.cache
+def _featurizer(spec: TeacherSpec) -> Featurizer:
+    t0 = time.perf_counter()
+    teacher = load_teacher(spec.model, spec.cache_dir, spec.device, spec.dtype)
+    log.info(
+        "loaded diffusion teacher %s on %s in %.1fs%s",
+        teacher.model_id,
+        spec.device,
+        time.perf_counter() - t0,
+        " (RANDOM weights)" if teacher.random_weights else "",
+    )
+    trained_at = teacher_resolution(spec.model, spec.cache_dir)
+    if trained_at is not None and trained_at != spec.resolution:
+        log.warning(
+            "diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
+            "this size are out of its training distribution",
+            teacher.model_id,
+            trained_at,
+            spec.resolution,
+        )
+    return Featurizer(
+        teacher,
+        resolution=spec.resolution,
+        timestep=spec.timestep,
+        blocks=spec.blocks,
+        ensemble=spec.ensemble,
+        seed=spec.seed,
+    )
+
+
+def featurizer(spec: TeacherSpec) -> Featurizer:
+    """The frozen teacher + featurizer of ``spec``, loaded once per process (the batch size,
+    which changes no feature, does not make another one)."""
+    return _featurizer(dataclasses.replace(spec, batch_size=0))
+
+
+def pooled_features(
+    features: FeatureSet,
+    ids: np.ndarray,
+    *,
+    keep: bool = True,
+    progress: bool = False,
+    chunk: int = 256,
+) -> tuple[dict[int, np.ndarray], CacheStats]:
+    """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
+
+    The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
+    ``keep=False`` only fills the cache (``feddifrc extract``).
+    """
+    spec, data = features.spec, features.data
+    store = FeatureStore(spec.cache_dir / "features")
+    store.describe(features.key, features.fields)
+
+    def make():
+        f = featurizer(spec)
+        return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
+
+    extractor = LazyExtractor(
+        make, lambda sub: data.images[torch.as_tensor(sub)], features.prompts, spec.batch_size
+    )
+    out = cached_pooled_features(
+        store,
+        features.key,
+        np.asarray(ids),
+        extractor,
+        keep=keep,
+        progress=progress,
+        chunk=chunk,
+        desc=f"{data.name}/{data.split} teacher features",
+    )
+    if extractor.loaded and torch.cuda.is_available():
+        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache
+        # otherwise; the teacher itself stays loaded for the next client this process serves.
+        torch.cuda.empty_cache()
+    return out
