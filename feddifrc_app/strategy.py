@@ -1,21 +1,24 @@
 """Strategy factory: ``strategy.name`` picks the server-side aggregation.
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
-FedAdagrad, FedMedian, FedTrimmedAvg) and the baselines' server halves that Flower lacks
-(``baselines/``: SCAFFOLD, FedNova; FedNH for ``method = "fednh"``); their hyper-parameters
-are ``strategy.*`` config keys. Minimum node counts are derived from the number of connected
-partitions so that a run never waits forever for nodes that do not exist. The strategy's
-state (server momentum, control variates, prototypes) is what a checkpoint keeps of it.
+FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg) and the baselines'
+server halves that Flower lacks (``baselines/``: SCAFFOLD, FedNova; FedNH for
+``method = "fednh"``); their hyper-parameters are ``strategy.*`` config keys with Flower's
+defaults. Minimum node counts are derived from the number of connected partitions so that a
+run never waits forever for nodes that do not exist. The strategy's state (server momentum,
+control variates, prototypes) is what a checkpoint keeps of it.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import (
     FedAdagrad,
     FedAdam,
@@ -25,18 +28,53 @@ from flwr.serverapp.strategy import (
     FedProx,
     FedTrimmedAvg,
     FedYogi,
+    QFedAvg,
     Strategy,
 )
 
 from feddifrc_app.baselines.fednh import FedNH
 from feddifrc_app.baselines.fednova import FedNova
 from feddifrc_app.baselines.scaffold import Scaffold
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, ConfigError, robust_aggregation_error, sampled_per_round
 
 
 def nodes_per_round(cfg: Config, num_nodes: int) -> int:
     """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""
-    return max(1, int(math.floor(num_nodes * cfg.fraction_train + 1e-9)))
+    return sampled_per_round(cfg.fraction_train, num_nodes)
+
+
+class RobustBound:
+    """Krum / MultiKrum / Bulyan that refuse a round with too few sampled nodes for
+    strategy.num-malicious-nodes (config.robust_aggregation_error), naming the keys, rather than
+    Flower's silent skip (Bulyan) or a selection with no Byzantine tolerance (Krum)."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        n = len(grid.get_node_ids())
+        name = type(self).__name__.lower()
+        why = robust_aggregation_error(
+            name, self.num_malicious_nodes, getattr(self, "num_nodes_to_select", 1), n
+        )
+        if why:
+            raise ConfigError(
+                f"round {server_round}: {why}, but {n} were sampled (fraction-train of the connected "
+                "nodes); lower strategy.num-malicious-nodes / strategy.num-nodes-to-select or start "
+                "more SuperNodes"
+            )
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class Krum(RobustBound, flwr_strategy.Krum):
+    pass
+
+
+class MultiKrum(RobustBound, flwr_strategy.MultiKrum):
+    pass
+
+
+class Bulyan(RobustBound, flwr_strategy.Bulyan):
+    pass
 
 
 def build_strategy(cfg: Config) -> Strategy:
@@ -74,6 +112,14 @@ def build_strategy(cfg: Config) -> Strategy:
         return FedMedian(**common)
     if name == "fedtrimmedavg":
         return FedTrimmedAvg(**common, beta=s.trim_beta)
+    if name in ("krum", "multikrum", "bulyan"):
+        robust = {"krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}[name]
+        extra = {"num_nodes_to_select": s.num_nodes_to_select} if name == "multikrum" else {}
+        return robust(**common, num_malicious_nodes=s.num_malicious_nodes, **extra)
+    if name == "qfedavg":
+        # L = 1 / client_learning_rate: the nodes' own step size; q-FFL's F_k is the node's mean
+        # training loss (the loss each method optimises, with its teacher terms).
+        return QFedAvg(client_learning_rate=cfg.train.lr, q=s.q, train_loss_key="train-total", **common)
     if name == "scaffold":
         return Scaffold(**common, server_learning_rate=s.server_learning_rate)
     if name == "fednova":
