@@ -128,7 +128,7 @@ def build_strategy(cfg: Config) -> Strategy:
 
 
 # Server-side optimiser state that must survive a resume for the numbers to match.
-_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector", "control")
+_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector", "control", "accepted")
 
 
 def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:
