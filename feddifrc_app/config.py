@@ -208,7 +208,8 @@ class MoonConfig:
 @dataclass(frozen=True)
 class FedNHConfig:
     rho: float = key(lo=0.0, hi=1.0)  # prototype smoothing (FedNH: 0.9)
-    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's code: 1.0)
+    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's ResNet: 20, CNN: 1)
+    max_grad_norm: float = key(lo=0.0)  # local gradient clipping (FedNH's code: 10); 0 = none
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,31 @@ def test_fednh_server_smoothing_by_hand():
     np.testing.assert_allclose(new[1], [0.0, 1.0])
 
 
+def test_fednh_defaults_follow_fednh_code_for_a_resnet_head():
+    """Yutong-Dai/FedNH: ResNetModNH starts ``scaling`` at 20 (its small CNN at 1) and every local
+    step runs ``clip_grad_norm_(trainable parameters, max_norm=10)``."""
+    from feddifrc_app.model import model_for
+
+    cfg = make_config(method="fednh", strategy__name="fedavg")
+    assert (cfg.fednh.scale, cfg.fednh.max_grad_norm) == (20.0, 10.0)
+    assert model_for(cfg, 10).fc.scaling.item() == 20.0
+
+
+def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    model.weight.grad = torch.full((2, 2), 30.0)  # norm 60
+    model.bias.grad = torch.full((2,), 7.0)  # frozen (as the prototypes are): untouched
+    node = baselines.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
+    fednh.Prototypes(node).before_step(model)
+    assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
+    model.weight.grad = torch.full((2, 2), 1.0)  # norm 2 < 10: unchanged
+    fednh.clip_gradients(model, 10.0)
+    torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 1.0))
+    fednh.clip_gradients(model, 0.0)  # 0 = no clipping
+
+
 # ----------------------------------------------------------------------------- a new method
 
 NEW_METHOD = '''
