@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import (
 )
 
 from feddifrc_app.baselines.fednh import FedNH
+from feddifrc_app.baselines.fednova import A_KEY as FEDNOVA_A
 from feddifrc_app.baselines.fednova import FedNova
 from feddifrc_app.baselines.scaffold import Scaffold
 from feddifrc_app.config import Config, ConfigError, robust_aggregation_error, sampled_per_round
@@ -77,6 +78,16 @@ class Bulyan(RobustBound, flwr_strategy.Bulyan):
     pass
 
 
+# The metric a strategy reads off every train reply, beyond ``num-examples`` (metric_keys.conform).
+QFEDAVG_LOSS = "train-total"
+
+
+def required_metrics(cfg: Config) -> frozenset[str]:
+    """The reply metrics this run's aggregation reads: a reply without one cannot be aggregated."""
+    own = {"fednova": {FEDNOVA_A}, "qfedavg": {QFEDAVG_LOSS}}.get(cfg.strategy.name, set())
+    return frozenset({"num-examples", *own})
+
+
 def build_strategy(cfg: Config) -> Strategy:
     """The strategy named by ``strategy.name``."""
     s = cfg.strategy
@@ -119,7 +130,7 @@ def build_strategy(cfg: Config) -> Strategy:
     if name == "qfedavg":
         # L = 1 / client_learning_rate: the nodes' own step size; q-FFL's F_k is the node's mean
         # training loss (the loss each method optimises, with its teacher terms).
-        return QFedAvg(client_learning_rate=cfg.train.lr, q=s.q, train_loss_key="train-total", **common)
+        return QFedAvg(client_learning_rate=cfg.train.lr, q=s.q, train_loss_key=QFEDAVG_LOSS, **common)
     if name == "scaffold":
         return Scaffold(**common, server_learning_rate=s.server_learning_rate)
     if name == "fednova":
