@@ -37,6 +37,7 @@ STRATEGIES = (
     "scaffold",
     "fednova",
 )
+DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
 LOSS_VARIANTS = ("paper", "code")
@@ -156,6 +157,13 @@ class StrategyConfig:
     num_malicious_nodes: int = key(lo=0)  # krum / multikrum / bulyan: f, the Byzantine nodes tolerated
     num_nodes_to_select: int = key(lo=1)  # multikrum: m, the lowest-scoring updates averaged
     q: float = key(lo=0.0)  # qfedavg: the fairness exponent (0 = FedAvg)
+    dp: str = key(choices=DP_MODES)  # differential privacy: Flower's wrapper around the strategy (privacy.py)
+    dp_noise_multiplier: float = key(lo=0.0)
+    dp_clipping_norm: float = key(lo=0.0, lo_open=True)  # the fixed modes
+    dp_initial_clipping_norm: float = key(lo=0.0, lo_open=True)  # the adaptive modes
+    dp_target_clipped_quantile: float = key(lo=0.0, hi=1.0)
+    dp_clip_norm_lr: float = key(lo=0.0, lo_open=True)
+    dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
     round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
     setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 
@@ -563,9 +571,44 @@ def _check_robust(v: Mapping[str, Any]) -> None:
         )
 
 
+def _check_privacy(v: Mapping[str, Any]) -> None:
+    """strategy.dp with what Flower's wrappers and client mods can handle."""
+    dp = v["strategy.dp"]
+    if dp == "none":
+        return
+    two = "strategy.name = 'scaffold'" if v["strategy.name"] == "scaffold" else ""
+    two = "method = 'fednh'" if v["method"] == "fednh" else two
+    if two:
+        # Server-side clipping would clip delta c / the prototypes against the model; the mods refuse them.
+        raise _fail(
+            "strategy.dp", dp, f"{two} replies with a second ArrayRecord, which Flower's DP cannot clip"
+        )
+    if dp.startswith("client") and v["method"] in ("feddifrc", "feddifrc-ssl"):
+        if v["diffusion.projection"] == "federated-pca":  # the train message carries the basis
+            raise _fail(
+                "strategy.dp",
+                dp,
+                "Flower's client mods accept a train message with one ArrayRecord, and "
+                "diffusion.projection = 'federated-pca' sends the basis too; use a server-side mode",
+            )
+    if dp.endswith("adaptive") and (z := v["strategy.dp-noise-multiplier"]) > 0:
+        n = sampled_per_round(v["fraction-train"], v["min-nodes"])
+        given = v["strategy.dp-clipped-count-stddev"]
+        count_std = given or n / 20
+        if z >= 2 * count_std:
+            source = f"{given:g}" if given else f"0 = sampled nodes / 20 = {n} / 20"
+            raise ConfigError(
+                f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
+                f"'strategy.dp-clipped-count-stddev' = {source}: adaptive clipping needs the noise "
+                f"multiplier below 2 x that count noise ({2 * count_std:g}; min-nodes = {v['min-nodes']}); "
+                "raise strategy.dp-clipped-count-stddev or lower strategy.dp-noise-multiplier"
+            )
+
+
 def _check_methods(v: Mapping[str, Any]) -> None:
     """Method x strategy pairs that cannot work, and what resume cannot restore."""
     _check_robust(v)
+    _check_privacy(v)
     if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
         raise _fail(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"

@@ -32,6 +32,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from feddifrc_app import privacy
 from feddifrc_app.baselines.fednh import FedNH
 from feddifrc_app.baselines.fednova import A_KEY as FEDNOVA_A
 from feddifrc_app.baselines.fednova import FedNova
@@ -85,11 +86,15 @@ QFEDAVG_LOSS = "train-total"
 def required_metrics(cfg: Config) -> frozenset[str]:
     """The reply metrics this run's aggregation reads: a reply without one cannot be aggregated."""
     own = {"fednova": {FEDNOVA_A}, "qfedavg": {QFEDAVG_LOSS}}.get(cfg.strategy.name, set())
-    return frozenset({"num-examples", *own})
+    return frozenset({"num-examples", *own}) | privacy.required_metrics(cfg)
 
 
 def build_strategy(cfg: Config) -> Strategy:
-    """The strategy named by ``strategy.name``."""
+    """The strategy named by ``strategy.name``, under the DP wrapper ``strategy.dp`` names."""
+    return privacy.wrap(_named(cfg), cfg)
+
+
+def _named(cfg: Config) -> Strategy:
     s = cfg.strategy
     # The ServerApp samples ``fraction-train`` of the nodes itself (seeded, by partition id) and
     # shows the strategy only the chosen ones, so the strategy takes all it is shown and never
@@ -142,31 +147,48 @@ def build_strategy(cfg: Config) -> Strategy:
 _STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector", "control", "accepted")
 
 
+# A DP wrapper's own state: the adaptive modes move the clipping norm every round.
+_DP_ATTRS = ("clipping_norm",)
+
+
+def _holders(strategy: Strategy) -> dict[str, Any]:
+    """Where each piece of state lives: the named strategy, inside the DP wrapper if there is one."""
+    inner = getattr(strategy, "strategy", None)
+    if inner is None:
+        return {a: strategy for a in _STATE_ATTRS}
+    return {a: inner for a in _STATE_ATTRS} | {a: strategy for a in _DP_ATTRS}
+
+
 def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:
-    """The strategy's mutable server state (FedOpt moments, FedAvgM momentum) as plain tensors,
-    so a checkpoint loads with ``torch.load(weights_only=True)``."""
+    """The strategy's mutable server state (FedOpt moments, FedAvgM momentum, a DP wrapper's
+    clipping norm) as plain tensors, so a checkpoint loads with ``torch.load(weights_only=True)``."""
     out: dict[str, dict[str, Any]] = {}
-    for a in _STATE_ATTRS:
-        v = getattr(strategy, a, None)
+    for a, holder in _holders(strategy).items():
+        v = getattr(holder, a, None)
         if isinstance(v, ArrayRecord):
             out[a] = {"record": v.to_torch_state_dict()}
         elif isinstance(v, dict):
             out[a] = {"dict": {k: torch.from_numpy(np.asarray(x)) for k, x in v.items()}}
         elif isinstance(v, list):
             out[a] = {"list": [torch.from_numpy(np.asarray(x)) for x in v]}
+        elif isinstance(v, float):
+            out[a] = {"float": torch.tensor(v, dtype=torch.float64)}
         elif v is not None:
             raise TypeError(f"cannot checkpoint strategy state {a!r} of type {type(v).__name__}")
     return out
 
 
 def load_strategy_state(strategy: Strategy, state: dict[str, dict[str, Any]]) -> None:
+    holders = _holders(strategy)
     for a, packed in state.items():
-        if a not in _STATE_ATTRS:
+        if a not in holders:
             raise KeyError(f"unexpected strategy state {a!r} in checkpoint")
         ((kind, v),) = packed.items()
         if kind == "record":
-            setattr(strategy, a, ArrayRecord(v))
+            setattr(holders[a], a, ArrayRecord(v))
         elif kind == "dict":
-            setattr(strategy, a, {k: x.numpy() for k, x in v.items()})
+            setattr(holders[a], a, {k: x.numpy() for k, x in v.items()})
+        elif kind == "float":
+            setattr(holders[a], a, float(v))
         else:
-            setattr(strategy, a, [x.numpy() for x in v])
+            setattr(holders[a], a, [x.numpy() for x in v])
