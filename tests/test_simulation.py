@@ -113,7 +113,8 @@ def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):  # noqa: F8
 
 
 # Every Flower strategy this app added, each under one of the four DP modes: 1 round, no teacher,
-# 40 images, run one after the other on the module's SuperLink (what it adds to the suite: README).
+# 40 images, run one after the other on the module's SuperLink: 146 s alone, SuperLink start
+# included (submitting all four at once: 142 s, so not worth the interleaved logs).
 STRATEGY_RUNS = [
     ("krum-server-fixed", FED, "strategy.name='krum' strategy.dp='server-fixed' min-nodes=2"),
     (
