@@ -178,9 +178,10 @@ class RoundLoop:
             f"{len(failures)} of {n} nodes failed; first failure: {failures[0]['reason']}"
             if failures
             # Flower's strategies return nothing for replies they cannot combine (it logs why,
-            # e.g. "Skipping aggregation" for replies whose metric or array keys differ).
+            # e.g. "Skipping aggregation" for Bulyan with fewer than 4f + 3 replies; mixed metric
+            # keys are settled before, in metric_keys.conform).
             else f"{n} nodes replied but strategy '{self.cfg.strategy.name}' aggregated nothing; "
-            "the ServerApp log says why (e.g. replies with different metric keys)"
+            "the ServerApp log says why (e.g. Bulyan with fewer than 4f + 3 replies)"
         )
         return NoUpdateError(
             f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
