@@ -26,7 +26,7 @@ first appears (written after round 0's central evaluation, i.e. after the setup 
 must be 0: the feature cache makes every training round SD-free.
 
 3. Flower's floor, on the same SuperLink and SuperNodes right after the deployment run:
-   ``benchmarks/floor_app``, a ClientApp that imports torch and echoes an update of the app
+   ``benchmarks/floor_app``, a ClientApp that imports torch and replies with a new update of the app
    model's size (no data, no teacher, no model code), timed by a ServerApp with the app's own
    reply poll. Its median round is what Flower 1.42 and torch cost per round by themselves.
 
@@ -203,17 +203,21 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
     }
 
 
-def model_size(run_dir: Path) -> int:
-    """Numbers in the app's update (every tensor of the saved global model, buffers included)."""
+def update_shapes(run_dir: Path) -> str:
+    """The app's update layout, as the floor app's ``shapes``: every array the ClientApp sends (the
+    saved global model's travelling entries), in order. Flower moves each array as its own objects,
+    so the floor must send as many arrays of the same sizes, not one of the same total."""
+    from feddifrc_app.records import state_to_record
+
     last = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
     state = torch.load(last, map_location="cpu", weights_only=False)["model"]
-    return sum(t.numel() for t in state.values())
+    return ",".join("x".join(map(str, a.shape)) for a in state_to_record(state).values())
 
 
 def run_floor(procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespace) -> list[float]:
     """The floor app's round times on the deployment that just ran the app."""
     out = work / "floor.json"
-    rc = f"num-server-rounds={a.rounds} num-params={model_size(run_dir)} min-nodes={a.nodes} out-file='{out}'"
+    rc = f"num-server-rounds={a.rounds} shapes='{update_shapes(run_dir)}' min-nodes={a.nodes} out-file='{out}'"
     run_id = procs.submit_run(FLOOR_APP, CONN, run_config=rc)
     info = procs.wait_for_run(run_id, CONN, timeout=a.timeout)
     if info.get("status") != "finished:completed":

@@ -5,7 +5,8 @@ Message types:
   the sufficient statistics of my pooled teacher features for the federated PCA basis.
 - ``train``: CE (+ TDCL + NDCR) local training of the received global model, plus what the
   message asks of the node for a comparison method (``baselines``: FedProx, SCAFFOLD, MOON, ...).
-- ``evaluate``: accuracy of the received model on my partition (only if fraction-evaluate > 0).
+- ``evaluate``: loss and accuracy of the received global model on my held-out examples
+  (``evaluate-holdout`` of my data, never trained on; only sent when fraction-evaluate > 0).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flwr.clientapp import ClientApp
 
 from feddifrc_app import baselines, log, privacy
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
-from feddifrc_app.dataset import ImageData, client_split, make_loader
+from feddifrc_app.dataset import ImageData, client_holdout, client_split, make_loader
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.pipeline import teacher_identity
@@ -185,18 +186,15 @@ def _targets(
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    _arrived(msg)
+    started = _arrived(msg)
     cfg, node = _context(context)
-    data, ids = client_split(cfg, node)
+    data, ids = client_holdout(cfg, node)
+    if not len(ids):  # load_config refuses fraction-evaluate > 0 with none: a hand-made message
+        raise ValueError("evaluate message, but evaluate-holdout = 0: this node holds out nothing")
     model = model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))
-    content = RecordDict(
-        {
-            "metrics": MetricRecord(
-                {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"], "num-examples": float(len(ids))}
-            )
-        }
-    )
-    return Message(content, reply_to=msg)
+    metrics = {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"], "num-examples": float(len(ids))}
+    log.info("evaluate message: handled in %.2f s", time.perf_counter() - started)
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

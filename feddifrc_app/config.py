@@ -227,6 +227,7 @@ class Config:
     num_server_rounds: int = key(lo=1, resume=True)
     fraction_train: float = key(lo=0.0, hi=1.0, lo_open=True)
     fraction_evaluate: float = key(lo=0.0, hi=1.0)
+    evaluate_holdout: float = key(lo=0.0, hi=1.0, hi_open=True)  # share of each node's data it evaluates on
     min_nodes: int = key(lo=1, resume=True)
     outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR, resume=True)
     run_name: str = key(resume=True)
@@ -455,6 +456,7 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     _check_teacher(v, raw)
     _check_data(v, raw)
     _check_methods(v)
+    _check_evaluation(v)
 
 
 def _check_teacher(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
@@ -625,6 +627,32 @@ def _check_methods(v: Mapping[str, Any]) -> None:
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
+        )
+
+
+def _check_evaluation(v: Mapping[str, Any]) -> None:
+    """Federated evaluation needs held-out data on the nodes, and held-out data needs evaluation."""
+    fraction, holdout = v["fraction-evaluate"], v["evaluate-holdout"]
+    if fraction > 0 and holdout == 0:
+        raise _fail(
+            "evaluate-holdout",
+            holdout,
+            f"fraction-evaluate = {fraction:g} asks nodes to evaluate on a held-out part of their data: "
+            "set evaluate-holdout to its share, e.g. 0.1",
+        )
+    if holdout > 0 and fraction == 0:
+        raise _fail(
+            "evaluate-holdout",
+            holdout,
+            "holds out training data that no node evaluates on (fraction-evaluate = 0); set "
+            "fraction-evaluate > 0 or evaluate-holdout = 0",
+        )
+    if fraction > 0 and v["method"] == "feddifrc-ssl":
+        raise _fail(
+            "fraction-evaluate",
+            fraction,
+            "method 'feddifrc-ssl' trains no classifier for the nodes to score (the server evaluates "
+            "it with a linear probe): use fraction-evaluate = 0",
         )
 
 

@@ -704,7 +704,51 @@ def _load_hub_dataset(cfg: DatasetConfig, split: str) -> Loaded:
 
 
 def client_split(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
-    """(training data, this node's indices into it): what a ClientApp trains on.
+    """(training data, this node's TRAINING indices into it): what a ClientApp trains on.
+
+    The node's data (``node_data``) less its federated-evaluation hold-out
+    (``evaluation_holdout`` under ``evaluate-holdout``; nothing is held out at 0, the default).
+    """
+    data, ids = node_data(cfg, node)
+    return data, evaluation_holdout(ids, data.labels, cfg.evaluate_holdout, cfg.seed)[0]
+
+
+def client_holdout(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
+    """(training data, this node's HELD-OUT indices into it): what a ClientApp evaluates the
+    global model on (federated evaluation); disjoint from ``client_split``'s, together all of
+    ``node_data``'s. Empty when ``evaluate-holdout`` = 0."""
+    data, ids = node_data(cfg, node)
+    return data, evaluation_holdout(ids, data.labels, cfg.evaluate_holdout, cfg.seed)[1]
+
+
+def evaluation_holdout(
+    ids: np.ndarray, labels: np.ndarray, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids): a node's dataset ids ``ids`` (n,) split for federated evaluation.
+
+    ``round(fraction * n)`` of them are held out (at least 1 and at most n - 1 when
+    ``fraction > 0``), stratified by ``labels[ids]`` (``stratified_subset``, ``RandomState(seed)``):
+    the same ids, labels and seed give the same split in every process. Both parts keep the
+    order of ``ids``. ``fraction = 0``: (``ids``, empty). ``ValueError`` (naming the key) for a
+    node with fewer than 2 examples, which cannot both train and evaluate.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if fraction == 0:
+        return ids, ids[:0]
+    n = len(ids)
+    if n < 2:
+        raise ValueError(
+            f"evaluate-holdout = {fraction:g}: this node has {n} example(s), too few to hold one out "
+            "and train on the rest"
+        )
+    k = min(max(int(round(fraction * n)), 1), n - 1)
+    held = np.zeros(n, dtype=bool)
+    held[stratified_subset(np.asarray(labels)[ids], k, seed)] = True
+    return ids[~held], ids[held]
+
+
+def node_data(cfg: Config, node: NodeConfig) -> tuple[ImageData, np.ndarray]:
+    """(training data, ALL of this node's indices into it), before any evaluation hold-out.
 
     - ``node.data_dir`` set: the node's OWN class-per-folder images (dataset
       ``image-folder`` at that root), all of its train split (``train/``, or the

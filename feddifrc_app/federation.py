@@ -7,6 +7,7 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -133,15 +134,21 @@ class Federation:
             )
         return out
 
-    def sample(self, rnd: int) -> list[int]:
-        """This round's nodes: ``fraction-train`` of the known ones, seeded by (seed, round)."""
+    def sample(self, rnd: int, evaluate: bool = False) -> list[int]:
+        """This round's nodes: ``fraction-train`` of the known ones (``evaluate``: ``fraction-evaluate``
+        of them, drawn independently of the training ones), seeded by (seed, round)."""
         current = sorted(self.grid.get_node_ids())
         new = [n for n in current if n not in self.partition_of]
         if new:  # joined, or rejoined with a new id, since setup: learn who they are
             self.setup(new, want_stats=False)
         known = sorted((n for n in current if n in self.partition_of), key=self._order)
-        k = min(nodes_per_round(self.cfg, len(known)), len(known))
-        return sorted(random.Random(self.cfg.seed * 1_000_003 + rnd).sample(known, k), key=self._order)
+        if evaluate:  # nodes_per_round's rule (at least 1), with fraction-evaluate
+            k = max(1, math.floor(len(known) * self.cfg.fraction_evaluate + 1e-9))
+        else:
+            k = nodes_per_round(self.cfg, len(known))
+        k = min(k, len(known))
+        seed = f"evaluate {self.cfg.seed} {rnd}" if evaluate else self.cfg.seed * 1_000_003 + rnd
+        return sorted(random.Random(seed).sample(known, k), key=self._order)
 
     def view(self, chosen: list[int]) -> _Chosen:
         return _Chosen(self.grid, chosen, self.distinct_nodes())

@@ -23,20 +23,23 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
+# Accuracy series of a run's rows, as plotted and tabled: the row key -> its label.
+_CURVES = {
+    "val-accuracy": "validation",
+    "test-accuracy": "test",
+    "federated-accuracy": "federated (nodes' held-out data)",
+}
+
+
 def plot_accuracy(results: Results, path: Path) -> None:
-    """Validation and test accuracy per round (round 0 = the initial model), summary in the title."""
+    """Validation and test accuracy per round (round 0 = the initial model) and, with federated
+    evaluation, the nodes' example-weighted accuracy beside them; summary in the title."""
     s = results.summary or {}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for split in ("val", "test"):
-        rows = [r for r in results.rounds if r.get(f"{split}-accuracy") is not None]
+    for key, label in _CURVES.items():
+        rows = [r for r in results.rounds if r.get(key) is not None]
         if rows:
-            ax.plot(
-                [r["round"] for r in rows],
-                [100 * r[f"{split}-accuracy"] for r in rows],
-                marker="o",
-                ms=3,
-                label={"val": "validation", "test": "test"}[split],
-            )
+            ax.plot([r["round"] for r in rows], [100 * r[key] for r in rows], marker="o", ms=3, label=label)
     ax.legend(fontsize=8)
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)")
@@ -48,6 +51,8 @@ def plot_accuracy(results: Results, path: Path) -> None:
         )
         if s.get("test-at-val-best-accuracy") is not None:
             title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
+        if s.get("final-federated-accuracy") is not None:
+            title += f"\nfinal federated {100 * s['final-federated-accuracy']:.2f}"
     if (results.teacher or {}).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
@@ -74,11 +79,19 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
     _save(fig, path)
 
 
+def _federated(results: Results) -> bool:
+    return any(r.get("federated-accuracy") is not None or r.get("evaluate-nodes") for r in results.rounds)
+
+
 def format_table(results: Results) -> str:
-    """A plain-text per-round table plus the summary line."""
+    """A plain-text per-round table plus the summary line; with federated evaluation, its columns
+    beside the central ones and a per-node table (``format_nodes``)."""
     keys = "round val-accuracy test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds"
     keys = keys.split()
-    lines = ["  ".join(f"{k:>13}" for k in keys)]
+    if _federated(results):
+        keys[3:3] = ["federated-accuracy", "federated-loss"]
+    head = {"federated-accuracy": "fed-accuracy", "federated-loss": "fed-loss"}
+    lines = ["  ".join(f"{head.get(k, k):>13}" for k in keys)]
     for r in results.rounds:
         row = []
         for k in keys:
@@ -98,6 +111,43 @@ def format_table(results: Results) -> str:
                 f"  test at the best validation round ({s['val-best-round']}) "
                 f"{100 * s['test-at-val-best-accuracy']:.2f}%"
             )
+    if s.get("final-federated-accuracy") is not None:
+        lines.append(f"final federated accuracy {100 * s['final-federated-accuracy']:.2f}%")
+    if _federated(results):
+        lines += ["", format_nodes(results)]
+    return "\n".join(lines)
+
+
+def _node_key(row: dict[str, Any]) -> tuple[int, int]:
+    """A node's column: (0, partition id), or (1, node id) for a node with its own data folder
+    (partition id -1: every such node has it)."""
+    pid = row.get("partition-id")
+    return (0, pid) if isinstance(pid, int) and pid >= 0 else (1, int(row.get("node") or 0))
+
+
+def format_nodes(results: Results) -> str:
+    """Per round, each node's federated accuracy (%) on its held-out data (``failed`` for a node
+    whose evaluation failed, blank when it was not sampled); the header says how many examples
+    each node holds out (``p<partition id>``, ``n<node id>``)."""
+    held: dict[tuple[int, int], Any] = {}
+    for r in results.rounds:
+        for f in r.get("evaluate-failures", []):
+            held.setdefault(_node_key(f), "?")
+        for n in r.get("evaluate-nodes", []):
+            held[_node_key(n)] = n["num-examples"]
+    cols = sorted(held)
+    names = [f"{'pn'[k]}{i}" for k, i in cols]
+    lines = [
+        "federated accuracy (%) per node; held-out examples: "
+        + ", ".join(f"{name} {held[c]}" for name, c in zip(names, cols, strict=True)),
+        "  ".join(f"{k:>8}" for k in ["round", *names]),
+    ]
+    for r in results.rounds:
+        if "evaluate-nodes" not in r:
+            continue
+        cell = {_node_key(n): f"{100 * n['accuracy']:.2f}" for n in r["evaluate-nodes"]}
+        cell |= {_node_key(f): "failed" for f in r.get("evaluate-failures", [])}
+        lines.append("  ".join(f"{v:>8}" for v in [str(r["round"]), *(cell.get(c, "") for c in cols)]))
     return "\n".join(lines)
 
 

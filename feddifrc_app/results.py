@@ -16,6 +16,10 @@ from typing import Any
 # One row per evaluated round: "round", "val-accuracy", "val-loss", "test-accuracy", "test-loss"
 # and, for a trained round, "nodes" (partition ids), "failures" ({"node", "partition-id",
 # "reason"}), "train-metrics" (the strategy's aggregate) and "seconds". Round 0 is the initial model.
+# With fraction-evaluate > 0 a trained round also has the nodes' scores of the new global model on
+# their held-out data (federated_eval.py): "federated-accuracy" and "federated-loss"
+# (example-weighted; None when no node replied), "evaluate-nodes" ({"node", "partition-id",
+# "num-examples", "accuracy", "loss"}) and "evaluate-failures" (as "failures").
 Round = dict[str, Any]
 
 
@@ -103,7 +107,8 @@ def summarize(rounds: list[Round]) -> dict[str, float | int | None]:
     """Test accuracy final, best and mean of the last 5 (and 10) trained rounds, reported together
     (the paper's code reports the max: selection on test), and the test accuracy at the round
     with the best VALIDATION accuracy (first such round), the one checkpoint choice that is not
-    read off the test split. Round 0 (the initial model) counts only when no round has trained."""
+    read off the test split; with federated evaluation, also the last federated accuracy.
+    Round 0 (the initial model) counts only when no round has trained."""
     done = [r for r in rounds if r.get("test-accuracy") is not None]
     trained = [r for r in done if r["round"] >= 1] or done
     accs = [r["test-accuracy"] for r in trained]
@@ -119,6 +124,9 @@ def summarize(rounds: list[Round]) -> dict[str, float | int | None]:
     out["val-best-round"] = best["round"] if best else None
     out["val-best-accuracy"] = best["val-accuracy"] if best else None
     out["test-at-val-best-accuracy"] = best["test-accuracy"] if best else None
+    fed = [r["federated-accuracy"] for r in trained if r.get("federated-accuracy") is not None]
+    if fed:  # only runs with federated evaluation have the key, so other summaries are unchanged
+        out["final-federated-accuracy"] = fed[-1]
     return out
 
 

@@ -1,5 +1,10 @@
 """The federated rounds: sample, train through the strategy, aggregate, evaluate, checkpoint.
 
+Evaluation is central every round (the server's validation and test splits) and, with
+``fraction-evaluate > 0``, also federated (``federated_eval``: nodes score the new global
+model on their held-out data, through the strategy's ``configure_evaluate`` /
+``aggregate_evaluate``).
+
 The loop drives the configured Flower strategy through its own ``configure_train`` /
 ``aggregate_train`` rather than ``Strategy.start``, so that node sampling is seeded,
 ``resume-from`` continues the round counter from a checkpoint, and failures and
@@ -22,6 +27,7 @@ from feddifrc_app import baselines, log, metric_keys, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
+from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights, model_for
 from feddifrc_app.outputs import RunDir
@@ -116,6 +122,7 @@ class RoundLoop:
         torch.manual_seed(cfg.seed)
         self.model = model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
+        self.federated = FederatedEvaluation(cfg, fed, self.strategy)
         self.first = 1
         if checkpoint is not None:
             load_weights(self.model, checkpoint["model"])
@@ -250,6 +257,7 @@ class RoundLoop:
             "nodes": [self.fed.partition_of[n] for n in chosen],
             "failures": failures,
             "train-metrics": dict(metrics) if metrics is not None else {},
+            **self.federated(rnd, self.arrays),
             **self.evaluate(),
         }
         row["seconds"] = time.perf_counter() - t0

@@ -98,10 +98,11 @@ def _named(cfg: Config) -> Strategy:
     s = cfg.strategy
     # The ServerApp samples ``fraction-train`` of the nodes itself (seeded, by partition id) and
     # shows the strategy only the chosen ones, so the strategy takes all it is shown and never
-    # waits for a minimum: a node that died mid-run cannot stall the next round.
+    # waits for a minimum: a node that died mid-run cannot stall the next round. The same for
+    # ``fraction-evaluate`` (federated_eval.py): 1.0 of the nodes sampled for evaluation, or none.
     common = dict(
         fraction_train=1.0,
-        fraction_evaluate=cfg.fraction_evaluate,
+        fraction_evaluate=1.0 if cfg.fraction_evaluate > 0 else 0.0,
         min_train_nodes=1,
         min_evaluate_nodes=1 if cfg.fraction_evaluate > 0 else 0,
         min_available_nodes=1,

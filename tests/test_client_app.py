@@ -268,7 +268,7 @@ def test_the_train_handler_logs_its_own_time(tmp_path: Path, caplog) -> None:
 
 
 def test_each_handler_logs_the_process_age_and_the_message_age(tmp_path: Path, caplog) -> None:
-    rc = run_config(tmp_path, method="fedavg")
+    rc = run_config(tmp_path, method="fedavg", fraction_evaluate=1.0, evaluate_holdout=0.3)
     msg = Message(content=train_msg(1), message_type="evaluate", dst_node_id=1)
     msg.metadata.created_at = time.time() - 100.0  # the server created it 100 s ago
     with caplog.at_level(logging.INFO, logger="flwr.feddifrc"):
@@ -342,27 +342,46 @@ def test_keep_momentum_stores_buffers_in_context_state(tmp_path: Path) -> None:
     assert "momentum" not in off
 
 
-def test_evaluate_reports_accuracy_of_the_sent_model(teacher_cache: Path) -> None:
-    rc = run_config(teacher_cache)
-    reply = call(
-        "evaluate",
-        RecordDict({"arrays": state_to_record(model_state(5)), "config": ConfigRecord({"server-round": 1})}),
-        context(rc, 0),
+def test_evaluate_scores_the_sent_model_on_the_held_out_part_only(teacher_cache: Path) -> None:
+    rc = run_config(teacher_cache, fraction_evaluate=1.0, evaluate_holdout=0.3)
+    eval_msg = RecordDict(
+        {"arrays": state_to_record(model_state(5)), "config": ConfigRecord({"server-round": 1})}
     )
-    m = dict(reply.content["metrics"])
+    m = dict(call("evaluate", eval_msg, context(rc, 0)).content["metrics"])
+    assert m["num-examples"] == 3  # round(0.3 * 10) of the 10 images, the other 7 train
     assert 0.0 <= m["eval-accuracy"] <= 1.0
-    assert m["num-examples"] == N_IMAGES
     assert math.isfinite(m["eval-loss"]) and m["eval-loss"] > 0
-    # the same numbers as evaluating the model directly on the client's images
+    # the same numbers as evaluating the model directly on the held-out images
     cfg = load_config(rc)
-    data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
+    node = load_node_config({"partition-id": 0, "num-partitions": N_PARTS})
+    data, held = ds.client_holdout(cfg, node)
     model = build_model("resnet10", 10)
     model.load_state_dict(model_state(5))
     direct = evaluate_model(
-        model, ds.make_loader(data, ids, train=False, batch_size=256, seed=0), torch.device("cpu")
+        model, ds.make_loader(data, held, train=False, batch_size=256, seed=0), torch.device("cpu")
     )
     assert m["eval-accuracy"] == pytest.approx(direct["accuracy"])
     assert m["eval-loss"] == pytest.approx(direct["loss"], rel=1e-5)
+
+
+def test_with_a_hold_out_the_teacher_sees_and_trains_against_the_training_part_only(tmp_path: Path) -> None:
+    rc = run_config(tmp_path, fraction_evaluate=1.0, evaluate_holdout=0.3, diffusion__projection="random")
+    info = call("query.setup", setup_msg(True), context(rc, 0)).content["info"]
+    assert info["num-examples"] == 7 and sum(info["label-counts"]) == 7  # the 10 less the 3 held out
+    assert info["teacher-cache-misses"] == 7  # the 3 held-out images never go through the teacher
+    m = call("train", train_msg(1), context(rc, 0)).content["metrics"]
+    assert m["teacher-cache-misses"] == 0 and m["num-examples"] == 7.0  # the same 7, cached by id
+    cfg, node = load_config(rc), load_node_config({"partition-id": 0, "num-partitions": N_PARTS})
+    train_ids, held = ds.client_split(cfg, node)[1], ds.client_holdout(cfg, node)[1]
+    targets, _ = next(reversed(tg.PREPARED.items.values()))  # the targets this train message used
+    assert (targets.rows[torch.as_tensor(train_ids)] >= 0).all()
+    assert all(int(i) >= len(targets.rows) or targets.rows[int(i)] == -1 for i in held)
+
+
+def test_evaluate_without_a_hold_out_fails_saying_so(teacher_cache: Path) -> None:
+    msg = Message(content=train_msg(1), message_type="evaluate", dst_node_id=1)
+    with pytest.raises(ValueError, match="evaluate message, but evaluate-holdout = 0"):
+        client_app.app(msg, context(run_config(teacher_cache), 0))
 
 
 # --------------------------------------------------------------------------- model-conditioned targets
@@ -486,7 +505,7 @@ def test_federated_pca_without_a_basis_fails_clearly(teacher_cache: Path, setup_
 
 @pytest.mark.parametrize("kind", ["train", "evaluate"])
 def test_arrays_that_do_not_match_the_model_are_refused(tmp_path: Path, kind) -> None:
-    rc = run_config(tmp_path, method="fedavg")
+    rc = run_config(tmp_path, method="fedavg", fraction_evaluate=1.0, evaluate_holdout=0.3)
     renamed = {f"module.{k}": v for k, v in model_state().items() if not k.endswith("num_batches_tracked")}
     content = RecordDict({"arrays": ArrayRecord(renamed), "config": ConfigRecord({"server-round": 1})})
     with pytest.raises(ValueError, match="do not match"):

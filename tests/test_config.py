@@ -265,3 +265,19 @@ def test_resolve_cache_dir(tmp_path):
     assert resolve_cache_dir(cfg, None) == Path("~/.cache/feddifrc").expanduser().resolve()
     cfg2 = load_app_config(ROOT, [f'diffusion.cache-dir="{tmp_path}"'])
     assert resolve_cache_dir(cfg2, None) == tmp_path.resolve()
+
+
+def test_federated_evaluation_and_its_holdout_go_together():
+    cfg = make_config(fraction_evaluate=0.5, evaluate_holdout=0.1)
+    assert (cfg.fraction_evaluate, cfg.evaluate_holdout) == (0.5, 0.1)
+    assert (make_config().fraction_evaluate, make_config().evaluate_holdout) == (0.0, 0.0)  # the default
+    with pytest.raises(
+        ConfigError, match=r"'evaluate-holdout' = 0.0 is invalid: fraction-evaluate = 1 asks nodes"
+    ):
+        make_config(fraction_evaluate=1.0)
+    with pytest.raises(ConfigError, match=r"'evaluate-holdout' = 0.2 is invalid: holds out training data"):
+        make_config(evaluate_holdout=0.2)
+    with pytest.raises(ConfigError, match=r"'evaluate-holdout' = 1.0 is invalid: expected a value in"):
+        make_config(fraction_evaluate=1.0, evaluate_holdout=1.0)  # nothing left to train on
+    with pytest.raises(ConfigError, match=r"'fraction-evaluate' = 1.0 is invalid: method 'feddifrc-ssl'"):
+        make_config(method="feddifrc-ssl", fraction_evaluate=1.0, evaluate_holdout=0.1)

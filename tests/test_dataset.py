@@ -26,8 +26,10 @@ from feddifrc_app.dataset import (
     ImageData,
     ImageTransform,
     IndexedDataset,
+    client_holdout,
     client_split,
     eval_transform,
+    evaluation_holdout,
     image_folder_classes,
     load_dataset,
     load_validation,
@@ -608,6 +610,51 @@ def test_client_split_uses_a_nodes_own_folder(tmp_path: Path) -> None:
     data, ids = client_split(cfg, load_node_config({"data-dir": str(tmp_path)}))
     assert data.name == "image-folder" and data.class_names == ["cat", "dog house", "zebra"]
     assert ids.tolist() == list(range(len(data))) and len(data) == 5  # 6 images, fixed 80/20 -> 5 train
+
+
+def test_the_evaluation_holdout_is_seeded_stratified_and_disjoint() -> None:
+    ids = np.arange(100, 140, dtype=np.int64)  # a node's 40 dataset ids: 30 of class 0, 10 of class 1
+    labels = np.zeros(200, dtype=np.int64)
+    labels[130:140] = 1
+    train, held = evaluation_holdout(ids, labels, 0.25, seed=7)
+    assert (len(train), len(held)) == (30, 10)  # round(0.25 * 40)
+    assert np.bincount(labels[held]).tolist() == [8, 2]  # the node's 3:1 class mix (largest remainder)
+    assert np.intersect1d(train, held).size == 0
+    assert sorted([*train, *held]) == ids.tolist()
+    assert np.all(np.diff(train) > 0) and np.all(np.diff(held) > 0)  # the order of ids kept
+    again = evaluation_holdout(ids, labels, 0.25, seed=7)
+    assert np.array_equal(again[0], train) and np.array_equal(again[1], held)  # deterministic
+    assert not np.array_equal(evaluation_holdout(ids, labels, 0.25, seed=8)[1], held)  # seeded
+    # at least one held out, at least one left to train on; 0 holds out nothing
+    assert [len(p) for p in evaluation_holdout(ids[:3], labels, 0.01, 0)] == [2, 1]
+    assert [len(p) for p in evaluation_holdout(ids[:3], labels, 0.99, 0)] == [1, 2]
+    train0, held0 = evaluation_holdout(ids, labels, 0.0, 0)
+    assert np.array_equal(train0, ids) and held0.size == 0 and held0.dtype == np.int64
+    with pytest.raises(ValueError, match=r"evaluate-holdout = 0.5: this node has 1 example\(s\)"):
+        evaluation_holdout(ids[:1], labels, 0.5, 0)
+
+
+def test_a_node_trains_on_its_data_less_the_evaluation_holdout(tmp_path: Path) -> None:
+    off = make_config(dataset__train_limit=300)
+    on = make_config(dataset__train_limit=300, fraction_evaluate=1.0, evaluate_holdout=0.2)
+    for pid in range(3):
+        node = load_node_config({"partition-id": pid, "num-partitions": 3})
+        whole = client_split(off, node)[1]
+        assert client_holdout(off, node)[1].size == 0  # the default holds out nothing
+        train, held = client_split(on, node)[1], client_holdout(on, node)[1]
+        assert len(held) == round(0.2 * len(whole)) and len(train) + len(held) == len(whole)
+        assert np.intersect1d(train, held).size == 0
+        assert np.array_equal(np.sort(np.concatenate([train, held])), whole)
+    # a node's own folder is carved the same way
+    for cls, rgb in COLOURS.items():
+        for k in range(4):
+            _png(tmp_path / cls / f"{k}.png", rgb, (8, 8))
+    own = load_node_config({"data-dir": str(tmp_path)})
+    folder = make_config(dataset__image_size=8, fraction_evaluate=1.0, evaluate_holdout=0.2)
+    data, train = client_split(folder, own)
+    held = client_holdout(folder, own)[1]
+    assert len(data) == 9 and (len(train), len(held)) == (7, 2)  # 12 images, the fixed split's 9 train
+    assert sorted([*train, *held]) == list(range(9))
 
 
 # --------------------------------------------------------------------------- mnist-5k

@@ -305,6 +305,8 @@ def test_flwr_run_completes_and_records_a_killed_supernode(deployment: Deploymen
         # A lost node is detected by the SuperLink's heartbeat (~60 s), not by this timeout, which
         # only has to outlast a rejoined node's cold ClientApp start on a loaded 2-core machine.
         f"train.local-epochs=1 strategy.round-timeout=240 fraction-train=1.0 "
+        # Federated evaluation through the same Grid: every node scores each round's model on its 20%.
+        f"fraction-evaluate=1.0 evaluate-holdout=0.2 "
         f'outputs-dir="{out}" run-name="x"'
     )
     results_path = out / "x" / "results.json"
@@ -392,15 +394,25 @@ def test_flwr_run_completes_and_records_a_killed_supernode(deployment: Deploymen
         f"during round {back_round + 1}; if that is round {ROUNDS}, raise ROUNDS): {later}\n{log[-6000:]}"
     )
     assert all(not r["failures"] for r in later if r["round"] > min(rejoined)), later
-    # The run went on with the surviving node, and every round was evaluated.
+    # The run went on with the surviving node, and every round was evaluated: centrally, and by
+    # the nodes that were up (example-weighted over their held-out data; the lost one a failure).
     assert all(isinstance(r["test-accuracy"], float) for r in rounds.values()), res["rounds"]
+    assert [n["partition-id"] for n in rounds[1]["evaluate-nodes"]] == [0, 1], rounds[1]
+    for r in later + [rounds[1]]:
+        nodes = r["evaluate-nodes"]
+        assert nodes and all(f["partition-id"] == KILLED - 1 for f in r["evaluate-failures"]), r
+        held = sum(n["num-examples"] for n in nodes)
+        weighted = sum(n["num-examples"] * n["accuracy"] for n in nodes) / held
+        assert 0.0 <= r["federated-accuracy"] <= 1.0 and abs(r["federated-accuracy"] - weighted) < 1e-6, r
+    assert all(n["num-examples"] > 0 for r in later for n in r["evaluate-nodes"])
     print(
         f"round 1 done {t_r1:.1f}s after submit, node killed {t_kill:.1f}s, "
         f"failure recorded (round {fail_round}) {t_fail:.1f}s, node back online (during round "
         f"{back_round + 1}, same node id {killed_id}) {t_back:.1f}s, used again in rounds {rejoined}, "
         f"run finished {t_done:.1f}s (rounds: "
         + ", ".join(
-            f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed"
+            f"{r['round']}:{r.get('seconds', 0):.1f}s/{len(r.get('failures', []))} failed/"
+            f"federated {r.get('federated-accuracy')}"
             for r in res["rounds"][1:]
         )
         + ")"

@@ -73,3 +73,12 @@ def test_a_key_of_the_wrong_type_is_named():
         Results.from_json({"rounds": "none"})
     with pytest.raises(TypeError, match="key 'setup-cache-misses' is a bool"):
         Results.from_json({"setup-cache-misses": True})
+
+
+def test_the_summary_has_the_final_federated_accuracy_only_with_federated_evaluation():
+    rows = _rows([0.5, 0.6])
+    assert "final-federated-accuracy" not in summarize(rows)  # default runs: the summary as before
+    rows[0]["federated-accuracy"], rows[1]["federated-accuracy"] = 0.4, None  # round 2: no node replied
+    assert summarize(rows)["final-federated-accuracy"] == 0.4
+    rows[1]["federated-accuracy"] = 0.45
+    assert summarize([{"round": 0, "test-accuracy": 0.1}, *rows])["final-federated-accuracy"] == 0.45

@@ -73,7 +73,12 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path): 
     [
         # FedDifRC composes with other strategies by changing `strategy.name` only.
         ("ssl-fedadam", "method='feddifrc-ssl' strategy.name='fedadam'"),
-        ("conditioned-fedprox", "diffusion.condition='global-model' strategy.name='fedprox'"),
+        # ... and with federated evaluation (each node scores the global model on its held-out 20%).
+        (
+            "conditioned-fedprox",
+            "diffusion.condition='global-model' strategy.name='fedprox' "
+            "fraction-evaluate=1.0 evaluate-holdout=0.2",
+        ),
     ],
 )
 def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
@@ -93,6 +98,31 @@ def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  #
         assert row["test-loss"] is None  # linear-probe accuracy only
     else:
         assert m["condition-seconds"] > 0 and m["train-prox"] >= 0
+        assert_federated_evaluation(r, total=60)
+
+
+def assert_federated_evaluation(r: dict, total: int) -> None:
+    """Every trained round has both nodes' scores on their held-out 20% and their example-weighted
+    mean; the nodes trained on the other 80% (label counts) of their ``total`` examples."""
+    for row in r["rounds"][1:]:
+        nodes = row["evaluate-nodes"]
+        assert [n["partition-id"] for n in nodes] == [0, 1] and row["evaluate-failures"] == []
+        held = sum(n["num-examples"] for n in nodes)
+        weighted = sum(n["num-examples"] * n["accuracy"] for n in nodes) / held
+        assert 0.0 <= row["federated-accuracy"] <= 1.0 and row["federated-accuracy"] == pytest.approx(
+            weighted
+        )
+        assert row["federated-loss"] == pytest.approx(
+            sum(n["num-examples"] * n["loss"] for n in nodes) / held
+        )
+        trained = sum(sum(c) for c in r["label-counts"].values())
+        assert trained + held == total and held == sum(round(0.2 * c) for c in partition_sizes(r, nodes))
+    assert r["summary"]["final-federated-accuracy"] == r["rounds"][-1]["federated-accuracy"]
+
+
+def partition_sizes(r: dict, nodes: list[dict]) -> list[int]:
+    """Each evaluated node's whole partition: its training examples plus its held-out ones."""
+    return [sum(r["label-counts"][str(n["partition-id"])]) + n["num-examples"] for n in nodes]
 
 
 def _failed_run(procs, run_config: str) -> dict:

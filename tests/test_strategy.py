@@ -37,6 +37,10 @@ def test_min_nodes_derived_from_federation_size():
     # the strategy itself never waits for a minimum (a dead node must not stall a round)
     s = build_strategy(cfg)
     assert s.min_available_nodes == 1 and s.min_train_nodes == 1 and s.fraction_train == 1.0
+    # the same for evaluation: the ServerApp samples fraction-evaluate, the strategy takes them all
+    assert s.fraction_evaluate == 0.0  # the default: no federated evaluation
+    s = build_strategy(make_config(fraction_train=0.5, fraction_evaluate=0.3, evaluate_holdout=0.1))
+    assert s.fraction_evaluate == 1.0 and s.min_evaluate_nodes == 1
 
 
 def test_fedavg_weights_by_num_examples():

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
@@ -32,7 +32,9 @@ def main(grid: Grid, context: Context) -> None:
     n = int(rc["min-nodes"])
     while len(grid.get_node_ids()) < n:
         time.sleep(0.5)
-    arrays = ArrayRecord(numpy_ndarrays=[np.zeros(int(rc["num-params"]), dtype=np.float32)])
+    # The app's update layout: one float32 array per entry of "shapes" ("3x3x16x16,16,...").
+    shapes = [tuple(int(d) for d in s.split("x") if d) for s in str(rc["shapes"]).split(",")]
+    arrays = ArrayRecord({f"a{i}": Array(np.zeros(s, dtype=np.float32)) for i, s in enumerate(shapes)})
     strategy = FedAvg(fraction_train=1.0, min_train_nodes=n, min_available_nodes=n)
     seconds = []
     for rnd in range(1, int(rc["num-server-rounds"]) + 1):

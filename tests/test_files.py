@@ -1,0 +1,56 @@
+"""files.py's verified-array format: the digest is byte-order and layout independent and does not
+move across versions (cached files written before must still verify); read_archive detects damage."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from feddifrc_app.files import CorruptFile, array_digest, read_archive, write_archive
+
+
+def _reference(parts) -> str:
+    """The digest's definition, spelled with copies: tag bytes, then little-endian C-order bytes."""
+    h = hashlib.sha256()
+    for tag, a in parts:
+        h.update(tag.encode("utf-8"))
+        h.update(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.arange(12, dtype=">f4").reshape(3, 4)[:, ::2],  # big-endian, not contiguous
+        np.array(3.5),  # 0-d
+        np.zeros((0, 3), np.float32),  # empty
+        np.ones((2, 3), bool),
+        np.arange(6, dtype=np.int64).reshape(2, 3).T,  # Fortran order
+        np.float16([1, 2, 3]),
+    ],
+)
+def test_array_digest_matches_its_definition(a):
+    assert array_digest([("|x|", a)]) == _reference([("|x|", a)])
+
+
+def test_array_digest_is_pinned():
+    # Written once from the definition: a change here would orphan every cached file.
+    parts = [("|ids|", np.arange(3, dtype=np.int64)), ("|v|", np.float32([[0.5, -1.0]]))]
+    assert array_digest(parts) == "e6c0e1c1d757284044573d1cea9f9c9fd746eb1a421dccfb0a8c6279af4c0c79"
+
+
+def test_archive_round_trip_and_truncation_is_detected(tmp_path):
+    p = tmp_path / "a.npz"
+    arrays = {"ids": np.arange(5), "v": np.linspace(0, 1, 10, dtype=np.float32).reshape(5, 2)}
+    write_archive(p, {"k": "x"}, arrays)
+    header, members = read_archive(p)
+    assert header == {"k": "x"}
+    assert set(members) == {"ids", "v"} and np.array_equal(members["v"], arrays["v"])
+    raw = p.read_bytes()
+    p.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CorruptFile, match="unreadable"):
+        read_archive(p)
+    with pytest.raises(FileNotFoundError):
+        read_archive(tmp_path / "absent.npz")
