@@ -21,7 +21,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from feddifrc_app import baselines, log
+from feddifrc_app import baselines, log, privacy
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
 from feddifrc_app.dataset import ImageData, client_holdout, client_split, make_loader
 from feddifrc_app.device import resolve_device
@@ -34,7 +34,7 @@ from feddifrc_app.teacher import teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
-app = ClientApp()
+app = ClientApp(mods=[privacy.client_mod])  # Flower's DP clipping, for a message that asks
 
 
 def _arrived(msg: Message) -> float:

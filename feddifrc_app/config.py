@@ -30,9 +30,14 @@ STRATEGIES = (
     "fedadagrad",
     "fedmedian",
     "fedtrimmedavg",
+    "krum",
+    "multikrum",
+    "bulyan",
+    "qfedavg",
     "scaffold",
     "fednova",
 )
+DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
 LOSS_VARIANTS = ("paper", "code")
@@ -149,6 +154,16 @@ class StrategyConfig:
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
     tau: float = key(lo=0.0, lo_open=True)
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
+    num_malicious_nodes: int = key(lo=0)  # krum / multikrum / bulyan: f, the Byzantine nodes tolerated
+    num_nodes_to_select: int = key(lo=1)  # multikrum: m, the lowest-scoring updates averaged
+    q: float = key(lo=0.0)  # qfedavg: the fairness exponent (0 = FedAvg)
+    dp: str = key(choices=DP_MODES)  # differential privacy: Flower's wrapper around the strategy (privacy.py)
+    dp_noise_multiplier: float = key(lo=0.0)
+    dp_clipping_norm: float = key(lo=0.0, lo_open=True)  # the fixed modes
+    dp_initial_clipping_norm: float = key(lo=0.0, lo_open=True)  # the adaptive modes
+    dp_target_clipped_quantile: float = key(lo=0.0, hi=1.0)
+    dp_clip_norm_lr: float = key(lo=0.0, lo_open=True)
+    dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
     round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
     setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 
@@ -201,7 +216,8 @@ class MoonConfig:
 @dataclass(frozen=True)
 class FedNHConfig:
     rho: float = key(lo=0.0, hi=1.0)  # prototype smoothing (FedNH: 0.9)
-    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's code: 1.0)
+    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's ResNet: 20, CNN: 1)
+    max_grad_norm: float = key(lo=0.0)  # local gradient clipping (FedNH's code: 10); 0 = none
 
 
 @dataclass(frozen=True)
@@ -520,8 +536,86 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         )
 
 
+def sampled_per_round(fraction_train: float, num_nodes: int) -> int:
+    """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""
+    return max(1, int(math.floor(num_nodes * fraction_train + 1e-9)))
+
+
+def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
+    """Why ``sampled`` nodes per round are too few for Krum / MultiKrum / Bulyan with ``f`` =
+    strategy.num-malicious-nodes and ``m`` = strategy.num-nodes-to-select ("" = enough).
+
+    Krum and MultiKrum tolerate f Byzantine nodes among n when n > 2f + 2 (Blanchard et al.,
+    2017; with f = 0 they are a selection rule, any n); MultiKrum averages m <= n - f of them.
+    Bulyan needs n >= 4f + 3 (El Mhamdi et al., 2018): Flower's Bulyan skips aggregation below.
+    """
+    tolerate = f"strategy '{name}' with strategy.num-malicious-nodes = {f} needs at least"
+    if name in ("krum", "multikrum") and f > 0 and sampled < 2 * f + 3:
+        return f"{tolerate} 2 * {f} + 3 = {2 * f + 3} nodes per round"
+    if name == "multikrum" and m > sampled - f:
+        return (
+            f"strategy 'multikrum' averages strategy.num-nodes-to-select = {m} updates, at most the "
+            f"sampled nodes minus strategy.num-malicious-nodes ({sampled} - {f} = {sampled - f})"
+        )
+    if name == "bulyan" and sampled < 4 * f + 3:
+        return f"{tolerate} 4 * {f} + 3 = {4 * f + 3} nodes per round"
+    return ""
+
+
+def _check_robust(v: Mapping[str, Any]) -> None:
+    """Krum / MultiKrum / Bulyan against the nodes a round samples once min-nodes are connected
+    (the ServerApp waits for them); the nodes really sampled are checked again every round
+    (``strategy.RobustBound``)."""
+    sampled = sampled_per_round(v["fraction-train"], v["min-nodes"])
+    why = robust_aggregation_error(
+        v["strategy.name"], v["strategy.num-malicious-nodes"], v["strategy.num-nodes-to-select"], sampled
+    )
+    if why:
+        raise ConfigError(
+            f"config keys 'strategy.num-malicious-nodes' / 'strategy.num-nodes-to-select': {why}, but "
+            f"min-nodes = {v['min-nodes']} with fraction-train = {v['fraction-train']:g} samples {sampled}; "
+            "lower them, or raise min-nodes (the SuperNodes you start) and fraction-train"
+        )
+
+
+def _check_privacy(v: Mapping[str, Any]) -> None:
+    """strategy.dp with what Flower's wrappers and client mods can handle."""
+    dp = v["strategy.dp"]
+    if dp == "none":
+        return
+    two = "strategy.name = 'scaffold'" if v["strategy.name"] == "scaffold" else ""
+    two = "method = 'fednh'" if v["method"] == "fednh" else two
+    if two:
+        # Server-side clipping would clip delta c / the prototypes against the model; the mods refuse them.
+        raise _fail(
+            "strategy.dp", dp, f"{two} replies with a second ArrayRecord, which Flower's DP cannot clip"
+        )
+    if dp.startswith("client") and v["method"] in ("feddifrc", "feddifrc-ssl"):
+        if v["diffusion.projection"] == "federated-pca":  # the train message carries the basis
+            raise _fail(
+                "strategy.dp",
+                dp,
+                "Flower's client mods accept a train message with one ArrayRecord, and "
+                "diffusion.projection = 'federated-pca' sends the basis too; use a server-side mode",
+            )
+    if dp.endswith("adaptive") and (z := v["strategy.dp-noise-multiplier"]) > 0:
+        n = sampled_per_round(v["fraction-train"], v["min-nodes"])
+        given = v["strategy.dp-clipped-count-stddev"]
+        count_std = given or n / 20
+        if z >= 2 * count_std:
+            source = f"{given:g}" if given else f"0 = sampled nodes / 20 = {n} / 20"
+            raise ConfigError(
+                f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
+                f"'strategy.dp-clipped-count-stddev' = {source}: adaptive clipping needs the noise "
+                f"multiplier below 2 x that count noise ({2 * count_std:g}; min-nodes = {v['min-nodes']}); "
+                "raise strategy.dp-clipped-count-stddev or lower strategy.dp-noise-multiplier"
+            )
+
+
 def _check_methods(v: Mapping[str, Any]) -> None:
     """Method x strategy pairs that cannot work, and what resume cannot restore."""
+    _check_robust(v)
+    _check_privacy(v)
     if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
         raise _fail(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"

@@ -41,6 +41,7 @@ class Results:
     setup_seconds: float | None = None
     teacher: dict[str, Any] | None = None  # model, weights-sha256, random-weights, devices
     label_counts: dict[str, list[int]] | None = None  # partition id -> training samples per class
+    privacy: dict[str, Any] | None = None  # strategy.dp's mode and parameters (privacy.settings)
     status: str | None = None  # running, completed, diverged, stopped, failed
     process: dict[str, Any] | None = None  # pid and host of the ServerApp (`feddifrc status`)
     summary: dict[str, float | int | None] | None = None  # summarize(rounds), set on every save
@@ -93,6 +94,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "setup_seconds": (int, float),
     "teacher": dict,
     "label_counts": dict,
+    "privacy": dict,
     "status": str,
     "process": dict,
     "summary": dict,

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
-from feddifrc_app import baselines, log, report
+from feddifrc_app import baselines, log, metric_keys, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
@@ -33,7 +33,7 @@ from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.results import Results
-from feddifrc_app.strategy import build_strategy, load_strategy_state, strategy_state
+from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe
 
 # A round in which no node returns a usable update (every node failed or timed out, or nothing
@@ -185,9 +185,10 @@ class RoundLoop:
             f"{len(failures)} of {n} nodes failed; first failure: {failures[0]['reason']}"
             if failures
             # Flower's strategies return nothing for replies they cannot combine (it logs why,
-            # e.g. "Skipping aggregation" for replies whose metric or array keys differ).
+            # e.g. "Skipping aggregation" for Bulyan with fewer than 4f + 3 replies; mixed metric
+            # keys are settled before, in metric_keys.conform).
             else f"{n} nodes replied but strategy '{self.cfg.strategy.name}' aggregated nothing; "
-            "the ServerApp log says why (e.g. replies with different metric keys)"
+            "the ServerApp log says why (e.g. Bulyan with fewer than 4f + 3 replies)"
         )
         return NoUpdateError(
             f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
@@ -216,6 +217,8 @@ class RoundLoop:
             for m in msgs:
                 m.content["basis"] = self.basis
         ok, failures = self.fed.exchange(msgs, chosen)
+        ok, odd = metric_keys.conform(ok, required_metrics(self.cfg), self._describe)
+        failures += odd
         if failures:
             # Before Flower's "aggregate_train: Received N results and M failures": it is handed only
             # the good replies (our strategies read every reply's content, and a node that never
@@ -259,6 +262,10 @@ class RoundLoop:
         }
         row["seconds"] = time.perf_counter() - t0
         return row
+
+    def _describe(self, reply: Message) -> dict[str, Any]:
+        node = reply.metadata.src_node_id
+        return {"node": node, "partition-id": self.fed.partition_of.get(node)}
 
     def save(self, rnd: int) -> None:
         payload = {

@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, report
+from feddifrc_app import log, privacy, report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import ImageData, load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop
@@ -30,6 +30,7 @@ def main(grid: Grid, context: Context) -> None:
     log.info("run directory: %s", run.path)
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
     write_json(run.path / "config.json", cfg.to_flat())
+    results.privacy = privacy.settings(cfg)
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
 
     # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a

@@ -94,7 +94,10 @@ def train_local(
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise DivergedError("the model weights", tc.lr)
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
-    return run.metrics(), {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
+    # A half's term is reported by every node, as 0 where it added none (MOON's first round):
+    # replies with different metric keys are not aggregated (metric_keys.py).
+    metrics = {f"train-{h.name}": 0.0 for h in halves if h.name} | run.metrics()
+    return metrics, {n: b.detach().cpu() for n, b in buffers.items() if b is not None}
 
 
 class _Running:

@@ -8,6 +8,7 @@ import torch
 from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from feddifrc_app import baselines
 from feddifrc_app.baselines import fednh, fednova, scaffold
 from feddifrc_app.strategy import build_strategy
 
@@ -62,6 +63,81 @@ def test_scaffold_server_update(eta_g, want):
     np.testing.assert_allclose(s.control["w"], [0.1, 0.2])
     nxt = list(s.configure_train(2, arrays, ConfigRecord({}), Nodes()))
     np.testing.assert_allclose(nxt[0].content[scaffold.CONTROL]["w"].numpy(), [0.1, 0.2])
+
+
+def _scaffold_node_trains(s, rnd: int, state: RecordDict, step: float) -> Message:
+    """Node 7 of a one-node federation: receives round ``rnd``'s message, moves its 1-weight
+    model (x = 1) by ``step`` in one plain SGD step of lr 0.5, and replies."""
+    msg = next(
+        iter(s.configure_train(rnd, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
+    )
+    node = baselines.Node(
+        make_config(train__momentum=0.0, train__lr=0.5), None, None, torch.device("cpu"), 0, state
+    )
+    half = scaffold.node_half(msg, node)
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    half.start(model)
+    with torch.no_grad():
+        model.weight += step
+    extra = half.finish(model, {"local-steps": 1.0})
+    content = RecordDict(
+        {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": 1.0})}
+    )
+    content[scaffold.DELTA] = extra[scaffold.DELTA]
+    return Message(content, reply_to=msg)
+
+
+class One:
+    num_nodes = 1
+
+    def get_node_ids(self):
+        return [7]
+
+
+def test_scaffold_c_and_c_i_agree_after_a_rejected_round():
+    """c = (1/N) sum_i c_i, with one node: c == c_7 after every round, accepted or not."""
+    from feddifrc_app.strategy import load_strategy_state, strategy_state
+
+    s = build_strategy(make_config(strategy__name="scaffold"))
+    state = RecordDict()
+    # Round 1, accepted: c_7+ = 0 - 0 + (x - y) / (K lr) = -0.2 / 0.5 = -0.4; c = 0 + 1/1 * -0.4.
+    s.aggregate_train(1, [_scaffold_node_trains(s, 1, state, step=0.2)])
+    np.testing.assert_allclose(s.control["weight"], [[-0.4]], rtol=1e-6)
+    # Round 2, rejected (what rounds.RoundLoop does with a non-finite aggregate): c is restored.
+    before = strategy_state(s)
+    s.aggregate_train(2, [_scaffold_node_trains(s, 2, state, step=1.0)])
+    assert float(s.control["weight"][0, 0]) != pytest.approx(-0.4)
+    load_strategy_state(s, before)
+    np.testing.assert_allclose(s.control["weight"], [[-0.4]], rtol=1e-6)
+    # Round 3: the node learns that round 2 did not count, and trains from c_7 = -0.4, not round 2's.
+    msg3 = next(
+        iter(s.configure_train(3, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
+    )
+    assert msg3.content["config"][scaffold.ACCEPTED] == 1
+    c_i = scaffold.confirmed_control(state, 1)
+    np.testing.assert_allclose(c_i["weight"].numpy(), s.control["weight"], rtol=1e-6)  # c_7 == c
+    assert scaffold.PENDING not in state
+    # An accepted round 3 then moves both alike: c_7+ = c_7 - c + (x - y) / (K lr) = -0.1 / 0.5.
+    s.aggregate_train(3, [_scaffold_node_trains(s, 3, state, step=0.1)])
+    msg4 = next(
+        iter(s.configure_train(4, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
+    )
+    c_i = scaffold.confirmed_control(state, int(msg4.content["config"][scaffold.ACCEPTED]))
+    np.testing.assert_allclose(s.control["weight"], [[-0.2]], rtol=1e-6)
+    np.testing.assert_allclose(c_i["weight"].numpy(), [[-0.2]], rtol=1e-6)
+
+
+def test_scaffold_node_drops_a_c_i_whose_reply_never_counted():
+    state = RecordDict({scaffold.OWN: ArrayRecord({"w": torch.tensor([1.0])})})
+    state[scaffold.PENDING] = ArrayRecord({"w": torch.tensor([5.0])})
+    state[scaffold.PENDING_ROUND] = ConfigRecord({"round": 4})
+    assert scaffold.confirmed_control(state, 3)["w"].tolist() == [1.0]  # round 4's reply was lost
+    assert scaffold.PENDING not in state and scaffold.PENDING_ROUND not in state
+    state[scaffold.PENDING] = ArrayRecord({"w": torch.tensor([5.0])})
+    state[scaffold.PENDING_ROUND] = ConfigRecord({"round": 6})
+    assert scaffold.confirmed_control(state, 6)["w"].tolist() == [5.0]  # round 6's was added to c
+    assert state[scaffold.OWN]["w"].numpy().tolist() == [5.0]
 
 
 # ----------------------------------------------------------------------------- FedNova
@@ -154,6 +230,31 @@ def test_fednh_server_smoothing_by_hand():
     # class 0: avg = [0, 1]; 0.9 [1, 0] + 0.1 [0, 1] normalised; class 1: held by no node, kept
     np.testing.assert_allclose(new[0], np.array([0.9, 0.1]) / np.hypot(0.9, 0.1), rtol=1e-6)
     np.testing.assert_allclose(new[1], [0.0, 1.0])
+
+
+def test_fednh_defaults_follow_fednh_code_for_a_resnet_head():
+    """Yutong-Dai/FedNH: ResNetModNH starts ``scaling`` at 20 (its small CNN at 1) and every local
+    step runs ``clip_grad_norm_(trainable parameters, max_norm=10)``."""
+    from feddifrc_app.model import model_for
+
+    cfg = make_config(method="fednh", strategy__name="fedavg")
+    assert (cfg.fednh.scale, cfg.fednh.max_grad_norm) == (20.0, 10.0)
+    assert model_for(cfg, 10).fc.scaling.item() == 20.0
+
+
+def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    model.weight.grad = torch.full((2, 2), 30.0)  # norm 60
+    model.bias.grad = torch.full((2,), 7.0)  # frozen (as the prototypes are): untouched
+    node = baselines.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
+    fednh.Prototypes(node).before_step(model)
+    assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
+    model.weight.grad = torch.full((2, 2), 1.0)  # norm 2 < 10: unchanged
+    fednh.clip_gradients(model, 10.0)
+    torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 1.0))
+    fednh.clip_gradients(model, 0.0)  # 0 = no clipping
 
 
 # ----------------------------------------------------------------------------- a new method

@@ -523,7 +523,7 @@ def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path
     assert second["train-moon"] > 0  # now the global and the previous local model differ
 
 
-def test_scaffold_node_sends_its_control_change_and_keeps_c_i(tmp_path: Path) -> None:
+def test_scaffold_node_sends_its_control_change_and_keeps_c_i_until_confirmed(tmp_path: Path) -> None:
     from flwr.app import ArrayRecord
 
     from feddifrc_app.baselines import fednova, scaffold
@@ -532,6 +532,7 @@ def test_scaffold_node_sends_its_control_change_and_keeps_c_i(tmp_path: Path) ->
     rc = run_config(tmp_path, method="fedavg", strategy__name="scaffold", train__batch_size=5)
     msg = train_msg(1)
     msg[scaffold.CONTROL] = ArrayRecord({})  # round 1: c = 0
+    msg["config"][scaffold.ACCEPTED] = 0  # no delta c_i of this node in c yet
     reply = call("train", msg, context(rc, 0, state)).content
     steps = int(reply["metrics"]["local-steps"])
     assert steps == 2  # 10 images in batches of 5
@@ -540,4 +541,6 @@ def test_scaffold_node_sends_its_control_change_and_keeps_c_i(tmp_path: Path) ->
     # c = c_i = 0: delta c_i = c_i+ = (x - y) / (a_K lr), a_K the momentum-effective step count
     want = (x.numpy() - y) / (fednova.normalising_factor(steps, 0.9) * 0.05)
     np.testing.assert_allclose(reply[scaffold.DELTA][name].numpy(), want, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(state["scaffold-ci"][name].numpy(), want, rtol=1e-4, atol=1e-6)
+    # c_i+ waits for the server's word (scaffold.confirmed_control) before it is this node's c_i
+    assert scaffold.OWN not in state and state[scaffold.PENDING_ROUND]["round"] == 1
+    np.testing.assert_allclose(state[scaffold.PENDING][name].numpy(), want, rtol=1e-4, atol=1e-6)

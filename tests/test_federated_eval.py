@@ -64,7 +64,7 @@ class FakeFederation:
 
 
 def _arrays():
-    from feddifrc_app.model import model_for
+    from feddifrc_app.baselines import model_for
 
     return state_to_record(model_for(make_config(method="fedavg"), 10).state_dict())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from feddifrc_app.results import Results
 from feddifrc_app.server_app import check_classes, check_teachers
@@ -84,6 +84,14 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     assert not list((tmp_path / "run").rglob("round-*.pt"))  # an untrained round is not checkpointed
 
 
+def _reply(node: int) -> Message:
+    """A train reply with nothing but its weight (the strategies under test are stubbed)."""
+    from flwr.app import MetricRecord
+
+    content = RecordDict({"metrics": MetricRecord({"num-examples": 1.0})})
+    return Message(content, reply_to=Message(content=RecordDict(), message_type="train", dst_node_id=node))
+
+
 def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) -> None:
     from conftest import make_config
 
@@ -92,7 +100,7 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
 
     class Replying(_FailingFederation):
         def exchange(self, msgs, chosen):
-            return [object(), object()], []  # two replies, no failure
+            return [_reply(11), _reply(12)], []  # two replies, no failure
 
     (tmp_path / "run").mkdir()
     results = Results(rounds=[], resumed=[])
@@ -127,7 +135,7 @@ def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replie
 
     class OneLost(_FailingFederation):
         def exchange(self, msgs, chosen):
-            return [object()], [{"node": 12, "partition-id": 1, "reason": "Node Unavailable"}]
+            return [_reply(11)], [{"node": 12, "partition-id": 1, "reason": "Node Unavailable"}]
 
     (tmp_path / "run").mkdir()
     loop = RoundLoop(

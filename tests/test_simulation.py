@@ -140,3 +140,52 @@ def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):  # noqa: F8
         f"diffusion.cache-dir='{tmp_path / 'file'}'",
     )
     assert "is not a folder" in info["status-details"], info
+
+
+# Every Flower strategy this app added, each under one of the four DP modes: 1 round, no teacher,
+# 40 images, run one after the other on the module's SuperLink: 146 s alone, SuperLink start
+# included (submitting all four at once: 142 s, so not worth the interleaved logs).
+STRATEGY_RUNS = [
+    ("krum-server-fixed", FED, "strategy.name='krum' strategy.dp='server-fixed' min-nodes=2"),
+    (
+        "multikrum-client-fixed",
+        FED,
+        "strategy.name='multikrum' strategy.num-nodes-to-select=2 strategy.dp='client-fixed' min-nodes=2",
+    ),
+    (
+        "bulyan-server-adaptive",  # Bulyan needs 4f + 3 = 3 nodes
+        FED.replace("num-supernodes=2", "num-supernodes=3"),
+        "strategy.name='bulyan' strategy.dp='server-adaptive' min-nodes=3",
+    ),
+    (
+        "qfedavg-client-adaptive",
+        FED,
+        "strategy.name='qfedavg' strategy.dp='client-adaptive' min-nodes=2",
+    ),
+]
+
+
+def test_robust_fair_and_private_strategies_run_in_simulation(flower_procs, tmp_path):  # noqa: F811
+    out = tmp_path / "runs"
+    # Tiny noise (std 0.001 x clipping norm / nodes): the noise lands on BatchNorm's running
+    # variances too, and a large one would make them negative.
+    base = (
+        f"method='fedavg' num-server-rounds=1 dataset.train-limit=40 {EVAL} outputs-dir='{out}' "
+        "strategy.dp-noise-multiplier=0.001 strategy.dp-clipped-count-stddev=1.0"
+    )
+    for name, fed, overrides in STRATEGY_RUNS:
+        run_id = flower_procs.submit_run(
+            ROOT, "local", run_config=f"{base} run-name='{name}' {overrides}", federation_config=fed
+        )
+        info = flower_procs.wait_for_run(run_id, "local", timeout=600)
+        assert info["status"] == "finished:completed", (
+            f"{name}: {info}\n{flower_procs.run_log(run_id, 'local')[-4000:]}"
+        )
+        r = results(out / name)
+        strategy, mode = name.split("-", 1)
+        assert r["strategy"] == strategy and r["privacy"]["mode"] == mode
+        row = r["rounds"][1]
+        assert row["failures"] == [] and len(row["nodes"]) == (3 if strategy == "bulyan" else 2)
+        assert 0.0 <= row["test-accuracy"] <= 1.0
+        if mode == "client-adaptive":
+            assert 0.0 <= row["train-metrics"]["norm_bit"] <= 1.0  # each node said whether it clipped

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
 
-from feddifrc_app.config import STRATEGIES
+from feddifrc_app.config import STRATEGIES, ConfigError
 from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_name_builds(name):
-    s = build_strategy(make_config(strategy__name=name))
+    s = build_strategy(make_config(strategy__name=name, min_nodes=3))  # bulyan needs 3 nodes
     assert type(s).__name__.lower() == name
 
 
@@ -98,3 +99,109 @@ def test_strategy_state_survives_a_weights_only_checkpoint():
     assert isinstance(t.current_arrays, ArrayRecord)
     np.testing.assert_array_equal(t.current_arrays["w"].numpy(), [0, 1, 2])
     np.testing.assert_array_equal(t.momentum_vector[0], [0.5, 0.5])
+
+
+# --------------------------------------------------------------------------- robust and fair aggregation
+
+
+def _replies(values, losses=None) -> list[Message]:
+    """One reply per value: a 1-element model ``w``, one example each, and its training loss."""
+    out = []
+    for i, v in enumerate(values):
+        metrics = {"num-examples": 1.0, "train-total": float(losses[i]) if losses else 1.0}
+        content = RecordDict(
+            {"arrays": ArrayRecord({"w": torch.tensor([v])}), "metrics": MetricRecord(metrics)}
+        )
+        out.append(
+            Message(content, reply_to=Message(content=content, message_type="train", dst_node_id=i + 1))
+        )
+    return out
+
+
+class _Grid:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get_node_ids(self):
+        return list(range(1, self.n + 1))
+
+
+# Five updates, one far off. Krum scores each by the squared distances to its n - f - 2 = 2
+# nearest others (f = 1): 0 -> 1 + 6.25, 1 -> 1 + 2.25, 2.5 -> 0.25 + 2.25, 3 -> 0.25 + 4, 100 -> huge.
+FIVE = (0.0, 1.0, 2.5, 3.0, 100.0)
+
+
+def _aggregate(name: str, values, n_grid=None, **overrides) -> float:
+    s = build_strategy(make_config(strategy__name=name, min_nodes=len(values), **overrides))
+    w0 = ArrayRecord({"w": torch.zeros(1)})
+    list(s.configure_train(1, w0, ConfigRecord({}), _Grid(n_grid or len(values))))
+    arrays, _ = s.aggregate_train(1, _replies(values, overrides.pop("losses", None)))
+    return float(arrays["w"].numpy()[0])
+
+
+def test_krum_picks_the_update_closest_to_its_neighbours():
+    assert _aggregate("krum", FIVE, strategy__num_malicious_nodes=1) == 2.5  # FedAvg: 21.3
+
+
+def test_multikrum_averages_the_m_best_scored_updates():
+    # the two lowest scores: 2.5 (2.5) and 1 (3.25)
+    assert (
+        _aggregate("multikrum", FIVE, strategy__num_malicious_nodes=1, strategy__num_nodes_to_select=2)
+        == 1.75
+    )
+
+
+def test_bulyan_averages_the_beta_coordinates_nearest_the_median_of_the_krum_selection():
+    # n = 7, f = 1: MultiKrum keeps theta = n - 2f = 5 (the two +-50 are out), their median is 2,
+    # and the beta = theta - 2f = 3 values nearest it are 2, 3, 3.2. FedMedian of all 7 is 2.
+    got = _aggregate("bulyan", (0.0, 0.5, 2.0, 3.0, 3.2, 50.0, -50.0), strategy__num_malicious_nodes=1)
+    assert got == pytest.approx((2.0 + 3.0 + 3.2) / 3)
+
+
+def test_qfedavg_moves_towards_the_node_with_the_higher_loss():
+    # L = 1 / train.lr = 10, q = 1. Node A at 1 with loss 1: delta = 1 * 10 (0 - 1) = -10,
+    # h = q * 1^0 * 10^2 + L * 1 = 110; node B at -1 with loss 3: delta = 30, h = 100 + 30 = 130.
+    # w = 0 - (-10 + 30) / (110 + 130) = -1/12, towards B (FedAvg: 0).
+    s = build_strategy(make_config(strategy__name="qfedavg", strategy__q=1.0, train__lr=0.1, min_nodes=2))
+    list(s.configure_train(1, ArrayRecord({"w": torch.zeros(1)}), ConfigRecord({}), _Grid(2)))
+    arrays, _ = s.aggregate_train(1, _replies((1.0, -1.0), losses=(1.0, 3.0)))
+    assert float(arrays["w"].numpy()[0]) == pytest.approx(-1 / 12, rel=1e-6)
+    assert (s.client_learning_rate, s.q, s.train_loss_key) == (0.1, 1.0, "train-total")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needs"),
+    [
+        ({"strategy__name": "krum", "strategy__num_malicious_nodes": 1, "min_nodes": 4}, "2 * 1 + 3 = 5"),
+        ({"strategy__name": "bulyan", "min_nodes": 2}, "4 * 0 + 3 = 3"),
+        (
+            {
+                "strategy__name": "bulyan",
+                "strategy__num_malicious_nodes": 1,
+                "min_nodes": 10,
+                "fraction_train": 0.5,
+            },
+            "= 7",
+        ),
+        ({"strategy__name": "multikrum", "strategy__num_nodes_to_select": 3, "min_nodes": 2}, "(2 - 0 = 2)"),
+    ],
+)
+def test_byzantine_bounds_are_checked_at_load(overrides, needs):
+    with pytest.raises(ConfigError, match="strategy.num-malicious-nodes") as e:
+        make_config(**overrides)
+    assert needs in str(e.value) and "min-nodes" in str(e.value)
+
+
+def test_byzantine_bounds_hold_without_malicious_nodes_and_with_enough_nodes():
+    make_config(strategy__name="krum", min_nodes=2)  # f = 0: a selection rule, any n
+    make_config(strategy__name="bulyan", strategy__num_malicious_nodes=1, min_nodes=7)
+    make_config(strategy__name="fedavg", strategy__num_malicious_nodes=5)  # not read by fedavg
+
+
+def test_byzantine_bound_is_checked_again_against_the_nodes_really_sampled():
+    # Loaded for 7 nodes; only 5 connected: round 1 fails, naming the key, before any message is sent.
+    s = build_strategy(make_config(strategy__name="bulyan", strategy__num_malicious_nodes=1, min_nodes=7))
+    w0 = ArrayRecord({"w": torch.zeros(1)})
+    with pytest.raises(ConfigError, match=r"round 1: .*needs at least 4 \* 1 \+ 3 = 7 .*but 5 were sampled"):
+        list(s.configure_train(1, w0, ConfigRecord({}), _Grid(5)))
+    assert len(list(s.configure_train(1, w0, ConfigRecord({}), _Grid(7)))) == 7

@@ -51,7 +51,8 @@ class NodeHalf:
     """A method's part of one local training; every hook is optional.
 
     ``train_local`` calls ``start`` once the model is on its device, adds ``term`` to every
-    step's loss (reported as ``train-<name>``) and calls ``before_step`` between backward and
+    step's loss (reported as ``train-<name>``, 0 when it never adds one: every node of a round
+    reports the same keys) and calls ``before_step`` between backward and
     the optimiser step; the ClientApp calls ``finish`` after training.
     """
 

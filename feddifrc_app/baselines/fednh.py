@@ -4,7 +4,9 @@ Nodes train the network under frozen prototypes (``model.PrototypeHead``) and th
 per class c they hold, ``n_c * normalise(mean of the normalised embeddings)`` and ``n_c``.
 The server (as FedNH's public code): ``avg_c = normalise(sum_i scaled_ic / sum_i n_ic)``,
 ``p_c <- normalise(rho * p_c + (1 - rho) * avg_c)``; a class no node holds keeps p_c. The
-rest of the model is averaged as in FedAvg.
+rest of the model is averaged as in FedAvg. Local training clips the gradient norm of the
+trainable parameters at ``fednh.max-grad-norm`` (FedNH's code: ``clip_grad_norm_(..., 10)``
+after every backward), and the head's scale starts at ``fednh.scale`` (FedNH's ResNet: 20).
 """
 
 from __future__ import annotations
@@ -45,11 +47,21 @@ def class_prototypes(model: nn.Module, loader: Iterable, num_classes: int, devic
     return scaled.cpu(), counts.cpu()
 
 
+def clip_gradients(model: nn.Module, max_norm: float) -> None:
+    """FedNH's step: the trainable parameters' gradient norm clipped at ``max_norm`` (0 = none)."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+
+
 class Prototypes(NodeHalf):
-    """The node half: after training, this node's class prototypes for the reply."""
+    """The node half: every step's gradients clipped; after training, this node's class
+    prototypes for the reply."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
+
+    def before_step(self, model: nn.Module) -> None:
+        clip_gradients(model, self.node.cfg.fednh.max_grad_norm)
 
     def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
         n = self.node

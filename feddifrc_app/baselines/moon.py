@@ -69,8 +69,6 @@ class Moon(NodeHalf):
         return None if self.reg is None else self.reg(x, z)
 
     def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
-        # Every node reports the same keys, or Flower refuses to aggregate.
-        metrics.setdefault("train-moon", 0.0)
         self.node.state[PREVIOUS] = state_to_record(model.state_dict())
         return {}
 

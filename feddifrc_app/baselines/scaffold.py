@@ -7,6 +7,12 @@ variates c / c_i: every step adds (c - c_i) to the gradient; afterwards (option 
 example weights, as FedAvg) and ``c <- c + (|S| / N) * mean_i delta_c_i``, with |S| the
 nodes that replied and N the federation's distinct nodes. Control variates cover trainable parameters only.
 
+A node's new c_i counts only once the server has added its delta_c_i to c: the node keeps
+c_i+ as pending (with its round) and each train message tells it the last round whose
+delta_c_i from it the server accepted (``ACCEPTED``). A round whose aggregate the server
+rejects (non-finite: ``rounds.RoundLoop`` restores the strategy state, so also ``accepted``),
+and a reply that never arrived, leave both c and c_i as they were: c = (1/N) sum_i c_i holds.
+
 With SGD momentum rho (the paper uses plain SGD), K steps of lr move the model like a_K
 plain steps, ``a_K = (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho)`` (FedNova's factor),
 so option II divides by ``a_K * lr``; dividing by ``K * lr`` overstates c_i about
@@ -21,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
@@ -32,6 +38,9 @@ from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statis
 CONTROL = "scaffold-c"  # server -> node: the server control variate
 DELTA = "scaffold-dc"  # node -> server: the change of the node's control variate
 OWN = "scaffold-ci"  # Context.state: this node's control variate, kept across rounds
+PENDING = "scaffold-ci-pending"  # Context.state: c_i+ of the node's last training, not yet confirmed
+PENDING_ROUND = "scaffold-ci-round"  # Context.state: {"round": the round that c_i+ is from}
+ACCEPTED = "scaffold-accepted"  # server -> node config: last round whose delta_c_i from it made c
 
 
 def correction(
@@ -67,13 +76,23 @@ def control_update(
     return new, delta
 
 
+def confirmed_control(state: RecordDict, accepted: int) -> dict[str, torch.Tensor]:
+    """This node's c_i: its pending c_i+ becomes c_i if the server accepted that round's
+    delta_c_i (``accepted`` is the round), else it is dropped; either way it is pending no more."""
+    if PENDING in state:
+        if int(state[PENDING_ROUND]["round"]) == accepted:
+            state[OWN] = state[PENDING]
+        del state[PENDING], state[PENDING_ROUND]
+    return record_to_state(state[OWN]) if OWN in state else {}
+
+
 class Corrected(NodeHalf):
     """The node half: every step's gradient corrected by ``c - c_i``; afterwards c_i+ kept in
-    ``Context.state`` and delta_c_i sent back."""
+    ``Context.state`` as pending (until the server confirms it) and delta_c_i sent back."""
 
-    def __init__(self, c: dict[str, torch.Tensor], node: Node) -> None:
-        self.c, self.node = c, node
-        self.c_i = record_to_state(node.state[OWN]) if OWN in node.state else {}
+    def __init__(self, c: dict[str, torch.Tensor], node: Node, server_round: int, accepted: int) -> None:
+        self.c, self.node, self.round = c, node, server_round
+        self.c_i = confirmed_control(node.state, accepted)
         self.corr = correction(c, self.c_i, node.device)
         self.x: dict[str, torch.Tensor] = {}
 
@@ -89,12 +108,17 @@ class Corrected(NodeHalf):
         # With momentum rho, K steps of lr move the model like a_K plain ones (FedNova's a_i).
         k = normalising_factor(int(metrics["local-steps"]), train.momentum)
         c_new, delta = control_update(self.x, y, self.c, self.c_i, k, train.lr)
-        self.node.state[OWN] = ArrayRecord(c_new)
+        self.node.state[PENDING] = ArrayRecord(c_new)
+        self.node.state[PENDING_ROUND] = ConfigRecord({"round": self.round})
         return {DELTA: ArrayRecord(delta)}
 
 
 def node_half(msg: Message, node: Node) -> Corrected | None:
-    return Corrected(record_to_state(msg.content[CONTROL]), node) if CONTROL in msg.content else None
+    if CONTROL not in msg.content:
+        return None
+    config = msg.content["config"]
+    c = record_to_state(msg.content[CONTROL])
+    return Corrected(c, node, int(config["server-round"]), int(config[ACCEPTED]))
 
 
 class Scaffold(FedAvg):
@@ -107,16 +131,22 @@ class Scaffold(FedAvg):
         self.fraction_of_nodes = 0.0  # |S| / N of the last aggregated round, as it really was
         self.current_arrays: dict[str, np.ndarray] | None = None
         self.control: dict[str, np.ndarray] = {}
+        self.accepted: dict[int, int] = {}  # node id -> last round its delta_c_i was added to c
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
         self.num_nodes = grid.num_nodes  # federation.Federation.view
-        msgs = list(super().configure_train(server_round, arrays, config, grid))
-        for m in msgs:
-            m.content[CONTROL] = arrays_to_record(self.control)
-        return msgs
+        control = arrays_to_record(self.control)
+        out = []
+        for m in super().configure_train(server_round, arrays, config, grid):
+            # One content per node (FedAvg shares one): each node is told its own accepted round.
+            dst = m.metadata.dst_node_id
+            node_config = ConfigRecord({**m.content["config"], ACCEPTED: int(self.accepted.get(dst, 0))})
+            content = RecordDict({"arrays": arrays, "config": node_config, CONTROL: control})
+            out.append(Message(content=content, message_type=m.metadata.message_type, dst_node_id=dst))
+        return out
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -138,4 +168,5 @@ class Scaffold(FedAvg):
         for k in deltas[0]:
             mean = sum(d[k] for d in deltas) / len(deltas)
             self.control[k] = self.control.get(k, np.zeros_like(mean)) + self.fraction_of_nodes * mean
+        self.accepted |= {r.metadata.src_node_id: server_round for r in replies}
         return arrays_to_record(new), metrics

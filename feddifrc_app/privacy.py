@@ -1,0 +1,145 @@
+"""Differential privacy by ``strategy.dp``: Flower 1.42's wrappers around any strategy, both halves.
+
+- ``server-fixed`` / ``server-adaptive``: ``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``
+  clip each reply's update ``y_i - x`` on the server, then add Gaussian noise of std
+  ``noise-multiplier * clipping-norm / sampled nodes`` to the aggregate.
+- ``client-fixed`` / ``client-adaptive``: ``DifferentialPrivacyClientSide{Fixed,Adaptive}Clipping``
+  send ``clipping_norm`` in the train message; the node clips its own update with Flower's
+  ``fixedclipping_mod`` / ``adaptiveclipping_mod`` (``client_mod``: only for a train message
+  that carries the key) and the server adds the noise.
+
+Adaptive clipping (Andrew et al., 2021) moves the clipping norm towards the
+``dp-target-clipped-quantile`` of the update norms. Flower calibrates the noise to a fixed
+number of sampled nodes; here it is set every round to the nodes really sampled
+(``fraction-train`` of the connected ones). Flower's noise assumes the plain mean of the
+clipped updates; FedAvg weights replies by their examples, so with unequal partitions the
+noise is calibrated to the mean, not to the weighted sum (README, "Differential privacy").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    Strategy,
+)
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT, compute_adaptive_noise_params
+
+from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round
+
+
+class _FixedPerRound:
+    """Noise calibrated to the nodes this round samples (Flower fixes one number at start)."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.num_sampled_clients = len(grid.get_node_ids())
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class _AdaptivePerRound:
+    """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        n = len(grid.get_node_ids())
+        if n != self.num_sampled_clients:
+            self.num_sampled_clients = n
+            z, count_std = self.configured
+            try:
+                self.clipped_count_stddev, self.noise_multiplier = compute_adaptive_noise_params(
+                    z, n, count_std
+                )
+            except ValueError as e:
+                raise ConfigError(f"round {server_round}, {n} sampled nodes: strategy.dp: {e}") from None
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class ServerFixed(_FixedPerRound, DifferentialPrivacyServerSideFixedClipping):
+    pass
+
+
+class ClientFixed(_FixedPerRound, DifferentialPrivacyClientSideFixedClipping):
+    pass
+
+
+class ServerAdaptive(_AdaptivePerRound, DifferentialPrivacyServerSideAdaptiveClipping):
+    pass
+
+
+class ClientAdaptive(_AdaptivePerRound, DifferentialPrivacyClientSideAdaptiveClipping):
+    pass
+
+
+def _count_stddev(cfg: Config) -> float | None:
+    """strategy.dp-clipped-count-stddev; 0 = Flower's default (sampled nodes / 20)."""
+    return cfg.strategy.dp_clipped_count_stddev or None
+
+
+def wrap(strategy: Strategy, cfg: Config) -> Strategy:
+    """``strategy`` under the DP wrapper that ``strategy.dp`` names (itself for "none")."""
+    s, mode = cfg.strategy, cfg.strategy.dp
+    if mode == "none":
+        return strategy
+    n = sampled_per_round(cfg.fraction_train, cfg.min_nodes)  # reset every round to the real count
+    if mode.endswith("fixed"):
+        cls = ServerFixed if mode == "server-fixed" else ClientFixed
+        return cls(strategy, s.dp_noise_multiplier, s.dp_clipping_norm, n)
+    cls = ServerAdaptive if mode == "server-adaptive" else ClientAdaptive
+    out = cls(
+        strategy,
+        s.dp_noise_multiplier,
+        n,
+        initial_clipping_norm=s.dp_initial_clipping_norm,
+        target_clipped_quantile=s.dp_target_clipped_quantile,
+        clip_norm_lr=s.dp_clip_norm_lr,
+        clipped_count_stddev=_count_stddev(cfg),
+    )
+    out.configured = (s.dp_noise_multiplier, _count_stddev(cfg))
+    return out
+
+
+def settings(cfg: Config) -> dict[str, Any] | None:
+    """What results.json records of the run's DP (None without DP)."""
+    s = cfg.strategy
+    if s.dp == "none":
+        return None
+    out: dict[str, Any] = {"mode": s.dp, "noise-multiplier": s.dp_noise_multiplier}
+    if s.dp.endswith("fixed"):
+        return out | {"clipping-norm": s.dp_clipping_norm}
+    return out | {
+        "initial-clipping-norm": s.dp_initial_clipping_norm,
+        "target-clipped-quantile": s.dp_target_clipped_quantile,
+        "clip-norm-lr": s.dp_clip_norm_lr,
+        "clipped-count-stddev": s.dp_clipped_count_stddev or "sampled nodes / 20 (Flower's default)",
+    }
+
+
+def required_metrics(cfg: Config) -> frozenset[str]:
+    """Client-side adaptive clipping reads each reply's ``norm_bit`` (was the update clipped)."""
+    return frozenset({KEY_NORM_BIT}) if cfg.strategy.dp == "client-adaptive" else frozenset()
+
+
+def client_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """The ClientApp's mod: Flower's clipping mod for a train message that asks for clipping
+    (``clipping_norm`` in its config), by the run's ``strategy.dp``; every other message passes.
+    (Flower's mods reject a message without the key, so they cannot simply always be on.)"""
+    train = msg.metadata.message_type == MessageType.TRAIN and "config" in msg.content
+    if not train or KEY_CLIPPING_NORM not in msg.content["config"]:
+        return call_next(msg, ctxt)
+    mode = load_config(ctxt.run_config).strategy.dp
+    mod = {"client-fixed": fixedclipping_mod, "client-adaptive": adaptiveclipping_mod}.get(mode)
+    if mod is None:
+        raise ConfigError(f"a train message asks for client-side clipping, but strategy.dp = {mode!r}")
+    return mod(msg, ctxt, call_next)
