@@ -235,7 +235,7 @@ def test_fednh_server_smoothing_by_hand():
 def test_fednh_defaults_follow_fednh_code_for_a_resnet_head():
     """Yutong-Dai/FedNH: ResNetModNH starts ``scaling`` at 20 (its small CNN at 1) and every local
     step runs ``clip_grad_norm_(trainable parameters, max_norm=10)``."""
-    from feddifrc_app.model import model_for
+    from feddifrc_app.baselines import model_for
 
     cfg = make_config(method="fednh", strategy__name="fedavg")
     assert (cfg.fednh.scale, cfg.fednh.max_grad_norm) == (20.0, 10.0)
