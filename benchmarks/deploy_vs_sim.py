@@ -223,7 +223,9 @@ def update_shapes(run_dir: Path) -> str:
 def run_floor(procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespace) -> list[float]:
     """The floor app's round times on the deployment that just ran the app."""
     out = work / "floor.json"
-    rc = f"num-server-rounds={a.rounds} shapes='{update_shapes(run_dir)}' min-nodes={a.nodes} out-file='{out}'"
+    rc = (
+        f"num-server-rounds={a.rounds} shapes='{update_shapes(run_dir)}' min-nodes={a.nodes} out-file='{out}'"
+    )
     run_id = procs.submit_run(FLOOR_APP, CONN, run_config=rc)
     info = procs.wait_for_run(run_id, CONN, timeout=a.timeout)
     if info.get("status") != "finished:completed":

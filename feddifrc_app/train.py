@@ -37,6 +37,17 @@ class DivergedError(FloatingPointError):
         )
 
 
+def _optimizer(
+    model: nn.Module, cfg: Config, momentum_state: dict[str, torch.Tensor] | None, device: torch.device
+) -> torch.optim.SGD:
+    """The local SGD, with the momentum buffers this node kept from its last round (keep-momentum)."""
+    tc = cfg.train
+    opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    if momentum_state and tc.momentum > 0:
+        _restore_momentum(opt, model, momentum_state, device)
+    return opt
+
+
 def train_local(
     model: nn.Module,
     loader: DataLoader,
@@ -61,9 +72,7 @@ def train_local(
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()
     targets = targets.to(device) if use_teacher else None
-    opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    if momentum_state and tc.momentum > 0:
-        _restore_momentum(opt, model, momentum_state, device)
+    opt = _optimizer(model, cfg, momentum_state, device)
     for h in halves:
         h.start(model)
     gen = torch.Generator().manual_seed(seed)  # negative sampling in TDCL

@@ -1,0 +1,59 @@
+"""Real `flwr run .` of the strategies Flower ships for robustness and fairness (Krum, MultiKrum,
+Bulyan, QFedAvg), each with one differential-privacy mode: one file of its own, so pytest-xdist
+(--dist loadfile) runs it beside the other simulation files instead of after them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ROOT
+from flower_procs import flower_procs  # noqa: F401  (pytest fixture)
+from simulation_runs import EVAL, FED, results
+
+pytestmark = pytest.mark.slow
+
+
+STRATEGY_RUNS = [
+    ("krum-server-fixed", FED, "strategy.name='krum' strategy.dp='server-fixed' min-nodes=2"),
+    (
+        "multikrum-client-fixed",
+        FED,
+        "strategy.name='multikrum' strategy.num-nodes-to-select=2 strategy.dp='client-fixed' min-nodes=2",
+    ),
+    (
+        "bulyan-server-adaptive",  # Bulyan needs 4f + 3 = 3 nodes
+        FED.replace("num-supernodes=2", "num-supernodes=3"),
+        "strategy.name='bulyan' strategy.dp='server-adaptive' min-nodes=3",
+    ),
+    (
+        "qfedavg-client-adaptive",
+        FED,
+        "strategy.name='qfedavg' strategy.dp='client-adaptive' min-nodes=2",
+    ),
+]
+
+
+def test_robust_fair_and_private_strategies_run_in_simulation(flower_procs, tmp_path):  # noqa: F811
+    out = tmp_path / "runs"
+    # Tiny noise (std 0.001 x clipping norm / nodes): the noise lands on BatchNorm's running
+    # variances too, and a large one would make them negative.
+    base = (
+        f"method='fedavg' num-server-rounds=1 dataset.train-limit=40 {EVAL} outputs-dir='{out}' "
+        "strategy.dp-noise-multiplier=0.001 strategy.dp-clipped-count-stddev=1.0"
+    )
+    for name, fed, overrides in STRATEGY_RUNS:
+        run_id = flower_procs.submit_run(
+            ROOT, "local", run_config=f"{base} run-name='{name}' {overrides}", federation_config=fed
+        )
+        info = flower_procs.wait_for_run(run_id, "local", timeout=600)
+        assert info["status"] == "finished:completed", (
+            f"{name}: {info}\n{flower_procs.run_log(run_id, 'local')[-4000:]}"
+        )
+        r = results(out / name)
+        strategy, mode = name.split("-", 1)
+        assert r["strategy"] == strategy and r["privacy"]["mode"] == mode
+        row = r["rounds"][1]
+        assert row["failures"] == [] and len(row["nodes"]) == (3 if strategy == "bulyan" else 2)
+        assert 0.0 <= row["test-accuracy"] <= 1.0
+        if mode == "client-adaptive":
+            assert 0.0 <= row["train-metrics"]["norm_bit"] <= 1.0  # each node said whether it clipped
