@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from feddifrc_app.records import state_to_record
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR_APP = ROOT / "benchmarks" / "floor_app"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -213,8 +215,6 @@ def update_shapes(run_dir: Path) -> str:
     """The app's update layout, as the floor app's ``shapes``: every array the ClientApp sends (the
     saved global model's travelling entries), in order. Flower moves each array as its own objects,
     so the floor must send as many arrays of the same sizes, not one of the same total."""
-    from feddifrc_app.records import state_to_record
-
     last = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
     state = torch.load(last, map_location="cpu", weights_only=False)["model"]
     return ",".join("x".join(map(str, a.shape)) for a in state_to_record(state).values())

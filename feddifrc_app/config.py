@@ -536,9 +536,10 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         )
 
 
-def sampled_per_round(fraction_train: float, num_nodes: int) -> int:
-    """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""
-    return max(1, int(math.floor(num_nodes * fraction_train + 1e-9)))
+def sampled_per_round(fraction: float, num_nodes: int) -> int:
+    """Nodes sampled per round: ``fraction`` (``fraction-train``, or ``fraction-evaluate``) of the
+    connected nodes, at least 1."""
+    return max(1, int(math.floor(num_nodes * fraction + 1e-9)))
 
 
 def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:

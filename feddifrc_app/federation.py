@@ -7,7 +7,6 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
@@ -19,8 +18,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.exit import add_exit_handler
 
 from feddifrc_app import log
-from feddifrc_app.config import Config
-from feddifrc_app.strategy import nodes_per_round
+from feddifrc_app.config import Config, sampled_per_round
 
 SETUP = f"{MessageType.QUERY}.setup"
 # How long a reply may wait for the ServerApp to notice it. Flower's Grid.send_and_receive sleeps
@@ -142,11 +140,8 @@ class Federation:
         if new:  # joined, or rejoined with a new id, since setup: learn who they are
             self.setup(new, want_stats=False)
         known = sorted((n for n in current if n in self.partition_of), key=self._order)
-        if evaluate:  # nodes_per_round's rule (at least 1), with fraction-evaluate
-            k = max(1, math.floor(len(known) * self.cfg.fraction_evaluate + 1e-9))
-        else:
-            k = nodes_per_round(self.cfg, len(known))
-        k = min(k, len(known))
+        fraction = self.cfg.fraction_evaluate if evaluate else self.cfg.fraction_train
+        k = min(sampled_per_round(fraction, len(known)), len(known))
         seed = f"evaluate {self.cfg.seed} {rnd}" if evaluate else self.cfg.seed * 1_000_003 + rnd
         return sorted(random.Random(seed).sample(known, k), key=self._order)
 
