@@ -12,6 +12,9 @@ from feddifrc_app.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The Flower process fixtures (flower_procs, flower_procs_own_ray, ray_cluster) for every test file.
+pytest_plugins = ("flower_procs",)
+
 
 # Most unit tests exercise the plumbing on sklearn's digits with the embedded RANDOM tiny
 # teacher at the paper's 512-d width: small and independent of the packaged weights. Tests

@@ -53,9 +53,11 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -71,7 +73,10 @@ __all__ = [
     "descendants",
     "flower_env",
     "flower_procs",
+    "flower_procs_own_ray",
     "free_port",
+    "ray_cluster",
+    "start_ray_head",
     "wait_for_port",
 ]
 
@@ -139,6 +144,9 @@ def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # Ray resolves 127.0.0.1 to the host's own network address unless its cluster mode is
+            # off (meant for macOS/Windows, honoured on Linux): every Ray address stays on loopback.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             # Several processes share few cores: one intra-op thread each.
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
@@ -307,6 +315,7 @@ class FlowerProcs:
         }
         self.env = flower_env(self.flwr_home, {**local, **(extra_env or {})})
         self.procs: dict[str, FlowerProc] = {}
+        self.finished: set[int] = set()  # runs whose whole log was streamed to logs/run-<id>.log
 
     # -- lifecycle
 
@@ -545,22 +554,28 @@ class FlowerProcs:
         deadline = time.monotonic() + timeout
         with open(self.logs / f"run-{run_id}.log", "ab") as out:
             try:
-                subprocess.run(
-                    ["flwr", "log", str(run_id), connection, "--stream"],
-                    cwd=self.workdir,
-                    env=self.env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    timeout=timeout,
+                streamed = (
+                    subprocess.run(
+                        ["flwr", "log", str(run_id), connection, "--stream"],
+                        cwd=self.workdir,
+                        env=self.env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        timeout=timeout,
+                    ).returncode
+                    == 0
                 )
             except subprocess.TimeoutExpired:
-                pass  # reported below, with the run's last status
+                streamed = False  # reported below, with the run's last status
         info: dict[str, Any] = {}
         while True:
             info = self.run_info(run_id, connection)
             if str(info.get("status", "")).startswith("finished"):
+                if streamed:  # the stream ran to the run's end: its file is the whole log
+                    self.finished.add(run_id)
                 return info
+            streamed = False  # it ended before the run did
             if time.monotonic() >= deadline:
                 break
             time.sleep(poll)
@@ -570,7 +585,11 @@ class FlowerProcs:
         )
 
     def run_log(self, run_id: int, connection: str) -> str:
-        """The run's ServerApp log so far (``flwr log ID <conn> --show``)."""
+        """The run's ServerApp log: the stream :meth:`wait_for_run` kept once the run has finished
+        (no second `flwr` start-up), else the log so far (``flwr log ID <conn> --show``)."""
+        streamed = self.logs / f"run-{run_id}.log"
+        if run_id in self.finished and streamed.is_file():
+            return streamed.read_text(errors="replace")
         cp = self.flwr(["log", str(run_id), connection, "--show"], check=False, timeout=60)
         return cp.stdout + cp.stderr
 
@@ -590,13 +609,64 @@ class FlowerProcs:
         raise TimeoutError(f"{len(online)} of {count} SuperNodes online after {timeout}s\n{self.report()}")
 
 
+def start_ray_head(procs: FlowerProcs, temp_dir: Path, num_cpus: int = 2, timeout: float = 120.0) -> str:
+    """A Ray head node on 127.0.0.1 (see :func:`flower_env`) in its own process group; its GCS
+    address (``RAY_ADDRESS``).
+
+    ``ray start --block`` keeps the cluster's processes (GCS, raylet, their workers) in its own
+    group, so :meth:`FlowerProcs.close` ends them all. Its ``--temp-dir`` is private: the
+    cluster never writes ``/tmp/ray/ray_current_cluster``, so a run that starts Ray its own way
+    (``ray.init()`` with no address, as `flwr run` does for a user) cannot join it by accident.
+    ``num_cpus`` is logical: Flower sizes its actor pool as ``num_cpus // client-resources-num-cpus``.
+    """
+    port = free_port()
+    argv = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    argv += [f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]
+    argv += ["--object-store-memory=200000000", f"--temp-dir={temp_dir}"]
+    # Ports Ray would take at fixed defaults (10001, 8265, 52365): two sessions' heads would collide.
+    for flag in ("ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port"):
+        argv.append(f"--{flag}={free_port()}")
+    proc = procs.start("ray-head", argv, ready_log="block forever", timeout=timeout)
+    assert proc.alive(), proc.tail()
+    return f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Ray cluster per test session (per pytest-xdist worker) that simulation runs join.
+
+    A run's own ``ray.init()`` starts a cluster (GCS, raylet, dashboard agent, log monitor) and
+    stops it again: about 6 s and 5 CPU-seconds per run on 2 cores, paid ~20 times by the suite.
+    The runs of the suite join this one through ``RAY_ADDRESS`` (read by ``ray.init``); the
+    end-to-end test keeps a user's path (``flower_procs_own_ray``).
+    """
+    procs = FlowerProcs(tmp_path_factory.mktemp("ray-head"))
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
+    try:
+        yield start_ray_head(procs, temp)
+    finally:
+        procs.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 @pytest.fixture
-def flower_procs(tmp_path: Path) -> Iterator[FlowerProcs]:
-    """A :class:`FlowerProcs` in ``tmp_path/flower``; every process is killed at teardown.
+def flower_procs(tmp_path: Path, ray_cluster: str) -> Iterator[FlowerProcs]:
+    """A :class:`FlowerProcs` in ``tmp_path/flower`` whose simulation runs join ``ray_cluster``;
+    every process is killed at teardown.
 
     The log tails are printed at teardown: pytest shows them for failing tests.
     """
-    procs = FlowerProcs(tmp_path / "flower")
+    yield from _procs(tmp_path, {"RAY_ADDRESS": ray_cluster})
+
+
+@pytest.fixture
+def flower_procs_own_ray(tmp_path: Path) -> Iterator[FlowerProcs]:
+    """As :func:`flower_procs`, but each simulation run starts its own Ray, as `flwr run` does."""
+    yield from _procs(tmp_path, None)
+
+
+def _procs(tmp_path: Path, extra_env: Mapping[str, str] | None) -> Iterator[FlowerProcs]:
+    procs = FlowerProcs(tmp_path / "flower", extra_env)
     try:
         yield procs
     finally:

@@ -7,7 +7,10 @@ from pathlib import Path
 
 from conftest import ROOT
 
-FED = "num-supernodes=2 client-resources-num-cpus=1"
+# Two nodes, one Ray actor (2 CPUs each, of the 2 a cluster here has): the actor serves both nodes
+# in turn. A second actor would pay another process start and torch import (~15 CPU-seconds per
+# run) for no speed on 2 cores.
+FED = "num-supernodes=2 client-resources-num-cpus=2"
 # The server scores every round on val and test: 200 of each (stratified) keeps that cheap.
 EVAL = "dataset.eval-limit=200"
 

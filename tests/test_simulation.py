@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 from conftest import ROOT
-from flower_procs import flower_procs  # noqa: F401  (pytest fixture)
 from simulation_runs import EVAL, FED, results, run_ok
 
 pytestmark = pytest.mark.slow
 
 
-def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs, tmp_path):  # noqa: F811
+def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs_own_ray, tmp_path):
+    """The user's path: each run starts its own Ray, as `flwr run .` does (the other simulation
+    tests join one cluster per test session)."""
+    flower_procs = flower_procs_own_ray
     out, cache = tmp_path / "runs", tmp_path / "cache"
     base = (
         f"num-server-rounds=2 dataset.train-limit=120 {EVAL} outputs-dir='{out}' "
@@ -76,7 +78,7 @@ def _failed_run(procs, run_config: str) -> dict:
     return info
 
 
-def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):  # noqa: F811
+def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):
     (tmp_path / "file").write_text("not a folder")
     info = _failed_run(
         flower_procs,

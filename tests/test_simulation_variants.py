@@ -6,7 +6,6 @@ pytest-xdist (--dist loadfile) runs it beside the other simulation files.
 from __future__ import annotations
 
 import pytest
-from flower_procs import flower_procs  # noqa: F401  (pytest fixture)
 from simulation_runs import EVAL, results, run_ok
 
 pytestmark = pytest.mark.slow
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.slow
         ),
     ],
 )
-def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):  # noqa: F811
+def test_variants_run_in_simulation(flower_procs, tmp_path, name, overrides):
     out = tmp_path / "runs"
     run_ok(
         flower_procs,

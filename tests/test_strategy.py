@@ -139,6 +139,63 @@ def _aggregate(name: str, values, n_grid=None, **overrides) -> float:
     return float(arrays["w"].numpy()[0])
 
 
+def _rounds(name: str, rounds, **overrides) -> list[float]:
+    """The global ``w`` after each round of hand-made replies (one example each), from w = 0."""
+    s = build_strategy(make_config(strategy__name=name, min_nodes=len(rounds[0]), **overrides))
+    w, out = ArrayRecord({"w": torch.zeros(1)}), []
+    for rnd, values in enumerate(rounds, start=1):
+        list(s.configure_train(rnd, w, ConfigRecord({}), _Grid(len(values))))
+        w, _ = s.aggregate_train(rnd, _replies(values))
+        out.append(float(w["w"].numpy()[0]))
+    return out
+
+
+def test_fedmedian_takes_the_coordinatewise_median():
+    assert _aggregate("fedmedian", FIVE) == 2.5  # FedAvg: 21.3
+
+
+def test_fedtrimmedavg_drops_the_trim_beta_share_at_each_end():
+    # beta = 0.2 of 5 nodes: one value cut at each end (0 and 100), the mean of 1, 2.5, 3 kept
+    assert _aggregate("fedtrimmedavg", FIVE) == pytest.approx(6.5 / 3)
+    assert _aggregate("fedtrimmedavg", FIVE, strategy__trim_beta=0.0) == pytest.approx(106.5 / 5)
+
+
+def test_fedavgm_keeps_moving_along_its_server_momentum():
+    # Round 1: the mean 2 is the pseudo-gradient -2, so w = 2. Round 2: the nodes agree with w
+    # (pseudo-gradient 0), but the momentum 0.9 * -2 still moves w to 3.8 (FedAvg: 2).
+    got = _rounds("fedavgm", [(1.0, 3.0), (2.0, 2.0)], strategy__server_momentum=0.9)
+    assert got == pytest.approx([2.0, 3.8])
+
+
+def _fedopt_reference(deltas, v_step, eta=0.01, beta_1=0.9, tau=1e-3) -> list[float]:
+    """Reddi et al.'s server update, w += eta * m / (sqrt(v) + tau), with ``v_step(v, d2)``."""
+    w = m = v = 0.0
+    out = []
+    for d in deltas:
+        m = beta_1 * m + (1 - beta_1) * d
+        v = v_step(v, d * d)
+        w += eta * m / (v**0.5 + tau)
+        out.append(w)
+    return out
+
+
+def test_fedadagrad_accumulates_squared_steps_without_momentum():
+    # Round 1: the mean 2 is delta 2 (v = 4); round 2: the nodes return 0, delta -w (v += w^2).
+    got = _rounds("fedadagrad", [(1.0, 3.0), (0.0, 0.0)])
+    want = _fedopt_reference([2.0, -got[0]], lambda v, d2: v + d2, beta_1=0.0)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert got[0] == pytest.approx(0.01 * 2 / (2 + 1e-3), rel=1e-6)
+
+
+def test_fedyogi_moves_its_second_moment_by_the_sign_of_the_difference():
+    # Yogi: v -= (1 - beta_2) d^2 sign(v - d^2), an additive step (FedAdam: a moving average).
+    got = _rounds("fedyogi", [(1.0, 3.0), (0.0, 0.0)])
+    yogi = _fedopt_reference([2.0, -got[0]], lambda v, d2: v - 0.01 * d2 * np.sign(v - d2))
+    assert got == pytest.approx(yogi, rel=1e-6)
+    adam = _rounds("fedadam", [(1.0, 3.0), (0.0, 0.0)])
+    assert abs(adam[1] - got[1]) > 1e-4  # the two second moments differ from round 1 on
+
+
 def test_krum_picks_the_update_closest_to_its_neighbours():
     assert _aggregate("krum", FIVE, strategy__num_malicious_nodes=1) == 2.5  # FedAvg: 21.3
 

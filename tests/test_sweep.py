@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from simulation_runs import FED
 
 from feddifrc_app import cli
 from feddifrc_app.config import ConfigError
@@ -110,9 +111,11 @@ BASELINES = ("moon", "fednh", "scaffold", "fednova")
 
 
 @pytest.mark.slow
-def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
+def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys, monkeypatch, ray_cluster):
     """One real sweep, which is also each baseline's simulation test and the divergence test:
     every Flower run costs ~25 s of start-up on 2 cores, so each run here serves two purposes."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)  # the runs join the session's Ray cluster
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # on loopback (flower_procs.flower_env)
     diverge = tmp_path / "diverge.toml"
     diverge.write_text('method = "fedavg"\ntrain.lr = 1e6\ntrain.local-epochs = 10\ntrain.batch-size = 5\n')
     confs = [str(ROOT / "conf" / f"mnist5k-{m}.toml") for m in BASELINES]
@@ -130,7 +133,7 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys):
         "--set",
         "num-server-rounds=2 dataset.train-limit=60 dataset.eval-limit=200 train.batch-size=8",
         "--federation-config",
-        "num-supernodes=2 client-resources-num-cpus=1",
+        FED,
     ]
     assert cli.main(argv) == 1  # a failed cell fails the sweep, after every cell ran
     printed = capsys.readouterr().out
