@@ -11,14 +11,17 @@
 Adaptive clipping (Andrew et al., 2021) moves the clipping norm towards the
 ``dp-target-clipped-quantile`` of the update norms. Flower calibrates the noise to a fixed
 number of sampled nodes; here it is set every round to the nodes really sampled
-(``fraction-train`` of the connected ones). Flower's noise assumes the plain mean of the
-clipped updates; FedAvg weights replies by their examples, so with unequal partitions the
-noise is calibrated to the mean, not to the weighted sum (README, "Differential privacy").
+(``fraction-train`` of the connected ones). Flower's noise is calibrated to the plain mean of
+the clipped updates, so under DP every reply weighs the same: the wrapper stamps
+``WEIGHT = 1`` on each train reply (the server's, not a node's, word) and the named strategy
+weighs by that key instead of ``num-examples`` (strategy._named). Each round's release (N, m,
+replies, noise) is kept for the accountant (privacy_accounting.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
@@ -35,9 +38,64 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT, compute_adaptive_noise_params
 
 from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round
+from feddifrc_app.metric_keys import METRICS
+
+# The reply metric the named strategy weighs by under DP, set by the server (never a node's
+# word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
+# to; an evaluate reply's num-examples, so the federated accuracy stays example-weighted.
+WEIGHT = "dp-aggregation-weight"
 
 
-class _FixedPerRound:
+@dataclass(frozen=True)
+class Release:
+    """One round's noisy release as Flower's wrapper made it (privacy_accounting accounts it)."""
+
+    population: int  # N: the connected nodes the round sampled from
+    sampled: int  # m: the noise std is z C / m
+    aggregated: int  # m': the replies averaged (fewer than m when a node failed)
+    update_multiplier: float  # z on the update; adaptive: after Flower's split (z_u)
+    count_stddev: float | None  # adaptive: std of the clipped-count noise; None for fixed clipping
+
+
+class _Accounted:
+    """Equal weights for every reply, and a record of what the round released (``release``)."""
+
+    release: Release | None = None
+    population: int = 0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.release = None
+        # N, the nodes the sample was drawn from (federation._Chosen); the grid itself otherwise.
+        self.population = getattr(grid, "population", None) or len(grid.get_node_ids())
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Any:
+        replies = list(replies)
+        for r in replies:
+            r.content[METRICS][WEIGHT] = r.content[METRICS]["num-examples"]
+        return super().aggregate_evaluate(server_round, replies)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, Any]:
+        replies = list(replies)
+        for r in replies:
+            r.content[METRICS][WEIGHT] = 1.0
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None:  # Flower added its noise
+            count = getattr(self, "clipped_count_stddev", None)  # the adaptive modes only
+            self.release = Release(
+                self.population, self.num_sampled_clients, len(replies), self.noise_multiplier, count
+            )
+        return arrays, metrics
+
+
+def release_of(strategy: Strategy) -> Release | None:
+    """What the DP wrapper released in the round just aggregated (None: no DP, or no release)."""
+    return strategy.release if isinstance(strategy, _Accounted) else None
+
+
+class _FixedPerRound(_Accounted):
     """Noise calibrated to the nodes this round samples (Flower fixes one number at start)."""
 
     def configure_train(
@@ -47,7 +105,7 @@ class _FixedPerRound:
         return super().configure_train(server_round, arrays, config, grid)
 
 
-class _AdaptivePerRound:
+class _AdaptivePerRound(_Accounted):
     """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone."""
 
     def configure_train(

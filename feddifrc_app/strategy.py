@@ -107,6 +107,11 @@ def _named(cfg: Config) -> Strategy:
         min_evaluate_nodes=1 if cfg.fraction_evaluate > 0 else 0,
         min_available_nodes=1,
     )
+    if s.dp != "none":
+        # Flower's noise is calibrated to the plain mean of the clipped updates: weigh every reply
+        # by the 1.0 the DP wrapper stamps on it, not by its examples (privacy.WEIGHT).
+        # SCAFFOLD, FedNova and FedNH, which weigh by examples themselves, are refused under DP.
+        common["weighted_by_key"] = privacy.WEIGHT
     name = s.name
     if cfg.method == "fednh":  # FedAvg for the network, FedNH for the prototypes
         return FedNH(**common, rho=cfg.fednh.rho)
