@@ -16,6 +16,8 @@ takes), and one replaced update moves the sum of clipped updates by up to 2C:
   in {0, 1}: sensitivity 1) with noise std s; Flower gives the update the multiplier
   ``z_u = (z^-2 - (2 s)^-2)^-1/2``, and the two Gaussians compose into
   ``(sigma_u^-2 + s^-2)^-1/2``, which is exactly z / 2 for the uniform mean with every reply in.
+  (Under add/remove the update's sensitivity would be C, but Flower's uncentered 0/1 count
+  still has sensitivity 1, so the pair would compose to less than z: replace-one has no gap.)
 
 Every other strategy is not accounted (``not_accounted`` says why): FedAvgM and FedOpt keep the
 NOISELESS aggregate in their server state (momentum, moments) and release an optimiser step,

@@ -18,6 +18,7 @@ from feddifrc_app.privacy import Release
 from feddifrc_app.privacy_accounting import accounted_multiplier, epsilon, round_keys
 from feddifrc_app.report import privacy_line
 from feddifrc_app.results import Results
+from feddifrc_app.server_app import private_settings
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 
 
@@ -330,5 +331,7 @@ def test_results_and_report_carry_the_final_epsilon():
     line = privacy_line(Results(rounds=[{"round": 0}, row], privacy=block))
     assert f"epsilon {row['epsilon']:.4g} at delta 1e-05 after round 1" in line
     adam = make_config(method="fedavg", strategy__name="fedadam", strategy__dp="server-fixed")
-    blk = privacy.settings(adam) | privacy_accounting.settings(adam)
+    blk = private_settings(adam)  # what the ServerApp writes (and warns about)
+    assert blk == privacy.settings(adam) | privacy_accounting.settings(adam)
     assert "no epsilon: strategy.name = 'fedadam'" in privacy_line(Results(privacy=blk))
+    assert private_settings(make_config()) is None  # no DP, no block
