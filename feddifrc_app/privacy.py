@@ -106,11 +106,24 @@ class _FixedPerRound(_Accounted):
 
 
 class _AdaptivePerRound(_Accounted):
-    """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone."""
+    """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone, and
+    the noise scaled by the clipping norm this round's updates were clipped to: Flower moves the
+    norm before it adds the noise, so its std is z C_{t+1} / m for updates clipped to C_t (too
+    little noise whenever the norm shrinks; Andrew et al. use C_t)."""
+
+    round_clipping_norm: float = 0.0
+
+    def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
+        moved, self.clipping_norm = self.clipping_norm, self.round_clipping_norm
+        try:
+            return super()._add_noise_to_aggregated_arrays(aggregated)
+        finally:
+            self.clipping_norm = moved
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.round_clipping_norm = self.clipping_norm  # C_t: what the nodes / the server clip to
         n = len(grid.get_node_ids())
         if n != self.num_sampled_clients:
             self.num_sampled_clients = n

@@ -116,6 +116,33 @@ def test_adaptive_clipping_moves_the_norm_and_it_survives_a_checkpoint():
     np.testing.assert_array_equal(t.strategy.m_t["w"], s.strategy.m_t["w"])
 
 
+@pytest.mark.parametrize("mode", ["server-adaptive", "client-adaptive"])
+def test_adaptive_noise_is_scaled_by_the_norm_the_round_clipped_to(mode):
+    # Flower moves the clipping norm C_t -> C_{t+1} before it adds the noise; the noise must be
+    # z_u C_t / m (Andrew et al.), what the accountant assumes. z = 1, count std 10, 4 nodes:
+    # z_u = (1 - 1/400)^-1/2; C_0 = 0.1, so std 0.025 z_u, whatever the noisy count made of C_1.
+    dp = {
+        "method": "fedavg",
+        "strategy__dp": mode,
+        "strategy__dp_noise_multiplier": 1.0,
+        "strategy__dp_clipped_count_stddev": 10.0,
+    }
+    s = build_strategy(make_config(**dp))
+    x = np.zeros(200_000, dtype=np.float32)
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    tiny = x.copy()
+    tiny[0] = 1e-6  # not clipped (norm bit 0); not exactly zero (Flower divides by the norm)
+    replies = [_reply(m, tiny.copy()) for m in msgs]
+    for r in replies:
+        r.content["metrics"]["norm_bit"] = 0.0  # what the client mod reports for it
+    np.random.seed(3)
+    agg, _ = s.aggregate_train(1, replies)
+    z_u = (1 - 1 / 400) ** -0.5
+    assert s.noise_multiplier == pytest.approx(z_u)
+    assert abs(np.log(s.clipping_norm / 0.1)) > 0.1  # the norm moved by more than 10%
+    assert float(agg["w"].numpy().std()) == pytest.approx(0.025 * z_u, rel=0.01)
+
+
 def _context(**overrides) -> Context:
     return Context(1, 1, {}, RecordDict(), default_run_config(method="fedavg", **overrides))
 
