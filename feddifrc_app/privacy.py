@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
@@ -33,10 +34,18 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
     Strategy,
 )
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT, compute_adaptive_noise_params
+from flwr.supercore.differential_privacy import (
+    KEY_CLIPPING_NORM,
+    KEY_NORM_BIT,
+    add_gaussian_noise_inplace,
+    compute_adaptive_noise_params,
+    compute_stdv,
+)
 
+from feddifrc_app import log
 from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round
 from feddifrc_app.metric_keys import METRICS
 
@@ -55,6 +64,43 @@ class Release:
     aggregated: int  # m': the replies averaged (fewer than m when a node failed)
     update_multiplier: float  # z on the update; adaptive: after Flower's split (z_u)
     count_stddev: float | None  # adaptive: std of the clipped-count noise; None for fixed clipping
+
+
+# Strategies that take a server optimiser step on the mean (strategy._named builds them with
+# NoisyMean under DP, so the noise lands on the mean, before the step).
+SERVER_STEP = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
+
+
+class NoisyMean(FedAvg):
+    """FedAvg's mean plus the DP noise, BEFORE a server optimiser (FedAvgM, FedOpt) steps on it.
+
+    Flower's wrappers add the noise to what the strategy returns, after the step, so FedAvgM's
+    momentum and FedOpt's moments keep the noiseless mean and every later release depends on it.
+    With the noise here they only ever see the noisy mean, and the released model is
+    post-processing of it (DP-FedAvg with a server optimiser). ``noise_std``: set every round by
+    the wrapper (_Accounted), which then adds none itself."""
+
+    noise_std: float | None = None
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, Any]:
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        if self.noise_std is None:
+            raise RuntimeError(f"{type(self).__name__} aggregates without a DP wrapper's noise std")
+        nds = arrays.to_numpy_ndarrays()
+        add_gaussian_noise_inplace(nds, self.noise_std)
+        log.info("DP noise of std %.4g added to the mean, before the server step", self.noise_std)
+        return ArrayRecord(
+            {k: Array(np.asarray(v)) for k, v in zip(arrays.keys(), nds, strict=True)}
+        ), metrics
+
+
+def with_noisy_mean(cls: type[FedAvg]) -> type[FedAvg]:
+    """``cls`` with NoisyMean between its server step and FedAvg's mean (MRO: cls, ..., NoisyMean,
+    FedAvg): its ``super().aggregate_train`` then returns the noisy mean."""
+    doc = f"{cls.__name__} stepping on the noisy mean (strategy.dp)."
+    return type(cls.__name__, (cls, NoisyMean), {"__doc__": doc, "__module__": __name__})
 
 
 class _Accounted:
@@ -77,10 +123,19 @@ class _Accounted:
             r.content[METRICS][WEIGHT] = r.content[METRICS]["num-examples"]
         return super().aggregate_evaluate(server_round, replies)
 
+    def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
+        if isinstance(self.strategy, NoisyMean):
+            return aggregated  # the noise went onto the mean, before the server step
+        return super()._add_noise_to_aggregated_arrays(aggregated)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, Any]:
         replies = list(replies)
         for r in replies:
             r.content[METRICS][WEIGHT] = 1.0
+        if isinstance(self.strategy, NoisyMean):  # C is still this round's C_t here (adaptive too)
+            self.strategy.noise_std = compute_stdv(
+                self.noise_multiplier, self.clipping_norm, self.num_sampled_clients
+            )
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is not None:  # Flower added its noise
             count = getattr(self, "clipped_count_stddev", None)  # the adaptive modes only

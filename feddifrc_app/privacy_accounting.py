@@ -7,8 +7,9 @@ REPLACING one node (the only relation dp-accounting's ``SampledWithoutReplacemen
 takes), and one replaced update moves the sum of clipped updates by up to 2C:
 
 - uniform mean (fedavg, fedprox: the release is ``x + mean of the m' aggregated clipped
-  updates + noise``): sensitivity 2C / m', so the accounted noise multiplier is ``z m' / (2 m)``
-  (= z / 2 when every sampled node replied);
+  updates + noise``; fedavgm and the FedOpt family step on that noisy mean, privacy.NoisyMean,
+  which is post-processing): sensitivity 2C / m', so the accounted noise multiplier is
+  ``z m' / (2 m)`` (= z / 2 when every sampled node replied);
 - krum, multikrum (the release is ``x +`` one clipped update, or the mean of a selection of
   them: a point of the ball of radius C, whichever update is replaced): sensitivity 2C, so
   ``z / (2 m)``;
@@ -19,10 +20,8 @@ takes), and one replaced update moves the sum of clipped updates by up to 2C:
   (Under add/remove the update's sensitivity would be C, but Flower's uncentered 0/1 count
   still has sensitivity 1, so the pair would compose to less than z: replace-one has no gap.)
 
-Every other strategy is not accounted (``not_accounted`` says why): FedAvgM and FedOpt keep the
-NOISELESS aggregate in their server state (momentum, moments) and release an optimiser step,
-FedMedian, FedTrimmedAvg and Bulyan work coordinate by coordinate, and QFedAvg weighs each
-update by the node's own loss.
+Every other strategy is not accounted (``not_accounted`` says why): FedMedian, FedTrimmedAvg
+and Bulyan work coordinate by coordinate, and QFedAvg weighs each update by the node's own loss.
 
 Two epsilons per round, both cumulative: ``epsilon`` composes every round as the full Gaussian
 mechanism (the sample is drawn from the public seed and results.json lists the sampled nodes,
@@ -44,10 +43,11 @@ import dp_accounting
 from dp_accounting.rdp import RdpAccountant
 
 from feddifrc_app.config import Config
-from feddifrc_app.privacy import Release
+from feddifrc_app.privacy import SERVER_STEP, Release
 
 ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (REPLACE_ONE), one Gaussian release per round"
-MEAN = ("fedavg", "fedprox")  # the release is the uniform mean of the clipped updates, plus noise
+# The release is the uniform mean of the clipped updates plus noise (or a server step on it).
+MEAN = ("fedavg", "fedprox", *SERVER_STEP)
 SELECTION = ("krum", "multikrum")  # one clipped update, or the mean of a selection of them
 
 ROW_KEYS = ("dp-release", "epsilon", "epsilon-if-sample-secret")  # what a trained round's row adds
@@ -60,9 +60,9 @@ def not_accounted(cfg: Config) -> str:
     if cfg.strategy.name in MEAN + SELECTION:
         return ""
     return (
-        f"strategy.name = '{cfg.strategy.name}' releases more than the noisy mean of the clipped "
-        "updates (a server optimiser on the noiseless aggregate, a coordinate-wise rule, or loss "
-        "weights), so Flower's noise has no sensitivity the accountant could use"
+        f"strategy.name = '{cfg.strategy.name}' is not the noisy mean of the clipped updates (a "
+        "coordinate-wise rule, or weights from the nodes' losses), so Flower's noise has no "
+        "sensitivity the accountant could use"
     )
 
 

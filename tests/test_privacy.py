@@ -143,6 +143,40 @@ def test_adaptive_noise_is_scaled_by_the_norm_the_round_clipped_to(mode):
     assert float(agg["w"].numpy().std()) == pytest.approx(0.025 * z_u, rel=0.01)
 
 
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam"])
+def test_server_optimisers_step_on_the_noisy_mean(name):
+    # Zero updates, noise std z C / m = 2 x 1.5 / 4 = 0.75. Flower's wrapper would add it after
+    # the server step, so FedAvgM's momentum and FedAdam's moments would see the noiseless mean
+    # (about 0) and keep it; here they see the noisy mean, and nothing is added after the step.
+    dp = {
+        "method": "fedavg",
+        "strategy__name": name,
+        "strategy__dp": "server-fixed",
+        "strategy__dp_clipping_norm": 1.5,
+        "strategy__dp_noise_multiplier": 2.0,
+    }
+    x = np.zeros(200_000, dtype=np.float32)
+    tiny = x.copy()
+    tiny[0] = 1e-6
+    np.random.seed(0)
+    s = build_strategy(make_config(**dp))
+    assert isinstance(s.strategy, privacy.NoisyMean) and type(s.strategy).__name__.lower() == name
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    out = s.aggregate_train(1, [_reply(m, tiny.copy()) for m in msgs])[0]["w"].numpy()
+    if name == "fedavgm":  # first round: momentum = x - noisy mean; x <- x - 1.0 x momentum
+        noise = -s.strategy.momentum_vector[0]
+        np.testing.assert_allclose(out, x + noise, atol=1e-6)  # no noise after the step
+    else:  # m_1 = (1 - beta_1)(noisy mean - x): the noise, scaled
+        noise = s.strategy.m_t["w"] / (1 - 0.9)
+        v = s.strategy.v_t["w"]
+        eta = 0.01 * np.sqrt(1 - 0.99**2) / (1 - 0.9**2)  # Flower's bias-corrected step at round 1
+        np.testing.assert_allclose(
+            out, x + eta * s.strategy.m_t["w"] / (np.sqrt(v) + 0.001), rtol=1e-4, atol=1e-7
+        )
+    assert float(noise.std()) == pytest.approx(0.75, rel=0.01)
+    assert privacy_accounting.not_accounted(make_config(**dp)) == ""  # accounted as the uniform mean
+
+
 def _context(**overrides) -> Context:
     return Context(1, 1, {}, RecordDict(), default_run_config(method="fedavg", **overrides))
 
@@ -322,7 +356,7 @@ def test_the_accounted_multiplier_of_each_mechanism():
     assert z_update > z and count_std == s
     assert accounted_multiplier("fedavg", Release(9, 4, 4, z_update, count_std)) == pytest.approx(z / 2)
     with pytest.raises(ValueError, match="not accounted"):
-        accounted_multiplier("fedadam", Release(9, 4, 4, z, None))
+        accounted_multiplier("fedmedian", Release(9, 4, 4, z, None))
 
 
 def test_round_keys_compose_the_earlier_rows_and_say_when_nothing_is_accounted():
@@ -343,10 +377,10 @@ def test_round_keys_compose_the_earlier_rows_and_say_when_nothing_is_accounted()
     assert second["epsilon-if-sample-secret"] == pytest.approx(second["epsilon"])  # m = N: no amplification
     nothing = round_keys(cfg, [{"round": 0}, {"round": 1, **first}], None)  # a round that released nothing
     assert nothing["dp-release"] is None and nothing["epsilon"] == first["epsilon"]
-    adam = make_config(method="fedavg", strategy__name="fedadam", strategy__dp="server-fixed")
-    assert round_keys(adam, [], r) == {}
-    assert privacy_accounting.settings(adam)["accountant"] is None
-    assert "fedadam" in privacy_accounting.settings(adam)["not-accounted"]
+    median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
+    assert round_keys(median, [], r) == {}
+    assert privacy_accounting.settings(median)["accountant"] is None
+    assert "fedmedian" in privacy_accounting.settings(median)["not-accounted"]
 
 
 def test_results_and_report_carry_the_final_epsilon():
@@ -357,8 +391,8 @@ def test_results_and_report_carry_the_final_epsilon():
     row = {"round": 1, **round_keys(cfg, [], Release(4, 4, 4, 2.0, None))}
     line = privacy_line(Results(rounds=[{"round": 0}, row], privacy=block))
     assert f"epsilon {row['epsilon']:.4g} at delta 1e-05 after round 1" in line
-    adam = make_config(method="fedavg", strategy__name="fedadam", strategy__dp="server-fixed")
-    blk = private_settings(adam)  # what the ServerApp writes (and warns about)
-    assert blk == privacy.settings(adam) | privacy_accounting.settings(adam)
-    assert "no epsilon: strategy.name = 'fedadam'" in privacy_line(Results(privacy=blk))
+    median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
+    blk = private_settings(median)  # what the ServerApp writes (and warns about)
+    assert blk == privacy.settings(median) | privacy_accounting.settings(median)
+    assert "no epsilon: strategy.name = 'fedmedian'" in privacy_line(Results(privacy=blk))
     assert private_settings(make_config()) is None  # no DP, no block
