@@ -15,7 +15,10 @@ number of sampled nodes; here it is set every round to the nodes really sampled
 the clipped updates, so under DP every reply weighs the same: the wrapper stamps
 ``WEIGHT = 1`` on each train reply (the server's, not a node's, word) and the named strategy
 weighs by that key instead of ``num-examples`` (strategy._named). Each round's release (N, m,
-replies, noise) is kept for the accountant (privacy_accounting.py).
+replies, noise) is kept for the accountant (privacy_accounting.py). Two of Flower's choices are
+changed so that the release is what the accountant assumes: the server optimisers (FedAvgM,
+FedOpt) step on the noisy mean (NoisyMean) instead of having the noise added after their step,
+and the adaptive modes scale the noise by the norm the round clipped to (_AdaptivePerRound).
 """
 
 from __future__ import annotations
