@@ -164,6 +164,7 @@ class StrategyConfig:
     dp_target_clipped_quantile: float = key(lo=0.0, hi=1.0)
     dp_clip_norm_lr: float = key(lo=0.0, lo_open=True)
     dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
+    dp_delta: float = key(lo=0.0, hi=1.0, lo_open=True, hi_open=True)  # the accountant's delta
     round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
     setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 
@@ -590,6 +591,16 @@ def _check_privacy(v: Mapping[str, Any]) -> None:
         # Server-side clipping would clip delta c / the prototypes against the model; the mods refuse them.
         raise _fail(
             "strategy.dp", dp, f"{two} replies with a second ArrayRecord, which Flower's DP cannot clip"
+        )
+    if v["strategy.name"] == "fednova":
+        # x <- x - tau_eff sum_i p_i (x - y_i) / a_i: a node with fewer local steps than tau_eff
+        # moves the model by more than its clipped update, so the noise (z C / m) is too small.
+        raise _fail(
+            "strategy.dp",
+            dp,
+            "strategy.name = 'fednova' scales each clipped update by tau_eff / a_i (above 1 for a node "
+            "with fewer local steps) and weighs it by its examples, so one node's influence exceeds "
+            "the C / m that Flower's noise is calibrated for; use fedavg or fedprox",
         )
     if dp.startswith("client") and v["method"] in ("feddifrc", "feddifrc-ssl"):
         if v["diffusion.projection"] == "federated-pca":  # the train message carries the basis

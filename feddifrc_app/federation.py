@@ -57,10 +57,11 @@ def check_stop() -> None:
 
 class _Chosen:
     """A view of the Grid that shows the strategy only the nodes our seeded sampler chose, and
-    how many distinct nodes the federation has (``num_nodes``: SCAFFOLD's N)."""
+    how many distinct nodes the federation has (``num_nodes``: SCAFFOLD's N) and how many the
+    sample was drawn from (``population``: the DP accountant's N)."""
 
-    def __init__(self, grid: Grid, node_ids: list[int], num_nodes: int) -> None:
-        self._grid, self._ids, self.num_nodes = grid, node_ids, num_nodes
+    def __init__(self, grid: Grid, node_ids: list[int], num_nodes: int, population: int) -> None:
+        self._grid, self._ids, self.num_nodes, self.population = grid, node_ids, num_nodes, population
 
     def get_node_ids(self) -> list[int]:
         return list(self._ids)
@@ -82,6 +83,7 @@ class Federation:
     def __init__(self, grid: Grid, cfg: Config) -> None:
         self.grid, self.cfg = grid, cfg
         self.partition_of: dict[int, int] = {}
+        self.population = 0  # nodes the last training sample was drawn from (sample)
 
     def _order(self, node: int) -> tuple[int, int]:
         # Partition order everywhere, so sampling and float sums are identical across runs.
@@ -142,11 +144,13 @@ class Federation:
         known = sorted((n for n in current if n in self.partition_of), key=self._order)
         fraction = self.cfg.fraction_evaluate if evaluate else self.cfg.fraction_train
         k = min(sampled_per_round(fraction, len(known)), len(known))
+        if not evaluate:
+            self.population = len(known)  # the DP accountant's N for this round (view)
         seed = f"evaluate {self.cfg.seed} {rnd}" if evaluate else self.cfg.seed * 1_000_003 + rnd
         return sorted(random.Random(seed).sample(known, k), key=self._order)
 
     def view(self, chosen: list[int]) -> _Chosen:
-        return _Chosen(self.grid, chosen, self.distinct_nodes())
+        return _Chosen(self.grid, chosen, self.distinct_nodes(), self.population)
 
     def _send_and_receive(self, msgs: list[Message], timeout: float) -> list[Message]:
         """Grid.send_and_receive (same push, pull and timeout) that also ends on a stop."""

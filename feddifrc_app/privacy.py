@@ -11,17 +11,24 @@
 Adaptive clipping (Andrew et al., 2021) moves the clipping norm towards the
 ``dp-target-clipped-quantile`` of the update norms. Flower calibrates the noise to a fixed
 number of sampled nodes; here it is set every round to the nodes really sampled
-(``fraction-train`` of the connected ones). Flower's noise assumes the plain mean of the
-clipped updates; FedAvg weights replies by their examples, so with unequal partitions the
-noise is calibrated to the mean, not to the weighted sum (README, "Differential privacy").
+(``fraction-train`` of the connected ones). Flower's noise is calibrated to the plain mean of
+the clipped updates, so under DP every reply weighs the same: the wrapper stamps
+``WEIGHT = 1`` on each train reply (the server's, not a node's, word) and the named strategy
+weighs by that key instead of ``num-examples`` (strategy._named). Each round's release (N, m,
+replies, noise) is kept for the accountant (privacy_accounting.py). Two of Flower's choices are
+changed so that the release is what the accountant assumes: the server optimisers (FedAvgM,
+FedOpt) step on the noisy mean (NoisyMean) instead of having the noise added after their step,
+and the adaptive modes scale the noise by the norm the round clipped to (_AdaptivePerRound).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
@@ -30,14 +37,123 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
     Strategy,
 )
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT, compute_adaptive_noise_params
+from flwr.supercore.differential_privacy import (
+    KEY_CLIPPING_NORM,
+    KEY_NORM_BIT,
+    add_gaussian_noise_inplace,
+    compute_adaptive_noise_params,
+    compute_stdv,
+)
 
+from feddifrc_app import log
 from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round
+from feddifrc_app.metric_keys import METRICS
+
+# The reply metric the named strategy weighs by under DP, set by the server (never a node's
+# word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
+# to; an evaluate reply's num-examples, so the federated accuracy stays example-weighted.
+WEIGHT = "dp-aggregation-weight"
 
 
-class _FixedPerRound:
+@dataclass(frozen=True)
+class Release:
+    """One round's noisy release as Flower's wrapper made it (privacy_accounting accounts it)."""
+
+    population: int  # N: the connected nodes the round sampled from
+    sampled: int  # m: the noise std is z C / m
+    aggregated: int  # m': the replies averaged (fewer than m when a node failed)
+    update_multiplier: float  # z on the update; adaptive: after Flower's split (z_u)
+    count_stddev: float | None  # adaptive: std of the clipped-count noise; None for fixed clipping
+
+
+# Strategies that take a server optimiser step on the mean (strategy._named builds them with
+# NoisyMean under DP, so the noise lands on the mean, before the step).
+SERVER_STEP = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
+
+
+class NoisyMean(FedAvg):
+    """FedAvg's mean plus the DP noise, BEFORE a server optimiser (FedAvgM, FedOpt) steps on it.
+
+    Flower's wrappers add the noise to what the strategy returns, after the step, so FedAvgM's
+    momentum and FedOpt's moments keep the noiseless mean and every later release depends on it.
+    With the noise here they only ever see the noisy mean, and the released model is
+    post-processing of it (DP-FedAvg with a server optimiser). ``noise_std``: set every round by
+    the wrapper (_Accounted), which then adds none itself."""
+
+    noise_std: float | None = None
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, Any]:
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        if self.noise_std is None:
+            raise RuntimeError(f"{type(self).__name__} aggregates without a DP wrapper's noise std")
+        nds = arrays.to_numpy_ndarrays()
+        add_gaussian_noise_inplace(nds, self.noise_std)
+        log.info("DP noise of std %.4g added to the mean, before the server step", self.noise_std)
+        return ArrayRecord(
+            {k: Array(np.asarray(v)) for k, v in zip(arrays.keys(), nds, strict=True)}
+        ), metrics
+
+
+def with_noisy_mean(cls: type[FedAvg]) -> type[FedAvg]:
+    """``cls`` with NoisyMean between its server step and FedAvg's mean (MRO: cls, ..., NoisyMean,
+    FedAvg): its ``super().aggregate_train`` then returns the noisy mean."""
+    doc = f"{cls.__name__} stepping on the noisy mean (strategy.dp)."
+    return type(cls.__name__, (cls, NoisyMean), {"__doc__": doc, "__module__": __name__})
+
+
+class _Accounted:
+    """Equal weights for every reply, and a record of what the round released (``release``)."""
+
+    release: Release | None = None
+    population: int = 0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.release = None
+        # N, the nodes the sample was drawn from (federation._Chosen); the grid itself otherwise.
+        self.population = getattr(grid, "population", None) or len(grid.get_node_ids())
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Any:
+        replies = list(replies)
+        for r in replies:
+            r.content[METRICS][WEIGHT] = r.content[METRICS]["num-examples"]
+        return super().aggregate_evaluate(server_round, replies)
+
+    def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
+        if isinstance(self.strategy, NoisyMean):
+            return aggregated  # the noise went onto the mean, before the server step
+        return super()._add_noise_to_aggregated_arrays(aggregated)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, Any]:
+        replies = list(replies)
+        for r in replies:
+            r.content[METRICS][WEIGHT] = 1.0
+        if isinstance(self.strategy, NoisyMean):  # C is still this round's C_t here (adaptive too)
+            self.strategy.noise_std = compute_stdv(
+                self.noise_multiplier, self.clipping_norm, self.num_sampled_clients
+            )
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None:  # Flower added its noise
+            count = getattr(self, "clipped_count_stddev", None)  # the adaptive modes only
+            self.release = Release(
+                self.population, self.num_sampled_clients, len(replies), self.noise_multiplier, count
+            )
+        return arrays, metrics
+
+
+def release_of(strategy: Strategy) -> Release | None:
+    """What the DP wrapper released in the round just aggregated (None: no DP, or no release)."""
+    return strategy.release if isinstance(strategy, _Accounted) else None
+
+
+class _FixedPerRound(_Accounted):
     """Noise calibrated to the nodes this round samples (Flower fixes one number at start)."""
 
     def configure_train(
@@ -47,12 +163,25 @@ class _FixedPerRound:
         return super().configure_train(server_round, arrays, config, grid)
 
 
-class _AdaptivePerRound:
-    """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone."""
+class _AdaptivePerRound(_Accounted):
+    """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone, and
+    the noise scaled by the clipping norm this round's updates were clipped to: Flower moves the
+    norm before it adds the noise, so its std is z C_{t+1} / m for updates clipped to C_t (too
+    little noise whenever the norm shrinks; Andrew et al. use C_t)."""
+
+    round_clipping_norm: float = 0.0
+
+    def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
+        moved, self.clipping_norm = self.clipping_norm, self.round_clipping_norm
+        try:
+            return super()._add_noise_to_aggregated_arrays(aggregated)
+        finally:
+            self.clipping_norm = moved
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.round_clipping_norm = self.clipping_norm  # C_t: what the nodes / the server clip to
         n = len(grid.get_node_ids())
         if n != self.num_sampled_clients:
             self.num_sampled_clients = n

@@ -113,9 +113,31 @@ def format_table(results: Results) -> str:
             )
     if s.get("final-federated-accuracy") is not None:
         lines.append(f"final federated accuracy {100 * s['final-federated-accuracy']:.2f}%")
+    if results.privacy:
+        lines.append(privacy_line(results))
     if _federated(results):
         lines += ["", format_nodes(results)]
     return "\n".join(lines)
+
+
+def privacy_line(results: Results) -> str:
+    """strategy.dp's final (epsilon, delta) after the trained rounds, or why there is none."""
+    p = results.privacy or {}
+    if p.get("accountant") is None:
+        return f"privacy: strategy.dp = {p.get('mode')}, no epsilon: {p.get('not-accounted', 'not recorded')}"
+    rows = [r for r in results.rounds if "epsilon" in r]
+    if not rows:
+        return f"privacy: strategy.dp = {p['mode']}, no trained round yet"
+    eps, secret = (_epsilon_text(rows[-1][k]) for k in ("epsilon", "epsilon-if-sample-secret"))
+    return (
+        f"privacy: strategy.dp = {p['mode']}, epsilon {eps} at delta {p['delta']:g} after round "
+        f"{rows[-1]['round']} (node-level; {secret} if the rounds' samples were secret)"
+    )
+
+
+def _epsilon_text(e: float | None) -> str:
+    """results.json writes an infinite epsilon (no noise) as null."""
+    return "inf (no noise)" if e is None or e == float("inf") else f"{e:.4g}"
 
 
 def _node_key(row: dict[str, Any]) -> tuple[int, int]:

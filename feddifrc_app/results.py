@@ -19,7 +19,9 @@ from typing import Any
 # With fraction-evaluate > 0 a trained round also has the nodes' scores of the new global model on
 # their held-out data (federated_eval.py): "federated-accuracy" and "federated-loss"
 # (example-weighted; None when no node replied), "evaluate-nodes" ({"node", "partition-id",
-# "num-examples", "accuracy", "loss"}) and "evaluate-failures" (as "failures").
+# "num-examples", "accuracy", "loss"}) and "evaluate-failures" (as "failures"). Under an
+# accounted strategy.dp a trained round also has "dp-release", "epsilon" and
+# "epsilon-if-sample-secret" (privacy_accounting.ROW_KEYS; an infinite epsilon is written null).
 Round = dict[str, Any]
 
 
@@ -41,7 +43,7 @@ class Results:
     setup_seconds: float | None = None
     teacher: dict[str, Any] | None = None  # model, weights-sha256, random-weights, devices
     label_counts: dict[str, list[int]] | None = None  # partition id -> training samples per class
-    privacy: dict[str, Any] | None = None  # strategy.dp's mode and parameters (privacy.settings)
+    privacy: dict[str, Any] | None = None  # strategy.dp's settings, weighting, delta, accountant
     status: str | None = None  # running, completed, diverged, stopped, failed
     process: dict[str, Any] | None = None  # pid and host of the ServerApp (`feddifrc status`)
     summary: dict[str, float | int | None] | None = None  # summarize(rounds), set on every save

@@ -23,7 +23,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
-from feddifrc_app import baselines, log, metric_keys, report
+from feddifrc_app import baselines, log, metric_keys, privacy, privacy_accounting, report
 from feddifrc_app.config import Config
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
@@ -257,6 +257,8 @@ class RoundLoop:
             "nodes": [self.fed.partition_of[n] for n in chosen],
             "failures": failures,
             "train-metrics": dict(metrics) if metrics is not None else {},
+            # A rejected (non-finite) noisy aggregate still counts: it was computed and logged.
+            **privacy_accounting.round_keys(self.cfg, self.results.rounds, privacy.release_of(self.strategy)),
             **self.federated(rnd, self.arrays),
             **self.evaluate(),
         }

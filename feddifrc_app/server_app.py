@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, privacy, report
+from feddifrc_app import log, privacy, privacy_accounting, report
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.dataset import ImageData, load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop
@@ -30,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
     log.info("run directory: %s", run.path)
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
     write_json(run.path / "config.json", cfg.to_flat())
-    results.privacy = privacy.settings(cfg)
+    results.privacy = private_settings(cfg)
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
 
     # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a
@@ -56,6 +56,17 @@ def main(grid: Grid, context: Context) -> None:
         checkpoint,
     )
     rounds.run_all()
+
+
+def private_settings(cfg: Config) -> dict | None:
+    """results.json's privacy block: strategy.dp's settings and how its epsilon is accounted."""
+    out = privacy.settings(cfg)
+    if out is None:
+        return None
+    out |= privacy_accounting.settings(cfg)
+    if out["accountant"] is None:
+        log.warning("strategy.dp = %r: no epsilon is reported: %s", cfg.strategy.dp, out["not-accounted"])
+    return out
 
 
 def federated_basis(cfg: Config, setup: dict[int, RecordDict], results: Results) -> ArrayRecord:

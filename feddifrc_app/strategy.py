@@ -107,6 +107,11 @@ def _named(cfg: Config) -> Strategy:
         min_evaluate_nodes=1 if cfg.fraction_evaluate > 0 else 0,
         min_available_nodes=1,
     )
+    if s.dp != "none":
+        # Flower's noise is calibrated to the plain mean of the clipped updates: weigh every reply
+        # by the 1.0 the DP wrapper stamps on it, not by its examples (privacy.WEIGHT).
+        # SCAFFOLD, FedNova and FedNH, which weigh by examples themselves, are refused under DP.
+        common["weighted_by_key"] = privacy.WEIGHT
     name = s.name
     if cfg.method == "fednh":  # FedAvg for the network, FedNH for the prototypes
         return FedNH(**common, rho=cfg.fednh.rho)
@@ -114,17 +119,19 @@ def _named(cfg: Config) -> Strategy:
         return FedAvg(**common)
     if name == "fedprox":
         return FedProx(**common, proximal_mu=s.proximal_mu)
+    # Under DP the server optimisers step on the noisy mean (privacy.NoisyMean).
+    step = privacy.with_noisy_mean if s.dp != "none" else lambda cls: cls
     if name == "fedavgm":
-        return FedAvgM(
+        return step(FedAvgM)(
             **common, server_learning_rate=s.server_learning_rate, server_momentum=s.server_momentum
         )
     fedopt = dict(eta=s.eta, eta_l=s.eta_l, tau=s.tau)
     if name == "fedadam":
-        return FedAdam(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
+        return step(FedAdam)(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
     if name == "fedyogi":
-        return FedYogi(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
+        return step(FedYogi)(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
     if name == "fedadagrad":
-        return FedAdagrad(**common, **fedopt)
+        return step(FedAdagrad)(**common, **fedopt)
     if name == "fedmedian":
         return FedMedian(**common)
     if name == "fedtrimmedavg":

@@ -281,3 +281,18 @@ def test_federated_evaluation_and_its_holdout_go_together():
         make_config(fraction_evaluate=1.0, evaluate_holdout=1.0)  # nothing left to train on
     with pytest.raises(ConfigError, match=r"'fraction-evaluate' = 1.0 is invalid: method 'feddifrc-ssl'"):
         make_config(method="feddifrc-ssl", fraction_evaluate=1.0, evaluate_holdout=0.1)
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 1.5])
+def test_dp_delta_outside_0_1_is_refused_naming_the_key(delta):
+    with pytest.raises(ConfigError, match=r"'strategy\.dp-delta' = .* expected a value in \(0, 1\)"):
+        make_config(strategy__dp="server-fixed", strategy__dp_delta=delta)
+    with pytest.raises(ConfigError, match=r"'strategy\.dp-delta' = 'tiny' is invalid: expected a number"):
+        make_config(strategy__dp_delta="tiny")
+
+
+def test_dp_delta_default_and_fednova_under_dp_is_refused():
+    assert make_config().strategy.dp_delta == 1e-5
+    with pytest.raises(ConfigError, match=r"strategy\.dp.*fednova.*tau_eff / a_i"):
+        make_config(method="fedavg", strategy__name="fednova", strategy__dp="server-fixed")
+    assert make_config(method="fedavg", strategy__name="fednova").strategy.name == "fednova"  # no DP: fine

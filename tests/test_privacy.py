@@ -1,29 +1,41 @@
-"""strategy.dp: Flower's DP wrappers around any strategy, and the client mod, measured."""
+"""strategy.dp: Flower's DP wrappers around any strategy, the client mod, the uniform weights
+under DP and the (epsilon, delta) accountant, measured."""
 
 from __future__ import annotations
 
+import dp_accounting
 import numpy as np
 import pytest
 import torch
 from conftest import default_run_config, make_config
+from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 
-from feddifrc_app import privacy
+from feddifrc_app import privacy, privacy_accounting
 from feddifrc_app.config import ConfigError
+from feddifrc_app.privacy import Release
+from feddifrc_app.privacy_accounting import accounted_multiplier, epsilon, round_keys
+from feddifrc_app.report import privacy_line
+from feddifrc_app.results import Results
+from feddifrc_app.server_app import private_settings
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 
 
 class _Grid:
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, population: int | None = None) -> None:
+        self.n, self.population = n, population
 
     def get_node_ids(self):
         return list(range(1, self.n + 1))
 
 
-def _reply(msg: Message, w: np.ndarray) -> Message:
+def _reply(msg: Message, w: np.ndarray, examples: float = 1.0) -> Message:
     content = RecordDict(
-        {"arrays": ArrayRecord({"w": torch.from_numpy(w)}), "metrics": MetricRecord({"num-examples": 1.0})}
+        {
+            "arrays": ArrayRecord({"w": torch.from_numpy(w)}),
+            "metrics": MetricRecord({"num-examples": examples, "train-ce": float(w[0])}),
+        }
     )
     return Message(content, reply_to=msg)
 
@@ -102,6 +114,67 @@ def test_adaptive_clipping_moves_the_norm_and_it_survives_a_checkpoint():
     load_strategy_state(t, state)
     assert t.clipping_norm == pytest.approx(s.clipping_norm)
     np.testing.assert_array_equal(t.strategy.m_t["w"], s.strategy.m_t["w"])
+
+
+@pytest.mark.parametrize("mode", ["server-adaptive", "client-adaptive"])
+def test_adaptive_noise_is_scaled_by_the_norm_the_round_clipped_to(mode):
+    # Flower moves the clipping norm C_t -> C_{t+1} before it adds the noise; the noise must be
+    # z_u C_t / m (Andrew et al.), what the accountant assumes. z = 1, count std 10, 4 nodes:
+    # z_u = (1 - 1/400)^-1/2; C_0 = 0.1, so std 0.025 z_u, whatever the noisy count made of C_1.
+    dp = {
+        "method": "fedavg",
+        "strategy__dp": mode,
+        "strategy__dp_noise_multiplier": 1.0,
+        "strategy__dp_clipped_count_stddev": 10.0,
+    }
+    s = build_strategy(make_config(**dp))
+    x = np.zeros(200_000, dtype=np.float32)
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    tiny = x.copy()
+    tiny[0] = 1e-6  # not clipped (norm bit 0); not exactly zero (Flower divides by the norm)
+    replies = [_reply(m, tiny.copy()) for m in msgs]
+    for r in replies:
+        r.content["metrics"]["norm_bit"] = 0.0  # what the client mod reports for it
+    np.random.seed(3)
+    agg, _ = s.aggregate_train(1, replies)
+    z_u = (1 - 1 / 400) ** -0.5
+    assert s.noise_multiplier == pytest.approx(z_u)
+    assert abs(np.log(s.clipping_norm / 0.1)) > 0.1  # the norm moved by more than 10%
+    assert float(agg["w"].numpy().std()) == pytest.approx(0.025 * z_u, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam"])
+def test_server_optimisers_step_on_the_noisy_mean(name):
+    # Zero updates, noise std z C / m = 2 x 1.5 / 4 = 0.75. Flower's wrapper would add it after
+    # the server step, so FedAvgM's momentum and FedAdam's moments would see the noiseless mean
+    # (about 0) and keep it; here they see the noisy mean, and nothing is added after the step.
+    dp = {
+        "method": "fedavg",
+        "strategy__name": name,
+        "strategy__dp": "server-fixed",
+        "strategy__dp_clipping_norm": 1.5,
+        "strategy__dp_noise_multiplier": 2.0,
+    }
+    x = np.zeros(200_000, dtype=np.float32)
+    tiny = x.copy()
+    tiny[0] = 1e-6
+    np.random.seed(0)
+    s = build_strategy(make_config(**dp))
+    assert isinstance(s.strategy, privacy.NoisyMean) and type(s.strategy).__name__.lower() == name
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    out = s.aggregate_train(1, [_reply(m, tiny.copy()) for m in msgs])[0]["w"].numpy()
+    if name == "fedavgm":  # first round: momentum = x - noisy mean; x <- x - 1.0 x momentum
+        noise = -s.strategy.momentum_vector[0]
+        np.testing.assert_allclose(out, x + noise, atol=1e-6)  # no noise after the step
+    else:  # m_1 = (1 - beta_1)(noisy mean - x): the noise, scaled
+        noise = s.strategy.m_t["w"] / (1 - 0.9)
+        v = s.strategy.v_t["w"]
+        eta = 0.01 * np.sqrt(1 - 0.99**2) / (1 - 0.9**2)  # Flower's bias-corrected step at round 1
+        np.testing.assert_allclose(
+            out, x + eta * s.strategy.m_t["w"] / (np.sqrt(v) + 0.001), rtol=1e-4, atol=1e-7
+        )
+    assert float(noise.std()) == pytest.approx(0.75, rel=0.01)
+    assert privacy_accounting.not_accounted(make_config(**dp)) == ""  # accounted as the uniform mean
 
 
 def _context(**overrides) -> Context:
@@ -189,3 +262,137 @@ def test_results_record_the_dp_settings():
         "clip-norm-lr": 0.2,
         "clipped-count-stddev": 1.0,
     }
+
+
+# --------------------------------------------------------------------------- uniform weights
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "multikrum"])
+def test_under_dp_replies_weigh_the_same_whatever_their_examples(name):
+    # Two nodes, 1 and 3 examples, no noise, no clipping (updates of norm 1 < C = 10): without DP
+    # FedAvg is example-weighted (1/4, 3/4); under DP it is the plain mean Flower's noise assumes.
+    x = np.zeros(2, dtype=np.float32)
+    ys = [np.array([1.0, 0.0], dtype=np.float32), np.array([0.0, 1.0], dtype=np.float32)]
+    extra = {"strategy__num_nodes_to_select": 2, "min_nodes": 2} if name == "multikrum" else {}
+    for dp in ("none", "server-fixed", "client-fixed"):
+        cfg = make_config(
+            method="fedavg", strategy__name=name, strategy__dp=dp, strategy__dp_noise_multiplier=0.0, **extra
+        )
+        s = build_strategy(cfg)
+        msgs = list(
+            s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(2, 7))
+        )
+        replies = [_reply(m, y, n) for m, y, n in zip(msgs, ys, (1.0, 3.0), strict=True)]
+        arrays, metrics = s.aggregate_train(1, replies)
+        if name == "fedavg":
+            want = [0.25, 0.75] if dp == "none" else [0.5, 0.5]
+            np.testing.assert_allclose(arrays["w"].numpy(), want, rtol=1e-6)
+            assert metrics["train-ce"] == pytest.approx(want[0])  # the metrics weigh the same way
+        if name == "multikrum":  # both selected: their mean, uniform under DP
+            np.testing.assert_allclose(arrays["w"].numpy(), [0.25, 0.75] if dp == "none" else [0.5, 0.5])
+        if dp != "none":
+            assert privacy.release_of(s) == Release(7, 2, 2, 0.0, None)  # N from the view, m, m', z
+
+
+def test_under_dp_federated_evaluation_stays_example_weighted():
+    cfg = make_config(
+        method="fedavg", strategy__dp="server-fixed", fraction_evaluate=1.0, evaluate_holdout=0.1
+    )
+    s = build_strategy(cfg)
+    (msg,) = s.configure_evaluate(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _Grid(1))
+    replies = [
+        Message(RecordDict({"metrics": MetricRecord({"num-examples": n, "eval-accuracy": a})}), reply_to=msg)
+        for n, a in ((1.0, 0.0), (3.0, 1.0))
+    ]
+    assert s.aggregate_evaluate(1, replies)["eval-accuracy"] == pytest.approx(0.75)
+
+
+# --------------------------------------------------------------------------- the accountant
+
+
+def test_without_subsampling_the_epsilon_is_the_closed_form_gaussian_composition():
+    # m = N: T rounds of the Gaussian mechanism with multiplier sigma have RDP alpha T / (2 sigma^2).
+    # Replace-one: the mean of m clipped updates moves by 2C / m, Flower's std is z C / m, so
+    # sigma = z / 2 (z = 2 here: sigma = 1).
+    z, n, delta = 2.0, 4, 1e-5
+    sigma = accounted_multiplier("fedavg", Release(n, n, n, z, None))
+    assert sigma == pytest.approx(z / 2)
+    eps = []
+    for t in range(1, 6):
+        closed, _ = compute_epsilon(
+            np.array(DEFAULT_RDP_ORDERS), np.array(DEFAULT_RDP_ORDERS) * t / (2 * sigma**2), delta
+        )
+        events = [(n, n, sigma)] * t
+        assert epsilon(events, delta, amplified=False) == pytest.approx(closed, rel=1e-9)
+        assert epsilon(events, delta, amplified=True) == pytest.approx(closed, rel=1e-9)  # q = 1
+        eps.append(epsilon(events, delta, amplified=False))
+    assert eps == sorted(eps) and len(set(eps)) == 5  # grows with every round
+    # sigma = 1, delta = 1e-5: 4.73 after one round (sqrt(2 ln(1.25 / delta)) = 4.84), 12.30 after five
+    assert eps[0] == pytest.approx(4.729, abs=1e-3) and eps[-1] == pytest.approx(12.302, abs=1e-3)
+
+
+def test_sampling_without_replacement_is_dp_accountings_event_and_amplifies():
+    events = [(10, 2, 1.0)] * 3  # 2 of 10 nodes a round, sigma = 1, three rounds
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dp_accounting.SampledWithoutReplacementDpEvent(10, 2, dp_accounting.GaussianDpEvent(1.0)), 3)
+    amplified = epsilon(events, 1e-5, amplified=True)
+    assert amplified == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    # 4.67 against 9.01 for the same three rounds without amplification
+    assert amplified == pytest.approx(4.673, abs=1e-3)
+    assert epsilon(events, 1e-5, amplified=False) == pytest.approx(9.010, abs=1e-3)
+    assert epsilon([(10, 2, 0.0)], 1e-5, amplified=True) == float("inf")  # no noise, no privacy
+
+
+def test_the_accounted_multiplier_of_each_mechanism():
+    z = 1.2
+    # A node failed: 3 of the 4 the noise was calibrated for; the mean's sensitivity is 2C / 3.
+    assert accounted_multiplier("fedprox", Release(9, 4, 3, z, None)) == pytest.approx(z * 3 / 8)
+    # Krum releases one clipped update (sensitivity 2C) with Flower's std z C / m.
+    assert accounted_multiplier("krum", Release(9, 4, 4, z, None)) == pytest.approx(z / 8)
+    # Adaptive clipping: Flower's split of z between the update and the clipped count (std s,
+    # sensitivity 1) composes back into exactly z / 2 (Andrew et al.'s split, replace-one).
+    s = 1.0
+    count_std, z_update = compute_adaptive_noise_params(z, 4, s)
+    assert z_update > z and count_std == s
+    assert accounted_multiplier("fedavg", Release(9, 4, 4, z_update, count_std)) == pytest.approx(z / 2)
+    with pytest.raises(ValueError, match="not accounted"):
+        accounted_multiplier("fedmedian", Release(9, 4, 4, z, None))
+
+
+def test_round_keys_compose_the_earlier_rows_and_say_when_nothing_is_accounted():
+    cfg = make_config(method="fedavg", strategy__dp="server-fixed", strategy__dp_noise_multiplier=2.0)
+    r = Release(4, 4, 4, 2.0, None)
+    first = round_keys(cfg, [{"round": 0}], r)
+    assert tuple(first) == privacy_accounting.ROW_KEYS
+    assert first["dp-release"] == {
+        "population": 4,
+        "sampled": 4,
+        "aggregated": 4,
+        "update-multiplier": 2.0,
+        "count-stddev": None,
+    }
+    second = round_keys(cfg, [{"round": 0}, {"round": 1, **first}], r)
+    assert second["epsilon"] == pytest.approx(epsilon([(4, 4, 1.0)] * 2, 1e-5, amplified=False))
+    assert second["epsilon"] > first["epsilon"] > 0
+    assert second["epsilon-if-sample-secret"] == pytest.approx(second["epsilon"])  # m = N: no amplification
+    nothing = round_keys(cfg, [{"round": 0}, {"round": 1, **first}], None)  # a round that released nothing
+    assert nothing["dp-release"] is None and nothing["epsilon"] == first["epsilon"]
+    median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
+    assert round_keys(median, [], r) == {}
+    assert privacy_accounting.settings(median)["accountant"] is None
+    assert "fedmedian" in privacy_accounting.settings(median)["not-accounted"]
+
+
+def test_results_and_report_carry_the_final_epsilon():
+    cfg = make_config(method="fedavg", strategy__dp="server-fixed", strategy__dp_noise_multiplier=2.0)
+    block = privacy.settings(cfg) | privacy_accounting.settings(cfg)
+    assert block["delta"] == 1e-5 and block["accountant"].startswith("dp_accounting.rdp.RdpAccountant")
+    assert block["weighting"].startswith("uniform")
+    row = {"round": 1, **round_keys(cfg, [], Release(4, 4, 4, 2.0, None))}
+    line = privacy_line(Results(rounds=[{"round": 0}, row], privacy=block))
+    assert f"epsilon {row['epsilon']:.4g} at delta 1e-05 after round 1" in line
+    median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
+    blk = private_settings(median)  # what the ServerApp writes (and warns about)
+    assert blk == privacy.settings(median) | privacy_accounting.settings(median)
+    assert "no epsilon: strategy.name = 'fedmedian'" in privacy_line(Results(privacy=blk))
+    assert private_settings(make_config()) is None  # no DP, no block

@@ -6,9 +6,14 @@ the other simulation files instead of after them.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from conftest import ROOT
 from simulation_runs import EVAL, FED, results
+
+from feddifrc_app.privacy import Release
+from feddifrc_app.privacy_accounting import accounted_multiplier, epsilon
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +69,26 @@ def test_strategies_run_in_simulation(flower_procs, tmp_path):
         assert 0.0 <= row["test-accuracy"] <= 1.0
         if mode == "client-adaptive":
             assert 0.0 <= row["train-metrics"]["norm_bit"] <= 1.0  # each node said whether it clipped
+        check_epsilon(r, strategy, len(row["nodes"]))
+
+
+def check_epsilon(r: dict, strategy: str, m: int) -> None:
+    """Krum and MultiKrum release one clipped update or a mean of them: accounted, with every
+    node of the round (N = m) and Flower's noise multiplier 0.001; Bulyan and QFedAvg are not."""
+    row, p = r["rounds"][1], r["privacy"]
+    assert p["delta"] == 1e-5 and p["weighting"].startswith("uniform")
+    if strategy in ("bulyan", "qfedavg"):
+        assert p["accountant"] is None and strategy in p["not-accounted"] and "epsilon" not in row
+        return
+    assert row["dp-release"] == {
+        "population": m,
+        "sampled": m,
+        "aggregated": m,
+        "update-multiplier": 0.001,
+        "count-stddev": None,
+    }
+    sigma = accounted_multiplier(strategy, Release(m, m, m, 0.001, None))
+    assert sigma == 0.001 / (2 * m)  # std z C / m on a point of the C-ball (sensitivity 2C)
+    assert math.isfinite(row["epsilon"]) and row["epsilon"] > 0
+    assert row["epsilon"] == pytest.approx(epsilon([(m, m, sigma)], 1e-5, amplified=False), rel=1e-12)
+    assert row["epsilon-if-sample-secret"] == row["epsilon"]  # m = N: nothing to amplify
