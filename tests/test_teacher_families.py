@@ -180,3 +180,18 @@ def test_an_unsupported_pipeline_folder_is_a_clear_error(tmp_path: Path) -> None
         read_family(tmp_path)
     with pytest.raises(TeacherLoadError, match="FluxPipeline"):
         teacher_identity(str(tmp_path), tmp_path / "cache")
+
+
+def test_reduced_precision_runs_and_stays_close(
+    family: str, teacher_cache: Path, images: torch.Tensor
+) -> None:
+    """bfloat16 (what CUDA runs as fp16/bf16) through every family's path: the model timestep,
+    masks and pooled embeddings survive the cast; pooled features stay float32 and close."""
+    ref = _make(_load(family, teacher_cache))(images, torch.arange(3), PROMPTS)
+    low = _make(load_teacher(f"tiny-{family}", teacher_cache, CPU, torch.bfloat16))(
+        images, torch.arange(3), PROMPTS
+    )
+    for b in ref:
+        assert low[b].dtype == torch.float32 and torch.isfinite(low[b]).all()
+        cos = torch.nn.functional.cosine_similarity(low[b].flatten(1), ref[b].flatten(1), dim=-1)
+        assert float(cos.min()) > 0.98, (b, cos)

@@ -33,7 +33,8 @@ def flow_sigmas(scheduler) -> tuple[Tensor, Tensor]:
 def noise_coeffs(teacher, timestep: int) -> tuple[float, float, Tensor]:
     sigmas, steps = teacher.parts["sigmas"], teacher.parts["timesteps"]
     s = float(sigmas[int(timestep)])
-    return 1.0 - s, s, steps[int(timestep)].to(teacher.device, teacher.dtype)
+    # float32 as the pipeline passes it (sigma * 1000 in fp16 would round to 0.5)
+    return 1.0 - s, s, steps[int(timestep)].to(teacher.device)
 
 
 def encode_prompts(teacher, prompts: tuple[str, ...], resolution: int) -> Conditioning:
