@@ -1,6 +1,13 @@
 """What does a diffusion teacher know? The trained tiny-mnist teacher beside its random-weight control.
 
-    python benchmarks/teacher_quality.py [--out DIR] [--model tiny-mnist] [--folds 5]
+    python benchmarks/teacher_quality.py [--out DIR] [--run-config ...] [--folds 5]
+        [--pixart DIR [--pixart-blocks 3,5,7]]
+
+``--pixart DIR`` (a ``feddifrc pretrain-teacher --family pixart --out DIR`` folder) adds the
+tiny transformer teacher and its own untrained control (``--family pixart --vae-steps 0
+--unet-steps 0``, built once) as two more rows: UNet vs DiT on the same data, prompts,
+recipe and measurements, each at its own layers (the DiT's ``--pixart-blocks``, its
+default 3,5,7 of 8 blocks, 128 wide each, fused to the same PCA widths).
 
 Both teachers have the same architecture, text encoder, prompts and noise; the control is
 `feddifrc pretrain-teacher --vae-steps 0 --unet-steps 0` (untrained weights, its VAE scaling
@@ -60,13 +67,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"probe": (0.85, 0.5), "prompt-effect": (0.1, 0.01)}
 
 
-def control_teacher(cfg, folder: Path) -> Path:
+def control_teacher(cfg, folder: Path, family: str = "sd") -> Path:
     """The untrained control: same architecture and recipe at 0 steps (built once)."""
     from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
 
     marker = folder / "feddifrc.json"
-    built = json.loads(marker.read_text())["recipe"]["resolution"] if marker.is_file() else None
-    if built != cfg.diffusion.resolution:
+    recipe = json.loads(marker.read_text())["recipe"] if marker.is_file() else {}
+    if (recipe.get("resolution"), recipe.get("family", "sd")) != (cfg.diffusion.resolution, family):
         data = load_dataset(cfg.dataset, PUBLIC_SPLIT)
         prompts = teacher_prompts(cfg, data.class_names)[: data.num_classes]
         pretrain_teacher(
@@ -74,8 +81,8 @@ def control_teacher(cfg, folder: Path) -> Path:
             data.labels,
             prompts,
             folder,
-            PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
-            name="tiny-mnist-untrained",
+            PretrainRecipe(family=family, resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
+            name="tiny-mnist-untrained" if family == "sd" else f"tiny-mnist-{family}-untrained",
             data_note="untrained control",
             progress=False,
         )
@@ -230,7 +237,8 @@ def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int)
     print("| --- | --- | --- | --- | --- |")
     for label, m in rows.items():
         print(
-            f"| {label} | {m['probe']:.3f} | {m['prompt-effect']:.4f} | {m['student-tdcl-raw']:.3f} | "
+            f"| {label} (blocks {m['blocks']}) | {m['probe']:.3f} | {m['prompt-effect']:.4f} | "
+            f"{m['student-tdcl-raw']:.3f} | "
             f"{m['student-tdcl-fused']:.3f} |"
         )
     print(
@@ -252,11 +260,28 @@ def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int)
         print(f"| {label} | {' | '.join(cells)} | {tail} |")
 
 
+def teachers(cfg, args, out: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(row label, diffusion.model, diffusion.blocks) of every teacher measured."""
+    blocks = cfg.diffusion.blocks
+    rows = [
+        (cfg.diffusion.model, cfg.diffusion.model, blocks),
+        ("untrained control", str(control_teacher(cfg, out / "tiny-mnist-untrained")), blocks),
+    ]
+    if args.pixart:
+        dit = tuple(int(b) for b in args.pixart_blocks.split(","))
+        ctrl = control_teacher(cfg, out / "tiny-mnist-pixart-untrained", family="pixart")
+        pixart = str(Path(args.pixart).resolve())
+        rows += [("pixart (DiT) teacher", pixart, dit), ("pixart untrained control", str(ctrl), dit)]
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "teacher_quality"))
     ap.add_argument("--run-config", action="append", default=None, help="overrides as for flwr run")
     ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--pixart", default="", help="a `pretrain-teacher --family pixart` folder to compare")
+    ap.add_argument("--pixart-blocks", default="3,5,7", help="its transformer_blocks (default of 8)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out).resolve()
@@ -265,12 +290,11 @@ def main() -> int:
     if cfg.dataset.name != "mnist-5k":
         raise SystemExit("teacher_quality: needs dataset.name = 'mnist-5k' (the teacher's public split)")
 
-    control = control_teacher(cfg, out / "tiny-mnist-untrained")
     test = load_dataset(cfg.dataset, "test")
     rows = {}
-    for label, model in ((cfg.diffusion.model, cfg.diffusion.model), ("untrained control", str(control))):
-        c = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=model))
-        rows[label] = measure(c, out / "cache", test, args.folds)
+    for label, model, blocks in teachers(cfg, args, out):
+        c = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=model, blocks=blocks))
+        rows[label] = {**measure(c, out / "cache", test, args.folds), "blocks": ",".join(map(str, blocks))}
     d = cfg.diffusion
     print_table(rows, d, len(test), args.folds)
     trained, ctrl = rows[cfg.diffusion.model], rows["untrained control"]
@@ -280,6 +304,12 @@ def main() -> int:
         "trained prompt effect >= 0.1": trained["prompt-effect"] >= TARGETS["prompt-effect"][0],
         "control prompt effect <= 0.01": ctrl["prompt-effect"] <= TARGETS["prompt-effect"][1],
     }
+    if args.pixart:
+        dit, dctrl = rows["pixart (DiT) teacher"], rows["pixart untrained control"]
+        checks["pixart probe >= 0.85"] = dit["probe"] >= TARGETS["probe"][0]
+        checks["pixart control probe <= 0.5"] = dctrl["probe"] <= TARGETS["probe"][1]
+        checks["pixart prompt effect >= 0.1"] = dit["prompt-effect"] >= TARGETS["prompt-effect"][0]
+        checks["pixart control prompt effect <= 0.01"] = dctrl["prompt-effect"] <= TARGETS["prompt-effect"][1]
     print("\n" + "\n".join(f"{'PASS' if ok else 'MISS'}  {name}" for name, ok in checks.items()))
     summary = {
         "rows": rows,

@@ -260,7 +260,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe
+    from feddifrc_app.diffusion.pretrain import FAMILIES, PretrainRecipe
 
     d = PretrainRecipe()
     p.add_argument(
@@ -282,9 +282,18 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
         help="overrides as for `flwr run --run-config` (dataset, prompt template, resolution)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="weights, batches and noise")
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=d.family,
+        help="sd: UNet + CLIP (tiny-mnist); pixart: a PixArt DiT of the same size + T5, same recipe",
+    )
     p.add_argument("--vae-steps", type=int, default=d.vae_steps)
     p.add_argument(
-        "--unet-steps", type=int, default=d.unet_steps, help="0 with --vae-steps 0: the untrained control"
+        "--unet-steps",
+        type=int,
+        default=d.unet_steps,
+        help="denoiser (UNet or DiT) steps; 0 with --vae-steps 0: the untrained control",
     )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
@@ -315,6 +324,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     try:
         recipe = PretrainRecipe(
             seed=args.seed,
+            family=args.family,
             resolution=cfg.diffusion.resolution,
             batch_size=args.batch_size,
             vae_steps=args.vae_steps,

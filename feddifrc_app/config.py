@@ -473,8 +473,15 @@ def _check_teacher(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             f"config keys 'diffusion.blocks' = {raw['diffusion.blocks']!r} and "
             f"'diffusion.channels' = {raw['diffusion.channels']!r} must have the same length"
         )
-    if len(set(blocks)) != len(blocks) or any(b < 0 or b > 3 for b in blocks):
-        raise _fail("diffusion.blocks", raw["diffusion.blocks"], "expected distinct up_block indices in 0..3")
+    if len(set(blocks)) != len(blocks) or any(b < 0 for b in blocks):
+        # the upper bound is the model's (4 up_blocks for SD 1.x/2.x, 3 for SDXL, the number of
+        # transformer blocks for PixArt/SD3): checked against its config when the teacher is resolved
+        raise _fail(
+            "diffusion.blocks",
+            raw["diffusion.blocks"],
+            "expected distinct non-negative layer indices (SD: unet.up_blocks 0..3; SDXL: 0..2; "
+            "PixArt/SD3: transformer_blocks 0..num_layers-1)",
+        )
     if any(c < 1 for c in channels):
         raise _fail("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
     if v["method"] in ("feddifrc", "feddifrc-ssl") and sum(channels) != 8 * width:

@@ -37,6 +37,7 @@ from feddifrc_app.diffusion.cache import (
     key_fields,
     key_from_fields,
 )
+from feddifrc_app.diffusion.family import check_layers, layer_count
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
@@ -69,14 +70,18 @@ class TeacherSpec:
 
 
 def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
-    """The run's teacher; a missing device fails before the weights are looked up (or downloaded)."""
+    """The run's teacher; a missing device fails before the weights are looked up (or downloaded),
+    and a ``diffusion.blocks`` index the model does not have fails before any network is built
+    (``family.FamilyError``, naming the valid range)."""
     d = cfg.diffusion
     device = resolve_device(d.device, "diffusion.device")
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype")
+    identity = teacher_identity(d.model, cache_dir)
+    check_layers(d.blocks, layer_count(identity.folder, identity.family), identity.family)
     return TeacherSpec(
         model=d.model,
         cache_dir=Path(cache_dir),
-        identity=teacher_identity(d.model, cache_dir),
+        identity=identity,
         device=device,
         dtype=dtype,
         resolution=d.resolution,
@@ -111,6 +116,7 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         ensemble=spec.ensemble,
         dataset_fingerprint=data.fingerprint,
         dtype=str(spec.dtype),
+        family=spec.identity.family,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 

@@ -340,3 +340,20 @@ def test_cli_pretrain_refuses_in_one_line_and_rewrites_its_own_folder(
         assert capsys.readouterr().out.strip() == str(ctrl)
     assert json.loads((ctrl / "feddifrc.json").read_text())["random_weights"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ctrl", "f", "thesis"]
+
+
+def test_pixart_family_trains_a_dit_teacher_the_app_loads(tmp_path: Path) -> None:
+    """--family pixart: the same recipe and data, a PixArt DiT + tiny T5, a verified PixArtAlphaPipeline."""
+    images, labels = _data()
+    recipe = PretrainRecipe(family="pixart", batch_size=8, vae_steps=2, unet_steps=3, unet_warmup=1)
+    out = pretrain_teacher(images, labels, PROMPTS, tmp_path / "dit", recipe, name="d", progress=False)
+    marker = json.loads((out / "feddifrc.json").read_text())
+    assert marker["recipe"]["family"] == "pixart" and "transformer/config.json" in marker["files"]
+    assert json.loads((out / "model_index.json").read_text())["_class_name"] == "PixArtAlphaPipeline"
+    t = load_teacher(str(out), tmp_path / "cache", torch.device("cpu"), torch.float32)
+    assert t.family == "pixart" and t.block_channels == (128,) * 8 and t.vae_scale_factor == 4
+    f = Featurizer(t, resolution=32, timestep=300, blocks=(3, 5, 7), ensemble=1, seed=0)
+    feats = f(images[:2], torch.arange(2), PROMPTS)
+    assert {b: tuple(v.shape) for b, v in feats.items()} == {3: (2, 3, 128), 5: (2, 3, 128), 7: (2, 3, 128)}
+    with pytest.raises(ValueError, match="family"):
+        PretrainRecipe(family="sd3")

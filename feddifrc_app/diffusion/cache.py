@@ -64,6 +64,7 @@ def key_fields(
     dataset_fingerprint: str,
     conditioning: str = "none",
     dtype: str = "",
+    family: str = "sd",
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
@@ -71,9 +72,11 @@ def key_fields(
     folder: the same weights moved, copied or mirrored serve the same cache. ``dtype`` is the
     teacher's compute dtype (fp16 on CUDA and fp32 on CPU give slightly different features,
     so an fp32 CPU extract never serves an fp16 GPU run); pass ``str(teacher.dtype)``.
-    Dataset indices are not part of the key: entries are stored per image id.
+    Dataset indices are not part of the key: entries are stored per image id. ``family``
+    (``family.FAMILIES``: which layers ``blocks`` index, how the image is noised) is a field
+    of every family but SD 1.x/2.x, whose keys predate it and stay as they were.
     """
-    return {
+    fields = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "weights_hash": str(weights_hash),
@@ -87,6 +90,9 @@ def key_fields(
         "conditioning": str(conditioning),
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if family != "sd":
+        fields["family"] = str(family)
+    return fields
 
 
 def key_from_fields(fields: Mapping[str, Any]) -> str:

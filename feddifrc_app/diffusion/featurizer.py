@@ -1,4 +1,9 @@
-"""Images x prompts -> per-block, spatially mean-pooled UNet features of the frozen teacher.
+"""Images x prompts -> per-layer, spatially mean-pooled features of the frozen teacher.
+
+The family-specific steps (prompt encoding, the noise law and the model timestep, the
+denoiser call, pooling a hooked layer) are the family module's (``family.py``); what follows
+is said for the SD UNet and holds for every family with "UNet" read as its denoiser and
+``up_blocks`` as its hooked layers (``transformer_blocks`` for the DiTs).
 
 Per batch of B images and P prompts: pixels -> [-1, 1] once (``to_unit_range``, the only
 pixel mapping) and VAE-encoded once per image; prompt embeddings memoised per prompt tuple;
@@ -15,15 +20,21 @@ the cache stores and any basis (PCA, random) is applied afterwards.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from feddifrc_app.diffusion.family import Conditioning, check_layers, encode_image
 from feddifrc_app.diffusion.pipeline import Teacher
+from feddifrc_app.diffusion.sd import (
+    encode_clip as encode_prompts,
+)  # SD's CLIP encoding (pretrain, benchmarks)
 from feddifrc_app.diffusion.speed import Shortcuts
+
+__all__ = ["Featurizer", "encode_prompts", "noise_seed", "to_unit_range"]
+_SHORTCUT_FAMILIES = ("sd", "sdxl")  # UNets: the shortcuts in speed.py are checked on them
 
 _PROMPT_MEMO = 64  # prompt tuples kept per Featurizer
 
@@ -47,20 +58,6 @@ def to_unit_range(images: Tensor, resolution: int) -> Tensor:
         )
         x = x.clamp_(-1.0, 1.0)
     return x.contiguous()
-
-
-def encode_prompts(tokenizer, text_encoder, prompts: tuple[str, ...]) -> Tensor:
-    """``(P, L, D)`` last hidden states of the text encoder, prompts padded to the tokenizer's
-    max length as Stable Diffusion does (the teacher's pretraining conditions the same way)."""
-    device = next(text_encoder.parameters()).device
-    ids = tokenizer(
-        list(prompts),
-        padding="max_length",
-        max_length=tokenizer.model_max_length,
-        truncation=True,
-        return_tensors="pt",
-    ).input_ids.to(device)
-    return text_encoder(ids)[0]
 
 
 def noise_seed(seed: int, image_id: int, draw: int) -> int:
@@ -91,11 +88,9 @@ class Featurizer:
         seed: int,
         fast: bool = True,
     ) -> None:
-        n_up = len(teacher.unet.up_blocks)
-        blocks = tuple(int(b) for b in blocks)
-        if not blocks or len(set(blocks)) != len(blocks) or any(b < 0 or b >= n_up for b in blocks):
-            raise ValueError(f"blocks {blocks} must be distinct up_block indices in 0..{n_up - 1}")
-        n_t = int(teacher.alphas_cumprod.shape[0])
+        adapter = teacher.adapter
+        blocks = check_layers(blocks, len(getattr(teacher.unet, adapter.LAYER_ATTR)), teacher.family)
+        n_t = teacher.num_timesteps
         if not 0 <= int(timestep) < n_t:
             raise ValueError(f"timestep {timestep} must be in 0..{n_t - 1}")
         if int(ensemble) < 1:
@@ -110,16 +105,17 @@ class Featurizer:
         self.ensemble = int(ensemble)
         self.seed = int(seed)
         self.fast = bool(fast)
-        # DDPM's forward process by hand, not the pipeline's scheduler.add_noise: that rounds
-        # sqrt(1 - a) in float32 (117 of SD's 1000 timesteps differ bitwise) and sigma-parametrised
-        # schedulers (Euler, LMS) noise another way.
-        a = float(teacher.alphas_cumprod[self.timestep].double())
-        self._sqrt_a = math.sqrt(a)
-        self._sqrt_1ma = math.sqrt(1.0 - a)
+        # x_t = a x0 + b eps by hand (sd, sdxl, pixart: DDPM's sqrt(a_t), sqrt(1 - a_t) in double,
+        # not the scheduler's float32 add_noise; sd3: 1 - sigma, sigma of its flow-matching grid)
+        # and the timestep the denoiser expects.
+        self._sqrt_a, self._sqrt_1ma, self._step = adapter.noise_coeffs(teacher, self.timestep)
         self._latent_shape = (teacher.latent_channels, self.resolution // f, self.resolution // f)
-        self._prompts: OrderedDict[tuple[str, ...], Tensor] = OrderedDict()
+        patch = int(getattr(teacher.unet.config, "patch_size", None) or 1)
+        self._grid = (self.resolution // f // patch, self.resolution // f // patch)  # DiT patch grid
+        self._prompts: OrderedDict[tuple[str, ...], Conditioning] = OrderedDict()
         cpu_fp32 = teacher.device.type == "cpu" and teacher.dtype == torch.float32
-        self._speed = Shortcuts(teacher.unet, enabled=self.fast, onednn=cpu_fp32)
+        fast_ok = self.fast and teacher.family in _SHORTCUT_FAMILIES
+        self._speed = Shortcuts(teacher.unet, enabled=fast_ok, onednn=cpu_fp32)
 
     @property
     def shortcuts(self) -> dict[str, bool]:
@@ -129,10 +125,15 @@ class Featurizer:
     # ------------------------------------------------------------------ prompts
 
     def prompt_embeddings(self, prompts: tuple[str, ...]) -> Tensor:
-        """``(P, L, D)`` text-encoder last hidden states (teacher device/dtype), once per tuple.
+        """``(P, L, D)`` prompt-token embeddings the denoiser reads (teacher device/dtype), once
+        per tuple (SD: the text encoder's last hidden states).
 
         The returned tensor is the memoised one (an inference tensor): do not modify it.
         """
+        return self.conditioning(prompts).tokens
+
+    def conditioning(self, prompts: tuple[str, ...]) -> Conditioning:
+        """The family's encoding of ``prompts`` (tokens and extras), memoised per tuple."""
         key = tuple(str(p) for p in prompts)
         if not key:
             raise ValueError("at least one prompt is needed")
@@ -142,11 +143,11 @@ class Featurizer:
             return hit
         t = self.teacher
         with torch.inference_mode():
-            emb = encode_prompts(t.tokenizer, t.text_encoder, key).to(t.dtype)
-        self._prompts[key] = emb
+            cond = t.adapter.encode_prompts(t, key, self.resolution)
+        self._prompts[key] = cond
         if len(self._prompts) > _PROMPT_MEMO:
             self._prompts.popitem(last=False)
-        return emb
+        return cond
 
     # ------------------------------------------------------------------ features
 
@@ -183,9 +184,8 @@ class Featurizer:
         ids = torch.as_tensor(ids).reshape(-1)
         if ids.numel() != B:
             raise ValueError(f"got {B} images but {ids.numel()} ids")
-        emb = self.prompt_embeddings(prompts)  # (P, L, D)
-        P = int(emb.shape[0])
-        cond = emb  # shared by all images: P rows
+        cond = self.conditioning(prompts)  # tokens (P, L, D): shared by all images
+        P = int(cond.tokens.shape[0])
         if token_offsets is not None:
             off = torch.as_tensor(token_offsets)
             if tuple(off.shape) != (B, t.text_width):
@@ -193,7 +193,7 @@ class Featurizer:
                     f"token_offsets must be (B, text width) = ({B}, {t.text_width}), got {tuple(off.shape)}"
                 )
             # per-image prompt rows, prompt-major: row p*B + b = prompt p + offset of image b
-            cond = (emb[:, None] + off.to(t.device, t.dtype)[None, :, None, :]).reshape(P * B, *emb.shape[1:])
+            cond = cond.rows(B, off.to(t.device, t.dtype))
         l0 = self.encode(images) if latents is None else latents.to(t.device)  # (B, C, h, w) float32
         total: dict[int, Tensor] | None = None
         for draw in range(self.ensemble):
@@ -206,9 +206,7 @@ class Featurizer:
         """uint8 images -> VAE latent mean x scaling factor, float32 ``(B, C, h, w)`` on the device."""
         t = self.teacher
         x = to_unit_range(images.to(t.device), self.resolution).to(t.dtype)
-        with torch.inference_mode():
-            lat = t.vae.encode(x).latent_dist.mean
-        return lat.float() * float(t.vae.config.scaling_factor)
+        return encode_image(t.vae, x)
 
     def noise(self, ids: Tensor, draw: int) -> Tensor:
         """Per-image seeded standard normal noise, float32 ``(B, C, h, w)`` (drawn on the CPU)."""
@@ -219,44 +217,56 @@ class Featurizer:
             out[i] = torch.randn(self._latent_shape, generator=g)
         return out
 
-    def _draw(self, l0: Tensor, ids: Tensor, draw: int, cond: Tensor, P: int) -> dict[int, Tensor]:
-        """One noise draw, ONE UNet call over all P x B rows; pooled ``(B, P, C_b)`` per block.
+    def _draw(
+        self, l0: Tensor, ids: Tensor, draw: int, cond: Conditioning | Tensor, P: int
+    ) -> dict[int, Tensor]:
+        """One noise draw, ONE denoiser call over all P x B rows; pooled ``(B, P, C_b)`` per layer.
 
-        ``cond``: ``(P, L, D)`` prompt embeddings shared by every image, or ``(P * B, L, D)``
-        per-row (prompt-major) embeddings.
+        ``cond``: the P prompts shared by every image, or ``P * B`` per-row (prompt-major) ones;
+        a bare tensor is SD's prompt tokens.
         """
         t = self.teacher
+        cond = cond if isinstance(cond, Conditioning) else Conditioning(cond)
         B = int(l0.shape[0])
         eps = self.noise(ids, draw).to(l0.device)
         lt = (self._sqrt_a * l0 + self._sqrt_1ma * eps).to(t.dtype)
         sample = lt.repeat(P, 1, 1, 1)  # prompt-major: row p*B + b = image b
-        shared = int(cond.shape[0]) == P and P * B != P
+        shared = int(cond.tokens.shape[0]) == P and P * B != P
         fast_cross = shared and bool(self._speed.cross)
-        if shared and not fast_cross:
-            cond = cond.repeat_interleave(B, dim=0)  # row p*B + b = prompt p
+        if shared:  # row p*B + b = prompt p (the tokens stay P rows for the shared cross-attention)
+            cond = cond.rows(B, expand_tokens=not fast_cross)
+        pooled = self._run(sample, cond, B, P, fast_cross)
+        for b, v in pooled.items():
+            if int(v.shape[-1]) != t.block_channels[b]:  # pragma: no cover - a family module bug
+                raise RuntimeError(f"layer {b} gave width {v.shape[-1]}, declared {t.block_channels[b]}")
+        return {b: v.reshape(P, B, -1).transpose(0, 1) for b, v in pooled.items()}
+
+    def _run(self, sample: Tensor, cond: Conditioning, B: int, P: int, fast_cross: bool) -> dict[int, Tensor]:
+        """The denoiser call with forward hooks pooling ``self.blocks``; stops after the last one."""
+        t = self.teacher
+        adapter = t.adapter
         pooled: dict[int, Tensor] = {}
         last = max(self.blocks)
 
         def hook_for(b: int):
             def hook(_module, _inputs, output):
-                h = output[0] if isinstance(output, tuple) else output
-                pooled[b] = h.mean(dim=(2, 3), dtype=torch.float32)
+                pooled[b] = adapter.pool(output, self._grid)
                 if b == last:
                     raise _StopUNet
 
             return hook
 
-        handles = [t.unet.up_blocks[b].register_forward_hook(hook_for(b)) for b in self.blocks]
+        layers = getattr(t.unet, adapter.LAYER_ATTR)
+        handles = [layers[b].register_forward_hook(hook_for(b)) for b in self.blocks]
         try:
             with self._speed.installed(B, P, fast_cross):
-                step = torch.tensor(self.timestep, dtype=torch.long, device=t.device)
-                t.unet(sample, step, encoder_hidden_states=cond)
+                adapter.denoise(t, sample, self._step, cond)
         except _StopUNet:
             pass
         finally:
             for h in handles:
                 h.remove()
         missing = [b for b in self.blocks if b not in pooled]
-        if missing:  # pragma: no cover - only if the UNet skips its up_blocks
-            raise RuntimeError(f"UNet up_blocks {missing} produced no output")
-        return {b: v.reshape(P, B, -1).transpose(0, 1) for b, v in pooled.items()}
+        if missing:  # pragma: no cover - only if the denoiser skips its layers
+            raise RuntimeError(f"{adapter.LAYER_NAME} {missing} produced no output")
+        return pooled

@@ -1,10 +1,12 @@
-"""The frozen Stable Diffusion teacher: which folder a model name means, its identity, loading it.
+"""The frozen text-to-image teacher: which folder a model name means, its identity, loading it.
 
-``load_teacher`` loads any diffusers Stable Diffusion pipeline (a hub id, a local diffusers
-folder, a teacher shipped in the package, or ``"tiny"``) once per process and keeps what
-feature extraction needs: the UNet, the VAE *encoder*, the text encoder and tokenizer and
-the noise schedule, all frozen. Nothing falls back silently: a missing or damaged model is
-a ``TeacherLoadError`` with one actionable line.
+``load_teacher`` loads a diffusers pipeline of any supported family (``family.FAMILIES``: SD
+1.x/2.x, SDXL, PixArt-alpha/Sigma, SD3/3.5; a hub id, a local diffusers folder, a teacher
+shipped in the package, ``"tiny"`` or a tiny random model of another family, ``"tiny-sdxl"``,
+``"tiny-pixart"``, ``"tiny-sd3"``) with that family's own diffusers pipeline class, once per
+process, and keeps what feature extraction needs: the denoiser (UNet or transformer), the VAE
+*encoder*, the text encoders and tokenizers and the noise schedule, all frozen. Nothing falls
+back silently: a missing or damaged model is a ``TeacherLoadError`` with one actionable line.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import os
 import re
 import urllib.parse
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from feddifrc_app.diffusion.family import FamilyError, family_module, read_family
 from feddifrc_app.diffusion.tiny import MARKER, TINY_PREFIX, build_tiny_pipeline, quiet, tiny_name
+from feddifrc_app.diffusion.tiny_zoo import ZOO_FAMILIES, build_tiny_zoo, zoo_name
 from feddifrc_app.files import write_json
 from feddifrc_app.hub import hub_offline
 
@@ -32,7 +36,9 @@ PRETRAINED_KIND = "feddifrc-pretrained-tiny-sd"  # feddifrc.json "kind" of `fedd
 # each is the output of `feddifrc pretrain-teacher` (seed 0).
 PACKAGED_TEACHERS: tuple[str, ...] = ("tiny-mnist",)
 
-_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+# what loading reads, over all families (SD's five first: an SD folder hashes as it always did)
+_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler", "transformer")
+_COMPONENTS += ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
 _WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".onnx", ".h5", ".pb")
 _MIN_VOCAB = 100
 _ANY_MODEL = "a local diffusers folder or 'tiny-mnist'"
@@ -44,20 +50,36 @@ class TeacherLoadError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class Teacher:
-    """A loaded, frozen SD teacher. Hashable by identity (one per process per key)."""
+    """A loaded, frozen teacher. Hashable by identity (one per process per key)."""
 
-    unet: Any  # diffusers UNet2DConditionModel
+    unet: Any  # the denoiser: UNet2DConditionModel (sd, sdxl) or a DiT transformer (pixart, sd3)
     vae: Any  # diffusers AutoencoderKL, decoder dropped (encode only)
-    text_encoder: Any  # transformers CLIPTextModel
-    tokenizer: Any  # transformers CLIPTokenizer
-    alphas_cumprod: torch.Tensor  # (T,) float32 on CPU, from the pipeline's scheduler
+    text_encoder: Any  # the first text encoder (CLIPTextModel; T5EncoderModel for pixart)
+    tokenizer: Any  # its tokenizer
+    alphas_cumprod: torch.Tensor  # (T,) float32 on CPU from the scheduler; empty for flow matching (sd3)
     model_id: str  # "tiny-seed0" / hub id / absolute folder
     weights_hash: str  # sha256 over the content of the loaded component files
     random_weights: bool  # True for the embedded tiny model: label results accordingly
     device: torch.device
     dtype: torch.dtype
     text_width: int  # text encoder hidden size (width of prompt token embeddings)
-    block_channels: tuple[int, ...]  # output channels of unet.up_blocks[0..]
+    block_channels: tuple[int, ...]  # output width of each hookable layer (up_blocks / transformer_blocks)
+    family: str = "sd"  # family.FAMILIES value: which module encodes, noises, denoises and pools
+    parts: dict[str, Any] = field(default_factory=dict)  # the family's extras (the pipeline, sigmas)
+
+    @property
+    def denoiser(self) -> Any:
+        return self.unet
+
+    @property
+    def adapter(self):
+        """The family's module (``feddifrc_app.diffusion.<family>``)."""
+        return family_module(self.family)
+
+    @property
+    def num_timesteps(self) -> int:
+        sigmas = self.parts.get("sigmas")
+        return int(len(sigmas) if sigmas is not None else self.alphas_cumprod.shape[0])
 
     @property
     def vae_scale_factor(self) -> int:
@@ -77,6 +99,7 @@ class TeacherIdentity:
     weights_hash: str
     random_weights: bool
     folder: Path  # the local diffusers folder the weights are read from
+    family: str = "sd"  # from model_index.json's _class_name (family.FAMILIES)
 
 
 # --------------------------------------------------------------------------- file digests
@@ -307,6 +330,11 @@ def _resolve_folder(model: str, cache_dir: Path) -> tuple[Path, str, bool]:
     if tiny:  # built on first use
         seed = int(tiny.group(1) or 0)
         return build_tiny_pipeline(cache_dir / "models" / tiny_name(seed), seed), tiny_name(seed), True
+    zoo = re.fullmatch(rf"{TINY_PREFIX}-({'|'.join(ZOO_FAMILIES)})(?:-seed(\d+))?", model)
+    if zoo:  # a tiny random model of another family, built on first use
+        fam, seed = zoo.group(1), int(zoo.group(2) or 0)
+        name = zoo_name(fam, seed)
+        return build_tiny_zoo(fam, cache_dir / "models" / name, seed), name, True
     if model.startswith(("/", "~", ".", "\\")) or os.path.isabs(model) or Path(model).exists():
         return _local_folder(model)
     return _hub_folder(model), model, False
@@ -332,9 +360,12 @@ def teacher_identity(model: str, cache_dir: Path) -> TeacherIdentity:
 @functools.cache
 def _identity(model: str, cache_dir: Path) -> TeacherIdentity:
     folder, model_id, random_weights = _resolve_folder(model, cache_dir)
-    return TeacherIdentity(
-        model_id, weights_hash(folder, cache_dir / "weights-digests.json"), random_weights, folder
-    )
+    try:
+        family = read_family(folder)
+    except FamilyError as e:
+        raise TeacherLoadError(str(e)) from None
+    digest = weights_hash(folder, cache_dir / "weights-digests.json")
+    return TeacherIdentity(model_id, digest, random_weights, folder, family)
 
 
 def teacher_resolution(model: str, cache_dir: Path) -> int | None:
@@ -344,24 +375,21 @@ def teacher_resolution(model: str, cache_dir: Path) -> int | None:
 
 
 def _from_pretrained(folder: Path, model: str, dtype: torch.dtype):
-    from diffusers import StableDiffusionPipeline
+    """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name)."""
+    import diffusers
 
-    kw: dict[str, Any] = dict(
-        torch_dtype=dtype,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-        local_files_only=True,
-    )
+    name = json.loads((folder / "model_index.json").read_text())["_class_name"]
+    kw: dict[str, Any] = dict(torch_dtype=dtype, local_files_only=True)
+    if name == "StableDiffusionPipeline":
+        kw.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     try:  # with accelerate (a dependency) the weights load in place: no random init first
         with quiet(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch_dtype.*", category=FutureWarning)
-            return StableDiffusionPipeline.from_pretrained(str(folder), **kw)
+            return getattr(diffusers, name).from_pretrained(str(folder), **kw)
     except Exception as e:
         raise TeacherLoadError(
-            f"diffusion model '{model}' found at '{folder}' but could not be loaded as a Stable Diffusion "
-            f"pipeline ({_one_line(e)}); re-download it or rebuild the folder with "
-            "StableDiffusionPipeline.save_pretrained"
+            f"diffusion model '{model}' found at '{folder}' but could not be loaded as a {name} "
+            f"({_one_line(e)}); re-download it or rebuild the folder with {name}.save_pretrained"
         ) from None
 
 
@@ -386,23 +414,57 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
             f"{0 if tok is None else len(tok)} tokens (its vocab.json/merges.txt/tokenizer.json are missing "
             "or empty); copy the model's tokenizer files there or re-download the model"
         )
-    unet, vae, text_encoder = pipe.unet, pipe.vae, pipe.text_encoder
+    adapter = family_module(ident.family)
+    denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    vae = pipe.vae
     vae.decoder = None  # encode-only teacher: drop the decoder half
     if getattr(vae, "post_quant_conv", None) is not None:
         vae.post_quant_conv = None
-    for mod in (unet, vae, text_encoder):
+    texts = [getattr(pipe, name) for name in adapter.TEXT_PARTS if getattr(pipe, name, None) is not None]
+    for mod in (denoiser, vae, *texts):
         mod.requires_grad_(False).eval().to(device)  # already in dtype (loaded with it)
     return Teacher(
-        unet=unet,
+        unet=denoiser,
         vae=vae,
-        text_encoder=text_encoder,
+        text_encoder=pipe.text_encoder,
         tokenizer=tok,
-        alphas_cumprod=pipe.scheduler.alphas_cumprod.detach().to("cpu", torch.float32).clone(),
+        alphas_cumprod=_alphas(pipe.scheduler),
         model_id=ident.model_id,
         weights_hash=ident.weights_hash,
         random_weights=ident.random_weights,
         device=device,
         dtype=dtype,
-        text_width=int(text_encoder.config.hidden_size),
-        block_channels=tuple(int(b.resnets[-1].out_channels) for b in unet.up_blocks),
+        text_width=_token_width(ident.family, pipe, denoiser),
+        block_channels=adapter.layer_widths(denoiser),
+        family=ident.family,
+        parts=_parts(ident.family, pipe),
     )
+
+
+def _alphas(scheduler) -> torch.Tensor:
+    a = getattr(scheduler, "alphas_cumprod", None)
+    return torch.empty(0) if a is None else a.detach().to("cpu", torch.float32).clone()
+
+
+def _token_width(family: str, pipe, denoiser) -> int:
+    """Width of the prompt-token embeddings the denoiser reads (what ``token_offsets`` shift)."""
+    if family == "sd":
+        return int(pipe.text_encoder.config.hidden_size)
+    if family == "sdxl":
+        return int(denoiser.config.cross_attention_dim)
+    if family == "pixart":
+        return int(denoiser.config.caption_channels)
+    return int(denoiser.config.joint_attention_dim)  # sd3
+
+
+def _parts(family: str, pipe) -> dict[str, Any]:
+    """The non-SD families encode prompts with the pipeline's own ``encode_prompt``; SD3 keeps its
+    flow-matching grid."""
+    if family == "sd":
+        return {}
+    parts: dict[str, Any] = {"pipe": pipe}
+    if family == "sd3":
+        from feddifrc_app.diffusion.sd3 import flow_sigmas
+
+        parts["sigmas"], parts["timesteps"] = flow_sigmas(pipe.scheduler)
+    return parts

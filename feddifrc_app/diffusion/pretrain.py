@@ -1,7 +1,9 @@
-"""Pretrain a tiny latent text-to-image teacher on a CPU, saved as a Stable Diffusion folder.
+"""Pretrain a tiny latent text-to-image teacher on a CPU, saved as a diffusers pipeline folder.
 
-The result is a standard diffusers ``StableDiffusionPipeline`` folder that
-``diffusion.model = <folder>`` loads like any SD checkpoint. The recipe:
+The result is a standard diffusers ``StableDiffusionPipeline`` folder (``family = "sd"``, the
+packaged ``tiny-mnist``) or ``PixArtAlphaPipeline`` folder (``family = "pixart"``: the same
+recipe with a DiT, ``TEACHER_DIT``, in place of the UNet and a frozen random tiny T5 in place of
+CLIP) that ``diffusion.model = <folder>`` loads like any checkpoint of its family. The recipe:
 
 1. VAE (``TEACHER_VAE``, 32x32x3 -> 8x8x4): pixel MSE + ``KL_WEIGHT`` x KL, AdamW, cosine
    learning rate, gradient clip 1.
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
 from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND, folder_digests
-from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, save_tiny_pipeline, tiny_text_encoder
+from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, quiet, save_tiny_pipeline, tiny_text_encoder
+from feddifrc_app.diffusion.tiny_zoo import tiny_t5
 from feddifrc_app.files import atomic_folder, stale_siblings
 
 log = logging.getLogger("flwr.feddifrc")
@@ -74,11 +77,34 @@ TEACHER_UNET = dict(
 )
 
 
+# A PixArt DiT of about the UNet's size (2.1 M parameters) on the same 8x8x4 latent, one token
+# per latent pixel (patch 1: 64 tokens); default blocks 3, 5, 7 -> 128-wide features.
+TEACHER_DIT = dict(
+    sample_size=8,
+    patch_size=1,
+    in_channels=4,
+    out_channels=4,
+    num_layers=8,
+    attention_head_dim=32,
+    num_attention_heads=4,
+    cross_attention_dim=128,
+    caption_channels=64,  # tiny_zoo.TINY_T5 d_model
+    norm_type="ada_norm_single",
+    num_embeds_ada_norm=1000,
+    norm_elementwise_affine=False,
+    norm_eps=1e-6,
+    attention_bias=True,
+    activation_fn="gelu-approximate",
+)
+FAMILIES = ("sd", "pixart")  # what pretrain-teacher trains (diffusers pipeline families)
+
+
 @dataclass(frozen=True)
 class PretrainRecipe:
     """Every number that shapes the teacher (recorded in the folder's ``feddifrc.json``)."""
 
     seed: int = 0
+    family: str = "sd"  # sd: UNet + CLIP (tiny-mnist); pixart: DiT + T5
     resolution: int = 32
     batch_size: int = 64
     vae_steps: int = 300
@@ -98,6 +124,8 @@ class PretrainRecipe:
             raise ValueError(
                 f"resolution={self.resolution}: expected a positive multiple of 4 (the VAE factor)"
             )
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}: expected one of {', '.join(FAMILIES)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: expected >= 1")
         for name in ("vae_steps", "unet_steps", "unet_warmup", "seed"):
@@ -248,8 +276,10 @@ def _train_unet(
     r: PretrainRecipe,
     gen: torch.Generator,
     progress: bool,
+    mask: torch.Tensor | None = None,
 ):
-    """v-prediction training; returns (EMA UNet, losses). ``emb``: (K + 1, L, D), the empty prompt last."""
+    """v-prediction training of the denoiser (UNet, or PixArt's DiT with the prompts' ``mask``
+    (K + 1, L)); returns (EMA model, losses). ``emb``: (K + 1, L, D), the empty prompt last."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     ema = AveragedModel(unet, multi_avg_fn=get_ema_multi_avg_fn(r.ema_decay), use_buffers=True)
@@ -266,12 +296,13 @@ def _train_unet(
             i = torch.randint(0, len(latents), (r.batch_size,), generator=gen)
             l0, y = latents[i], labels[i]
             drop = torch.rand(r.batch_size, generator=gen) < r.empty_prompt_rate
-            cond = emb[torch.where(drop, torch.full_like(y, empty), y)]
+            which = torch.where(drop, torch.full_like(y, empty), y)
+            cond = emb[which]
             t = torch.randint(0, n_t, (r.batch_size,), generator=gen)
             noise = torch.randn(l0.shape, generator=gen)
             noisy = scheduler.add_noise(l0, noise, t)
             target = scheduler.get_velocity(l0, noise, t)
-            loss = F.mse_loss(unet(noisy, t, encoder_hidden_states=cond).sample, target)
+            loss = F.mse_loss(_predict(unet, noisy, t, cond, None if mask is None else mask[which]), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
@@ -286,8 +317,65 @@ def _train_unet(
     return out, losses
 
 
+def _predict(model, noisy: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, mask: torch.Tensor | None):
+    if mask is None:  # UNet2DConditionModel
+        return model(noisy, t, encoder_hidden_states=cond).sample
+    return model(noisy, encoder_hidden_states=cond, encoder_attention_mask=mask, timestep=t).sample
+
+
 def _mean_tail(xs: Sequence[float], n: int = 50) -> float | None:
     return float(np.mean(xs[-n:])) if xs else None
+
+
+def _untrained(r: PretrainRecipe):
+    """(pipeline of the recipe's family at initialisation, its denoiser, scheduler): seeded."""
+    import diffusers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(r.seed)
+        vae = diffusers.AutoencoderKL(**TEACHER_VAE)
+        torch.manual_seed(r.seed + 1)
+        model = (
+            diffusers.UNet2DConditionModel(**TEACHER_UNET)
+            if r.family == "sd"
+            else diffusers.PixArtTransformer2DModel(**TEACHER_DIT)
+        )
+    scheduler = diffusers.DDIMScheduler(
+        **{k: v for k, v in SD_SCHEDULER.items() if k != "skip_prk_steps"},
+        clip_sample=False,
+        prediction_type="v_prediction",
+    )
+    if r.family == "sd":
+        # The text side is the embedded tiny model's (seed 2 there): one tokenizer for both tiny teachers.
+        tokenizer, text_encoder = tiny_text_encoder(2)
+        pipe = diffusers.StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=model,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+    else:  # the tiny random T5 of tiny-pixart (seed 2 as for CLIP)
+        tokenizer, text_encoder = tiny_t5(2)
+        pipe = diffusers.PixArtAlphaPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=model, scheduler=scheduler
+        )
+    text_encoder.requires_grad_(False).eval()
+    return pipe, model, scheduler
+
+
+def _prompt_states(pipe, family: str, prompts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(K + 1, L, D) prompt states (and PixArt's mask) exactly as the featurizer encodes them."""
+    with torch.no_grad():
+        if family == "sd":
+            return encode_prompts(pipe.tokenizer, pipe.text_encoder, prompts).float(), None
+        emb, mask, _, _ = pipe.encode_prompt(
+            list(prompts), do_classifier_free_guidance=False, device=torch.device("cpu"), clean_caption=False
+        )
+        return emb.float(), mask
 
 
 def _train(
@@ -297,43 +385,18 @@ def _train(
     r: PretrainRecipe,
     progress: bool,
 ):
-    """The recipe (module docstring) -> (StableDiffusionPipeline, training record)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-
+    """The recipe (module docstring) -> (pipeline of ``r.family``, training record)."""
     gen = torch.Generator().manual_seed(r.seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(r.seed)
-        vae = AutoencoderKL(**TEACHER_VAE)
-        torch.manual_seed(r.seed + 1)
-        unet = UNet2DConditionModel(**TEACHER_UNET)
-    # The text side is the embedded tiny model's (seed 2 there): one tokenizer for both tiny teachers.
-    tokenizer, text_encoder = tiny_text_encoder(2)
-    text_encoder.requires_grad_(False).eval()
-    scheduler = DDIMScheduler(
-        **{k: v for k, v in SD_SCHEDULER.items() if k != "skip_prk_steps"},
-        clip_sample=False,
-        prediction_type="v_prediction",
-    )
-
+    pipe, model, scheduler = _untrained(r)
+    vae = pipe.vae
     x = to_unit_range(images, r.resolution)
     vae_losses = _train_vae(vae, x, r, gen, progress)
     lat = _latents(vae, x)
     scale = 1.0 / float(lat.std())
     vae.register_to_config(scaling_factor=scale)
-    with torch.no_grad():
-        emb = encode_prompts(tokenizer, text_encoder, (*class_prompts, "")).float()
-    unet, unet_losses = _train_unet(unet, lat * scale, labels, emb, scheduler, r, gen, progress)
-
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    emb, mask = _prompt_states(pipe, r.family, (*class_prompts, ""))
+    model, unet_losses = _train_unet(model, lat * scale, labels, emb, scheduler, r, gen, progress, mask)
+    pipe.register_modules(**{"unet" if r.family == "sd" else "transformer": model})
     training = {
         "vae_loss_last50": _mean_tail(vae_losses),
         "unet_loss_first50": _mean_tail(unet_losses[:50]),
@@ -376,7 +439,11 @@ def pretrain_teacher(
     # The folder may have changed during training: check again at the swap.
     recheck = lambda p: check_out_folder(p, force, protected)  # noqa: E731
     with atomic_folder(out, TEMP_TAG, recheck) as tmp:
-        save_tiny_pipeline(pipe, tmp)
+        if recipe.family == "sd":
+            save_tiny_pipeline(pipe, tmp)  # + the vocab.json/merges.txt pair of SD folders
+        else:
+            with quiet():
+                pipe.save_pretrained(tmp, safe_serialization=True)
         data = {
             "images": int(len(images)),
             "per_class": np.bincount(labels_t.numpy(), minlength=len(class_prompts)).tolist(),
@@ -433,6 +500,18 @@ def _fmt(x: float | None) -> str:
 
 def _card(m: dict[str, Any]) -> str:
     r, tr = m["recipe"], m["training"]
+    sd = r.get("family", "sd") == "sd"
+    cls = "StableDiffusionPipeline" if sd else "PixArtAlphaPipeline"
+    net = (
+        "UNet2DConditionModel (32, 64, 64, 64)"
+        if sd
+        else "PixArtTransformer2DModel (8 blocks x 128, patch 1)"
+    )
+    text = (
+        "a frozen, seeded random tiny CLIP text encoder; byte-level BPE tokenizer"
+        if sd
+        else "a frozen, seeded random tiny T5 encoder (2 layers, 64 wide); unigram tokenizer"
+    )
     kind = (
         "trained"
         if not m["random_weights"]
@@ -440,7 +519,7 @@ def _card(m: dict[str, Any]) -> str:
     )
     return f"""# {m["model_id"]}: a tiny latent text-to-image teacher, {kind}
 
-A diffusers `StableDiffusionPipeline` folder written by `feddifrc pretrain-teacher`
+A diffusers `{cls}` folder written by `feddifrc pretrain-teacher`
 (`feddifrc_app/diffusion/pretrain.py`). Load it with `diffusion.model = "<this folder>"`.
 
 ## Data
@@ -453,15 +532,15 @@ Prompts (label order, then the empty prompt used for {r["empty_prompt_rate"]:.0%
   {r["vae_steps"]} steps of {r["batch_size"]}, MSE + {r["kl_weight"]:g} KL, AdamW {r["vae_lr"]:g} \
 cosine to {r["vae_lr_end"]:g}.
 - Latents: posterior mean x scaling_factor = 1/std = {tr["scaling_factor"]:.4f}.
-- UNet2DConditionModel (32, 64, 64, 64), v-prediction: {r["unet_steps"]} steps of {r["batch_size"]},
+- {net}, v-prediction: {r["unet_steps"]} steps of {r["batch_size"]},
   AdamW {r["unet_lr"]:g} (wd {r["weight_decay"]:g}), {r["unet_warmup"]} warm-up steps, \
 cosine to {r["unet_lr_end"]:g},
   grad clip 1, EMA {r["ema_decay"]} (the saved weights).
-- Text: a frozen, seeded random tiny CLIP text encoder; byte-level BPE tokenizer.
+- Text: {text}.
 - Scheduler: DDIM, SD's scaled_linear betas (0.00085-0.012, 1000 steps), v_prediction.
 
 ## Training
-VAE loss (mean of the last 50 steps) {_fmt(tr["vae_loss_last50"])}; UNet v-loss, mean of the first 50
+VAE loss (mean of the last 50 steps) {_fmt(tr["vae_loss_last50"])}; denoiser v-loss, mean of the first 50
 steps {_fmt(tr["unet_loss_first50"])}, of the last 50 {_fmt(tr["unet_loss_last50"])}; \
 {tr["seconds"]} s (torch {tr["torch"]}).
 

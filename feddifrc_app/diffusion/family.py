@@ -1,0 +1,145 @@
+"""Teacher families: which diffusers pipeline a folder is, and the small interface each family
+module implements for the Featurizer.
+
+A family is detected from the pipeline folder alone (``model_index.json`` ``_class_name``),
+so the feature-cache key can name it without building a network. Each family module
+(``sd``, ``sdxl``, ``pixart``, ``sd3``) provides, as plain functions over a loaded ``Teacher``:
+
+- ``PIPELINE`` / ``LAYER_ATTR`` / ``LAYER_NAME``: the diffusers pipeline class it loads with,
+  the denoiser attribute whose entries are hooked (``up_blocks``, ``transformer_blocks``)
+  and how the docs name them;
+- ``default_layers(n)``: the documented default of ``diffusion.blocks`` for ``n`` layers;
+- ``encode_prompts(teacher, prompts, resolution) -> Conditioning``;
+- ``noise_coeffs(teacher, timestep) -> (a, b, model_timestep)``: ``x_t = a x0 + b eps``;
+- ``denoise(teacher, sample, step, cond)``: one denoiser call (the hooks take the features);
+- ``pool(output) -> (rows, C)``: a hooked layer's output, mean-pooled over the latent grid.
+
+Image encoding (``encode_image``) is common: the VAE mean, shifted and scaled as the
+pipeline's VAE config says.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+# model_index.json _class_name -> family
+FAMILIES: dict[str, str] = {
+    "StableDiffusionPipeline": "sd",
+    "StableDiffusionXLPipeline": "sdxl",
+    "PixArtAlphaPipeline": "pixart",
+    "PixArtSigmaPipeline": "pixart",
+    "StableDiffusion3Pipeline": "sd3",
+}
+# family -> (denoiser component folder, its config key holding the number of hookable layers)
+_LAYER_COUNT = {
+    "sd": ("unet", "up_block_types"),
+    "sdxl": ("unet", "up_block_types"),
+    "pixart": ("transformer", "num_layers"),
+    "sd3": ("transformer", "num_layers"),
+}
+
+
+class FamilyError(ValueError):
+    """The folder is no supported pipeline, or a layer index is outside the model."""
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """One prompt list, encoded: ``tokens (P, L, D)`` (what the denoiser cross-attends to; what
+    ``token_offsets`` shift) and per-prompt ``extras`` (``(P, ...)`` each: pooled embeddings,
+    attention masks, SDXL time ids), passed to ``denoise`` by name."""
+
+    tokens: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def rows(self, n_images: int, offsets: Tensor | None = None, expand_tokens: bool = True) -> Conditioning:
+        """Prompt-major rows ``p * B + b``; ``offsets (B, D)`` are added to image b's tokens.
+        ``expand_tokens=False`` keeps the P shared token rows (the UNet's shared-prompt shortcut)."""
+        P = int(self.tokens.shape[0])
+        if offsets is not None:
+            tokens = (self.tokens[:, None] + offsets[None, :, None, :]).reshape(
+                P * n_images, *self.tokens.shape[1:]
+            )
+        elif expand_tokens:
+            tokens = self.tokens.repeat_interleave(n_images, dim=0)
+        else:
+            tokens = self.tokens
+        extras = {k: v.repeat_interleave(n_images, dim=0) for k, v in self.extras.items()}
+        return Conditioning(tokens, extras)
+
+
+def read_family(folder: Path) -> str:
+    """The family of a diffusers pipeline folder, from its ``model_index.json``."""
+    try:
+        name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name not in FAMILIES:
+        raise FamilyError(
+            f"diffusion model folder '{folder}' is a {name or 'unreadable'} pipeline; supported teachers are "
+            f"{', '.join(sorted(FAMILIES))} (model_index.json _class_name)"
+        )
+    return FAMILIES[name]
+
+
+def family_module(family: str) -> ModuleType:
+    """The adapter module of a family (``feddifrc_app.diffusion.<family>``)."""
+    if family not in _LAYER_COUNT:
+        raise FamilyError(f"unknown teacher family {family!r}; known: {', '.join(sorted(_LAYER_COUNT))}")
+    return importlib.import_module(f"feddifrc_app.diffusion.{family}")
+
+
+def layer_count(folder: Path, family: str) -> int:
+    """How many hookable layers the folder's denoiser has, read from its config.json (no network)."""
+    comp, key = _LAYER_COUNT[family]
+    cfg = json.loads((Path(folder) / comp / "config.json").read_text())
+    value = cfg[key]
+    return len(value) if isinstance(value, list) else int(value)
+
+
+def check_layers(layers: tuple[int, ...], n: int, family: str) -> tuple[int, ...]:
+    """``layers`` if they are distinct indices of the model's ``n`` layers, else a FamilyError
+    that names the valid range and the family's default."""
+    mod = family_module(family)
+    layers = tuple(int(b) for b in layers)
+    if not layers or len(set(layers)) != len(layers) or any(b < 0 or b >= n for b in layers):
+        default = ",".join(map(str, mod.default_layers(n)))
+        raise FamilyError(
+            f"diffusion.blocks {layers} must be distinct {mod.LAYER_NAME} indices in 0..{n - 1} for this "
+            f"{family} teacher (it has {n}); its default is '{default}'"
+        )
+    return layers
+
+
+def encode_image(vae, x: Tensor) -> Tensor:
+    """``x`` in [-1, 1] (VAE dtype) -> float32 latent: ``(mean - shift) * scale`` as the VAE config says."""
+    with torch.inference_mode():
+        lat = vae.encode(x).latent_dist.mean.float()
+    shift = getattr(vae.config, "shift_factor", None)
+    if shift is not None:  # SD3: (mean - shift) * scale
+        lat = lat - float(shift)
+    return lat * float(vae.config.scaling_factor)
+
+
+def pool_tokens(h: Tensor, grid: tuple[int, int]) -> Tensor:
+    """DiT tokens ``(rows, N, D)`` -> the latent patch grid ``(rows, D, h, w)`` -> mean ``(rows, D)``."""
+    rows, n, d = h.shape
+    if n != grid[0] * grid[1]:
+        raise RuntimeError(
+            f"a transformer block gave {n} tokens, expected the {grid[0]}x{grid[1]} patch grid"
+        )
+    return h.reshape(rows, grid[0], grid[1], d).permute(0, 3, 1, 2).mean(dim=(2, 3), dtype=torch.float32)
+
+
+def ddpm_coeffs(alphas_cumprod: Tensor, timestep: int) -> tuple[float, float]:
+    """DDPM's ``sqrt(a_t), sqrt(1 - a_t)`` in double precision (not the scheduler's float32 add_noise)."""
+    a = float(alphas_cumprod[int(timestep)].double())
+    return math.sqrt(a), math.sqrt(1.0 - a)

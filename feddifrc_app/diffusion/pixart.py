@@ -1,0 +1,64 @@
+"""PixArt-alpha / PixArt-Sigma (``PixArtAlphaPipeline`` / ``PixArtSigmaPipeline``):
+PixArtTransformer2DModel (a DiT with cross-attention) on a T5 encoder's masked hidden
+states; DDPM noise (its scheduler's betas). Features: the token outputs of
+``transformer.transformer_blocks[i]``, reshaped to the latent patch grid and mean-pooled."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from feddifrc_app.diffusion import sd
+from feddifrc_app.diffusion.family import Conditioning, pool_tokens
+
+PIPELINE = "PixArtAlphaPipeline"  # PixArtSigmaPipeline folders load with their own class
+LAYER_ATTR = "transformer_blocks"
+LAYER_NAME = "transformer.transformer_blocks"
+TEXT_PARTS = ("text_encoder",)
+MAX_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # the pipelines' defaults
+noise_coeffs = sd.noise_coeffs
+
+
+def default_layers(n: int) -> tuple[int, ...]:
+    """Three blocks over the second half of the DiT: ``round(n k / 4) - 1`` for k = 2, 3, 4
+    (PixArt-XL-2's 28 blocks: 13, 20, 27)."""
+    return tuple(sorted({max(0, round(n * k / 4) - 1) for k in (2, 3, 4)}))
+
+
+def layer_widths(denoiser) -> tuple[int, ...]:
+    inner = int(denoiser.config.num_attention_heads * denoiser.config.attention_head_dim)
+    return (inner,) * len(denoiser.transformer_blocks)
+
+
+def encode_prompts(teacher, prompts: tuple[str, ...], resolution: int) -> Conditioning:
+    """The pipeline's own ``encode_prompt`` (no guidance, no caption cleaning): T5 states and mask."""
+    pipe = teacher.parts["pipe"]
+    tokens, mask, _, _ = pipe.encode_prompt(
+        list(prompts),
+        do_classifier_free_guidance=False,
+        device=teacher.device,
+        clean_caption=False,
+        max_sequence_length=MAX_TOKENS.get(type(pipe).__name__, 120),
+    )
+    return Conditioning(tokens.to(teacher.dtype), {"encoder_attention_mask": mask})
+
+
+def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
+    rows, size = int(sample.shape[0]), teacher.vae_scale_factor * int(sample.shape[-1])
+    extra = {  # used by the 1024 px models (use_additional_conditions), ignored otherwise
+        "resolution": torch.tensor([[size, size]], dtype=teacher.dtype, device=teacher.device).repeat(
+            rows, 1
+        ),
+        "aspect_ratio": torch.ones((rows, 1), dtype=teacher.dtype, device=teacher.device),
+    }
+    teacher.unet(
+        sample,
+        encoder_hidden_states=cond.tokens,
+        encoder_attention_mask=cond.extras["encoder_attention_mask"],
+        timestep=step.expand(rows),
+        added_cond_kwargs=extra,
+    )
+
+
+def pool(output, grid: tuple[int, int]) -> Tensor:
+    return pool_tokens(output, grid)

@@ -1,0 +1,54 @@
+"""Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``): UNet2DConditionModel, one CLIP text
+encoder, DDPM noise. Features: the decoder blocks ``unet.up_blocks[i]``, mean-pooled."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from feddifrc_app.diffusion.family import Conditioning, ddpm_coeffs
+
+PIPELINE = "StableDiffusionPipeline"
+LAYER_ATTR = "up_blocks"
+LAYER_NAME = "unet.up_blocks"
+TEXT_PARTS = ("text_encoder",)
+
+
+def default_layers(n: int) -> tuple[int, ...]:
+    """The paper's decoder blocks 2, 3, 4 (diffusers ``up_blocks[1, 2, 3]``) of SD's four."""
+    return tuple(range(1, n))[-3:]
+
+
+def layer_widths(denoiser) -> tuple[int, ...]:
+    return tuple(int(b.resnets[-1].out_channels) for b in denoiser.up_blocks)
+
+
+def encode_clip(tokenizer, text_encoder, prompts: tuple[str, ...]) -> Tensor:
+    """``(P, L, D)`` last hidden states, prompts padded to the tokenizer's max length as SD does."""
+    device = next(text_encoder.parameters()).device
+    ids = tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids.to(device)
+    return text_encoder(ids)[0]
+
+
+def encode_prompts(teacher, prompts: tuple[str, ...], resolution: int) -> Conditioning:
+    return Conditioning(encode_clip(teacher.tokenizer, teacher.text_encoder, prompts).to(teacher.dtype))
+
+
+def noise_coeffs(teacher, timestep: int) -> tuple[float, float, Tensor]:
+    a, b = ddpm_coeffs(teacher.alphas_cumprod, timestep)
+    return a, b, torch.tensor(int(timestep), dtype=torch.long, device=teacher.device)
+
+
+def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
+    teacher.unet(sample, step, encoder_hidden_states=cond.tokens)
+
+
+def pool(output, grid: tuple[int, int]) -> Tensor:
+    h = output[0] if isinstance(output, tuple) else output
+    return h.mean(dim=(2, 3), dtype=torch.float32)
