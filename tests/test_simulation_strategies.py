@@ -1,6 +1,6 @@
 """Real `flwr run .` of the strategies Flower ships for robustness and fairness (Krum, MultiKrum,
-Bulyan, QFedAvg), each with one differential-privacy mode, and of FedTrimmedAvg: one file of its own, so pytest-xdist (--dist loadfile) runs it beside
-the other simulation files instead of after them.
+Bulyan, QFedAvg), each with one differential-privacy mode, and of FedTrimmedAvg: one file of its
+own, so pytest-xdist (--dist loadfile) runs it beside the other simulation files.
 """
 
 from __future__ import annotations
