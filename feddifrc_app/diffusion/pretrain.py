@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
 from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND, folder_digests
 from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, quiet, save_tiny_pipeline, tiny_text_encoder
-from feddifrc_app.diffusion.tiny_zoo import tiny_t5
+from feddifrc_app.diffusion.tiny_zoo import PIXART_BLOCKS, tiny_t5
 from feddifrc_app.files import atomic_folder, stale_siblings
 
 log = logging.getLogger("flwr.feddifrc")
@@ -89,12 +89,7 @@ TEACHER_DIT = dict(
     num_attention_heads=4,
     cross_attention_dim=128,
     caption_channels=64,  # tiny_zoo.TINY_T5 d_model
-    norm_type="ada_norm_single",
-    num_embeds_ada_norm=1000,
-    norm_elementwise_affine=False,
-    norm_eps=1e-6,
-    attention_bias=True,
-    activation_fn="gelu-approximate",
+    **PIXART_BLOCKS,
 )
 FAMILIES = ("sd", "pixart")  # what pretrain-teacher trains (diffusers pipeline families)
 

@@ -52,17 +52,21 @@ TINY_SDXL_UNET = dict(
     projection_class_embeddings_input_dim=32 + 6 * 8,  # pooled text (projection_dim) + 6 time ids
     norm_num_groups=32,
 )
-TINY_PIXART = dict(
-    _DIT,
-    out_channels=8,  # learned sigma, as PixArt
-    cross_attention_dim=64,
-    caption_channels=64,
+# PixArt-alpha's block design (its released config.json): adaLN-single, biased attention, tanh GELU.
+PIXART_BLOCKS = dict(
     norm_type="ada_norm_single",
     num_embeds_ada_norm=1000,
     norm_elementwise_affine=False,
     norm_eps=1e-6,
     attention_bias=True,
     activation_fn="gelu-approximate",
+)
+TINY_PIXART = dict(
+    _DIT,
+    **PIXART_BLOCKS,
+    out_channels=8,  # learned sigma, as PixArt
+    cross_attention_dim=64,
+    caption_channels=64,
 )
 TINY_SD3 = dict(
     _DIT,
