@@ -31,10 +31,12 @@ must be 0: the feature cache makes every training round SD-free.
    model's size (no data, no teacher, no model code), timed by a ServerApp with the app's own
    reply poll. Its median round is what Flower 1.42 and torch cost per round by themselves.
 
-The last three lines: ``overhead per round`` (deployment minus simulation median),
-``flower floor per round`` (the floor app's median deployment round) and ``excess over floor``
+The last lines: ``overhead per round`` (deployment minus simulation median),
+``flower floor per round`` (the floor app's median deployment round), ``excess over floor``
 (their difference: what this app adds to a deployment round beyond its own compute and
-Flower's floor).
+Flower's floor) and, to read the excess by, ``torch.optim first use``: what building the first
+``torch.optim`` optimizer costs a new process (it imports ``torch._dynamo``; every ClientApp
+process that trains pays it, a Ray actor once per run, the floor app never), median of 3.
 
 Processes are started and killed by PID by tests/flower_procs.py (isolated FLWR_HOME, free
 ports). The machine's load average is printed: the numbers only mean something next to it.
@@ -47,6 +49,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -233,6 +236,28 @@ def run_floor(procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespa
     return json.loads(out.read_text())["round-seconds"]
 
 
+OPTIM_PROBE = (
+    "import time, torch\n"
+    "t = time.perf_counter()\n"
+    "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+    "print(time.perf_counter() - t)"
+)
+
+
+def optim_first_use() -> float:
+    """Seconds a new process (one thread, as a node's ClientApp) spends building its first optimizer."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(SIM_CPUS)}
+    runs = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", OPTIM_PROBE], capture_output=True, text=True, check=True, env=env
+            ).stdout
+        )
+        for _ in range(3)
+    ]
+    return statistics.median(runs)
+
+
 def report(mode: str, r: dict[str, Any]) -> float | None:
     res = r["results"] or {}
     print(f"\n== {mode}: status {r['info'].get('status')}, submit -> finished {r['wall']:.1f}s")
@@ -300,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead per round: {m_dep - m_sim:.2f} s")
         print(f"flower floor per round: {m_floor:.2f} s")
         print(f"excess over floor: {m_dep - m_sim - m_floor:.2f} s")
+        print(f"torch.optim first use in a new process: {optim_first_use():.2f} s")
     if a.keep:
         print(f"kept: {work}")
     else:

@@ -32,9 +32,13 @@ def main(grid: Grid, context: Context) -> None:
     n = int(rc["min-nodes"])
     while len(grid.get_node_ids()) < n:
         time.sleep(0.5)
-    # The app's update layout: one float32 array per entry of "shapes" ("3x3x16x16,16,...").
+    # The app's update layout: one float32 array per entry of "shapes" ("3x3x16x16,16,..."), each
+    # with its own values (equal arrays would be one object in Flower's content-addressed store).
     shapes = [tuple(int(d) for d in s.split("x") if d) for s in str(rc["shapes"]).split(",")]
-    arrays = ArrayRecord({f"a{i}": Array(np.zeros(s, dtype=np.float32)) for i, s in enumerate(shapes)})
+    rng = np.random.default_rng(0)
+    arrays = ArrayRecord(
+        {f"a{i}": Array(rng.standard_normal(s).astype(np.float32)) for i, s in enumerate(shapes)}
+    )
     strategy = FedAvg(fraction_train=1.0, min_train_nodes=n, min_available_nodes=n)
     seconds = []
     for rnd in range(1, int(rc["num-server-rounds"]) + 1):
