@@ -30,13 +30,17 @@ must be 0: the feature cache makes every training round SD-free.
    ``benchmarks/floor_app``, a ClientApp that imports torch and replies with a new update of the app
    model's size (no data, no teacher, no model code), timed by a ServerApp with the app's own
    reply poll. Its median round is what Flower 1.42 and torch cost per round by themselves.
+4. The training floor: the same floor app with ``sgd-step=true``, whose ClientApp makes its update
+   with one ``torch.optim.SGD`` step. A new process's first optimizer imports ``torch._dynamo``
+   (about a second on 2 cores): torch charges it to every ClientApp process that trains (a
+   deployment starts one per message), a simulation's Ray actor once per run, the plain floor never.
 
 The last lines: ``overhead per round`` (deployment minus simulation median),
 ``flower floor per round`` (the floor app's median deployment round), ``excess over floor``
 (their difference: what this app adds to a deployment round beyond its own compute and
-Flower's floor) and, to read the excess by, ``torch.optim first use``: what building the first
-``torch.optim`` optimizer costs a new process (it imports ``torch._dynamo``; every ClientApp
-process that trains pays it, a Ray actor once per run, the floor app never), median of 3.
+Flower's floor), ``training floor per round`` (with torch.optim's first use, the difference of
+the two floors) and ``excess over training floor``: what this app adds beyond what Flower and
+torch charge any PyTorch ClientApp that trains.
 
 Processes are started and killed by PID by tests/flower_procs.py (isolated FLWR_HOME, free
 ports). The machine's load average is printed: the numbers only mean something next to it.
@@ -49,7 +53,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -203,7 +206,7 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
         )
         wall = time.monotonic() - t0
         total = {"flwr log": save_log(work, procs.run_log(run_id, CONN)).count(NEEDLE), **counts()}
-        floor = run_floor(procs, work, out / "deploy", a)
+        floor = {step: run_floor(procs, work, out / "deploy", a, sgd_step=step) for step in (False, True)}
     return {
         "info": info,
         "wall": wall,
@@ -223,39 +226,21 @@ def update_shapes(run_dir: Path) -> str:
     return ",".join("x".join(map(str, a.shape)) for a in state_to_record(state).values())
 
 
-def run_floor(procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespace) -> list[float]:
-    """The floor app's round times on the deployment that just ran the app."""
-    out = work / "floor.json"
+def run_floor(
+    procs: FlowerProcs, work: Path, run_dir: Path, a: argparse.Namespace, sgd_step: bool
+) -> list[float]:
+    """The floor app's round times on the deployment that just ran the app; ``sgd_step``: the
+    training floor (each reply one ``torch.optim.SGD`` step, as a ClientApp that trains pays)."""
+    out = work / f"floor-sgd-{str(sgd_step).lower()}.json"
     rc = (
-        f"num-server-rounds={a.rounds} shapes='{update_shapes(run_dir)}' min-nodes={a.nodes} out-file='{out}'"
+        f"num-server-rounds={a.rounds} shapes='{update_shapes(run_dir)}' min-nodes={a.nodes} "
+        f"sgd-step={str(sgd_step).lower()} out-file='{out}'"
     )
     run_id = procs.submit_run(FLOOR_APP, CONN, run_config=rc)
     info = procs.wait_for_run(run_id, CONN, timeout=a.timeout)
     if info.get("status") != "finished:completed":
         raise RuntimeError(f"floor app run {info}\n{procs.run_log(run_id, CONN)[-4000:]}")
     return json.loads(out.read_text())["round-seconds"]
-
-
-OPTIM_PROBE = (
-    "import time, torch\n"
-    "t = time.perf_counter()\n"
-    "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
-    "print(time.perf_counter() - t)"
-)
-
-
-def optim_first_use() -> float:
-    """Seconds a new process (one thread, as a node's ClientApp) spends building its first optimizer."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(SIM_CPUS)}
-    runs = [
-        float(
-            subprocess.run(
-                [sys.executable, "-c", OPTIM_PROBE], capture_output=True, text=True, check=True, env=env
-            ).stdout
-        )
-        for _ in range(3)
-    ]
-    return statistics.median(runs)
 
 
 def report(mode: str, r: dict[str, Any]) -> float | None:
@@ -313,19 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after deployment: {load()}")
 
     m_sim, m_dep = report("simulation", sim), report("deployment", dep)
-    floor = dep["floor"]
-    print("\n== Flower's floor (benchmarks/floor_app on the same deployment): round seconds", end=" ")
-    print(", ".join(f"{s:.2f}" for s in floor))
+    floors = {}
+    for step, label in ((False, "Flower's floor"), (True, "the training floor (+ one torch.optim step)")):
+        secs = dep["floor"][step]
+        print(f"\n== {label}, benchmarks/floor_app on the same deployment: round seconds", end=" ")
+        print(", ".join(f"{s:.2f}" for s in secs))
+        floors[step] = statistics.median(secs[1:] or secs)  # rounds >= 2, as for the app
     if m_sim and m_dep:
-        m_floor = statistics.median(floor[1:] or floor)  # rounds >= 2, as for the app
+        over = m_dep - m_sim
         print(
             f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
             f"= {m_dep / m_sim:.2f}x"
         )
-        print(f"overhead per round: {m_dep - m_sim:.2f} s")
-        print(f"flower floor per round: {m_floor:.2f} s")
-        print(f"excess over floor: {m_dep - m_sim - m_floor:.2f} s")
-        print(f"torch.optim first use in a new process: {optim_first_use():.2f} s")
+        print(f"overhead per round: {over:.2f} s")
+        print(f"flower floor per round: {floors[False]:.2f} s")
+        print(f"excess over floor: {over - floors[False]:.2f} s")
+        print(
+            f"training floor per round: {floors[True]:.2f} s "
+            f"(torch.optim first use: {floors[True] - floors[False]:.2f} s)"
+        )
+        print(f"excess over training floor: {over - floors[True]:.2f} s")
     if a.keep:
         print(f"kept: {work}")
     else:

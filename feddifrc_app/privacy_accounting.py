@@ -39,9 +39,6 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-import dp_accounting
-from dp_accounting.rdp import RdpAccountant
-
 from feddifrc_app.config import Config
 from feddifrc_app.privacy import SERVER_STEP, Release
 
@@ -84,6 +81,11 @@ def accounted_multiplier(strategy_name: str, r: Release) -> float:
 def epsilon(events: list[tuple[int, int, float]], delta: float, amplified: bool) -> float:
     """Cumulative epsilon at ``delta`` of (N, m, accounted multiplier) releases, composed with
     dp-accounting's RDP accountant; ``amplified``: each sampled m of N without replacement."""
+    # Imported here: dp-accounting pulls in scipy.stats and scipy.signal, 1.7 s of every
+    # ServerApp's start, which only a run with an accounted DP mode needs.
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
     acc = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     for (n, m, sigma), count in Counter(events).items():  # identical rounds composed at once
         if sigma == 0:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "floor_app"))
@@ -17,13 +18,14 @@ from floor_app import client  # noqa: E402
 SHAPES = [(3, 3, 4, 4), (3, 3, 4, 4), (16,), (16,), (16,), (10, 16)]
 
 
-def test_the_floor_update_is_one_new_object_per_array() -> None:
+@pytest.mark.parametrize("sgd_step", [False, True], ids=["floor", "training-floor"])
+def test_the_floor_update_is_one_new_object_per_array(sgd_step: bool) -> None:
     received = ArrayRecord({f"a{i}": Array(np.zeros(s, dtype=np.float32)) for i, s in enumerate(SHAPES)})
     assert len({a.object_id for a in received.values()}) == 3  # what Flower would move of these
     msg = Message(
         RecordDict({"arrays": received, "config": ConfigRecord({})}), message_type="train", dst_node_id=1
     )
-    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={"sgd-step": sgd_step})
 
     reply = client.train(msg, ctx).content["arrays"]
 
@@ -33,3 +35,6 @@ def test_the_floor_update_is_one_new_object_per_array() -> None:
     ids = {a.object_id for a in reply.values()}
     assert len(ids) == len(SHAPES)  # every array travels
     assert not ids & {a.object_id for a in received.values()}  # none is the global model's
+    if sgd_step:  # one SGD step at lr 0.1 from zeros with a standard normal gradient: std 0.1
+        step = np.concatenate([a.numpy().ravel() for a in reply.values()])
+        assert 0.07 < step.std() < 0.13

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -250,3 +253,21 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
     assert loop.strategy.fraction_of_nodes == 0.5
     for c in loop.strategy.control.values():  # c = 0 + |S| / N * mean(1, 3) = 0.5 * 2
         assert float(abs(c - 1.0).max()) == 0.0
+
+
+def test_a_new_serverapp_process_imports_dp_accounting_only_for_an_accounted_run() -> None:
+    """dp-accounting imports scipy.stats and scipy.signal (1.7 s of the ServerApp's start): a run
+    without DP never pays it; the first epsilon does."""
+    code = (
+        "import json, sys\n"
+        "import feddifrc_app.server_app\n"
+        "from feddifrc_app.privacy_accounting import epsilon\n"
+        "seen = ['dp_accounting' in sys.modules, 'scipy.stats' in sys.modules]\n"
+        "e = epsilon([(2, 2, 1.0)], 1e-5, amplified=False)\n"
+        "print(json.dumps([*seen, 'dp_accounting' in sys.modules, e]))\n"
+    )
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0, cp.stderr
+    *seen, eps = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert seen == [False, False, True]
+    assert eps == pytest.approx(4.729, abs=1e-3)  # one round at multiplier 1 (test_privacy's value)
