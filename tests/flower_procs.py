@@ -64,6 +64,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import flwr_cli
 import pytest
 
 __all__ = [
@@ -452,16 +453,11 @@ class FlowerProcs:
         timeout: float = 120.0,
         check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``flwr <args>`` with this harness's environment; raise on failure if ``check``."""
-        cp = subprocess.run(
-            ["flwr", *args],
-            cwd=cwd or self.workdir,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
+        """Run ``flwr <args>`` with this harness's environment; raise on failure if ``check``.
+
+        Through ``flwr_cli.run``: a process per command, forked from one that has imported the
+        CLI's dependencies (a new `flwr` process spends 2 CPU-seconds on them)."""
+        cp = flwr_cli.run(args, self.env, cwd or self.workdir, timeout)
         if check and cp.returncode != 0:
             raise RuntimeError(
                 f"`flwr {' '.join(args)}` exited with {cp.returncode}\n"
@@ -552,22 +548,12 @@ class FlowerProcs:
         waits for. ``flwr ls`` polling only if the stream ends early.
         """
         deadline = time.monotonic() + timeout
-        with open(self.logs / f"run-{run_id}.log", "ab") as out:
-            try:
-                streamed = (
-                    subprocess.run(
-                        ["flwr", "log", str(run_id), connection, "--stream"],
-                        cwd=self.workdir,
-                        env=self.env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        timeout=timeout,
-                    ).returncode
-                    == 0
-                )
-            except subprocess.TimeoutExpired:
-                streamed = False  # reported below, with the run's last status
+        try:
+            stream = ["log", str(run_id), connection, "--stream"]
+            log = self.logs / f"run-{run_id}.log"
+            streamed = flwr_cli.run(stream, self.env, self.workdir, timeout, output=log).returncode == 0
+        except subprocess.TimeoutExpired:
+            streamed = False  # reported below, with the run's last status
         info: dict[str, Any] = {}
         while True:
             info = self.run_info(run_id, connection)
