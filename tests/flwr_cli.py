@@ -15,6 +15,7 @@ Where ``os.fork`` is missing or the server cannot start, :func:`run` starts ``fl
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -137,7 +138,8 @@ class _Server:
                 raise RuntimeError("the flwr fork server did not fork")
             code = self._line(timeout)
             if code is None:  # kill the command; the server reaps it and answers
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                    os.kill(pid, signal.SIGKILL)
                 self._line(60.0)
                 raise subprocess.TimeoutExpired(argv, timeout)
             if output is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import flwr_cli
 import pytest
-from flower_procs import flower_env, free_port
+from flower_procs import FlowerProcs, flower_env, free_port
 
 
 @pytest.fixture
@@ -55,12 +55,15 @@ def test_the_local_superlink_port_is_read_per_command(tmp_path: Path, health_ser
     """Flower reads FLWR_LOCAL_SUPERLINK_HTTP_API_PORT when flwr.cli is imported: a child that
     reused the server's import would ask the port of the first command (or Flower's 39091)."""
     port, paths = health_server
-    env = flower_env(tmp_path / "home", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)})
     other = flower_env(tmp_path / "other")  # a command with another port first
     flwr_cli.run(["config", "list"], other, tmp_path, timeout=120)
     out = tmp_path / "ls.log"
-    cp = flwr_cli.run(["ls", "local", "--format", "json"], env, tmp_path, timeout=120, output=out)
-    assert paths and paths[0] == "/health", paths  # found "its" SuperLink there, started none
+    # FlowerProcs: were the port not read, `flwr` would start a local SuperLink under this
+    # FLWR_HOME, which closing the harness kills.
+    with FlowerProcs(tmp_path / "flower", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}) as procs:
+        cp = flwr_cli.run(["ls", "local", "--format", "json"], procs.env, tmp_path, timeout=120, output=out)
+        started = procs.local_superlink_pids()
+    assert not started and paths and paths[0] == "/health", paths  # found "its" SuperLink there
     assert cp.stdout == "" and '"success": false' in out.read_text()  # the stand-in refused the listing
 
 
