@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,14 +16,17 @@ from flower_procs import FlowerProcs, flower_env, free_port
 
 
 @pytest.fixture
-def health_server() -> Iterator[tuple[int, list[str]]]:
-    """A stand-in for a local SuperLink's HTTP API: healthy, every other request refused (500);
-    the paths it was asked for."""
+def health_server() -> Iterator[tuple[int, list[str], list[float]]]:
+    """A stand-in for a local SuperLink's HTTP API: healthy, every other request refused (500)
+    after ``delay[0]`` seconds; the paths it was asked for."""
     paths: list[str] = []
+    delay = [0.0]
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802  (http.server's name)
             paths.append(self.path)
+            if self.path != "/health":
+                time.sleep(delay[0])
             self.send_response(200 if self.path == "/health" else 500)
             self.end_headers()
 
@@ -35,7 +39,7 @@ def health_server() -> Iterator[tuple[int, list[str]]]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield port, paths
+        yield port, paths, delay
     finally:
         server.shutdown()
 
@@ -54,7 +58,7 @@ def test_each_command_has_its_own_home_directory_output_and_status(tmp_path: Pat
 def test_the_local_superlink_port_is_read_per_command(tmp_path: Path, health_server) -> None:
     """Flower reads FLWR_LOCAL_SUPERLINK_HTTP_API_PORT when flwr.cli is imported: a child that
     reused the server's import would ask the port of the first command (or Flower's 39091)."""
-    port, paths = health_server
+    port, paths, _ = health_server
     other = flower_env(tmp_path / "other")  # a command with another port first
     flwr_cli.run(["config", "list"], other, tmp_path, timeout=120)
     out = tmp_path / "ls.log"
@@ -68,8 +72,10 @@ def test_the_local_superlink_port_is_read_per_command(tmp_path: Path, health_ser
 
 
 def test_a_command_past_its_timeout_is_killed(tmp_path: Path, health_server) -> None:
-    port, _ = health_server
-    env = flower_env(tmp_path / "home", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)})
-    with pytest.raises(subprocess.TimeoutExpired):
-        flwr_cli.run(["log", "1", "local", "--stream"], env, tmp_path, timeout=0.05)
-    assert flwr_cli.run(["config", "list"], env, tmp_path, timeout=120).returncode == 0  # still serving
+    port, _, delay = health_server
+    delay[0] = 60.0  # the stand-in holds the stream (Flower sets no read timeout on it)
+    with FlowerProcs(tmp_path / "flower", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}) as procs:
+        with pytest.raises(subprocess.TimeoutExpired):
+            flwr_cli.run(["log", "1", "local", "--stream"], procs.env, tmp_path, timeout=5)
+        still = flwr_cli.run(["config", "list"], procs.env, tmp_path, timeout=120)  # the server goes on
+        assert still.returncode == 0
