@@ -32,7 +32,7 @@ must be 0: the feature cache makes every training round SD-free.
    reply poll. Its median round is what Flower 1.42 and torch cost per round by themselves.
 4. The training floor: the same floor app with ``sgd-step=true``, whose ClientApp makes its update
    with one ``torch.optim.SGD`` step. A new process's first optimizer imports ``torch._dynamo``
-   (about a second on 2 cores): torch charges it to every ClientApp process that trains (a
+   (1-3 s on 2 cores, measured): torch charges it to every ClientApp process that trains (a
    deployment starts one per message), a simulation's Ray actor once per run, the plain floor never.
 
 The last lines: ``overhead per round`` (deployment minus simulation median),

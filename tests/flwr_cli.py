@@ -1,7 +1,7 @@
 """The ``flwr`` CLI for the test harness, without paying its start-up on every command.
 
 A new ``flwr`` process spends about 2 CPU-seconds importing the CLI (typer, rich, grpc, Flower's
-protocol and common modules) before it sends one request, and the suite runs hundreds of them
+protocol and common modules) before it sends one request, and the suite runs many of them
 (``flwr run``, ``log --stream`` and ``ls`` per run; ``supernode ls`` polls in the deployment
 tests). :func:`run` sends each command to a fork server: a process that has imported those
 dependencies once and forks a child per command. The child is a separate process, as a typed

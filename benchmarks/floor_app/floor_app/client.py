@@ -8,7 +8,7 @@ per reply, as distinct values 128 (the app's own update: 122 objects).
 
 With the run config's ``sgd-step = true`` (the training floor) the update is one ``torch.optim.SGD``
 step on the received arrays with a random gradient: a new process's first optimizer imports
-``torch._dynamo`` (about a second), a cost torch puts on every ClientApp process that trains."""
+``torch._dynamo`` (1-3 s on 2 cores), a cost torch puts on every ClientApp process that trains."""
 
 import numpy as np
 import torch
