@@ -118,6 +118,7 @@ def train(msg: Message, context: Context) -> Message:
         seed=seed,
         num_workers=cfg.dataset.num_workers,
         augment=cfg.train.augment,
+        pin_memory=device.type == "cuda",
     )
     # What the message asks of this node beyond plain training (the methods in baselines/).
     halves = baselines.node_halves(msg, baselines.Node(cfg, data, ids, device, seed, context.state))

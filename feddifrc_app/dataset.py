@@ -884,6 +884,7 @@ def make_loader(
     seed: int,
     num_workers: int = 0,
     augment: bool = True,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """Batches of (x (B,3,S,S) float, y (B,) int64, idx (B,) int64).
 
@@ -891,7 +892,8 @@ def make_loader(
     augmented with ``train_transform`` (``augment=False``: eval transform, still
     shuffled). ``train=False``: in ``indices`` order, eval transform. The same
     ``seed`` (and ``num_workers``) gives the same batches, augmentation included,
-    whatever the global torch RNG state.
+    whatever the global torch RNG state. ``pin_memory`` (for a CUDA device) lets the
+    ``non_blocking`` copies of a batch overlap the previous step.
     """
     if train and len(indices) < 2:
         raise ValueError(
@@ -905,6 +907,7 @@ def make_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         num_workers=num_workers,
         worker_init_fn=_worker_init if num_workers > 0 else None,
+        pin_memory=pin_memory,
         # A last training batch of ONE image breaks BatchNorm: drop just that image (it is
         # seen in other epochs, the order being reshuffled).
         drop_last=train and len(indices) % batch_size == 1,

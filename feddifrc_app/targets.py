@@ -93,27 +93,37 @@ class TeacherTargets:
         size = sum(t.numel() * t.element_size() for t in parts if t is not None)
         return size + (sum(a.nbytes for a in self.per_batch[0].values()) if self.per_batch else 0)
 
-    def to(self, device: torch.device) -> TeacherTargets:
-        """The fused targets on ``device`` (moved once per round, gathered there every step)."""
+    def on(self, device: torch.device, ids: np.ndarray) -> TeacherTargets:
+        """These targets on ``device`` for training on dataset indices ``ids`` (moved once per round,
+        gathered there every step). Every id must have a row (KeyError otherwise): checked here, once,
+        so that ``take`` on a GPU gathers with device-resident indices and no host sync per step."""
+        self._require(torch.as_tensor(np.asarray(ids, dtype=np.int64)))
+        if self.per_batch is not None:  # fused on the CPU every batch: rows stay there
+            return self
 
         def move(t):
             return None if t is None else t.to(device)
 
-        return TeacherTargets(self.rows, move(self.prompt_reps), move(self.ndcr), self.per_batch)
+        return TeacherTargets(move(self.rows), move(self.prompt_reps), move(self.ndcr), self.per_batch)
+
+    def _require(self, idx: torch.Tensor) -> None:
+        rows = self.rows.cpu()
+        if bool((idx >= len(rows)).any()) or bool((rows[idx.clamp(max=len(rows) - 1)] < 0).any()):
+            raise KeyError("a training image has no teacher target (targets built for other indices)")
 
     def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        idx = idx.cpu()
-        if bool((idx >= len(self.rows)).any()) or bool(
-            (self.rows[idx.clamp(max=len(self.rows) - 1)] < 0).any()
-        ):
-            raise KeyError("a training image has no teacher target (targets built for other indices)")
-        r = self.rows[idx]
+        """(TDCL representations (B, K, D), NDCR targets (B, D)) of dataset indices ``idx`` (B,),
+        on the targets' device. On the CPU ``idx`` is checked here (free); on a GPU it must be among
+        the ids given to ``on``, which checked them."""
+        if self.rows.device.type == "cpu":
+            self._require(idx.cpu())
+        r = self.rows[idx.to(self.rows.device, non_blocking=True)]
         if self.per_batch is not None:
             pooled, widths, k = self.per_batch
             fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
             return fused[:, :k], fused[:, -1]
-        reps = None if self.prompt_reps is None else self.prompt_reps[r.to(self.prompt_reps.device)]
-        ndcr = None if self.ndcr is None else self.ndcr[r.to(self.ndcr.device)]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r]
+        ndcr = None if self.ndcr is None else self.ndcr[r]
         return reps, ndcr
 
 

@@ -71,7 +71,7 @@ def train_local(
     if use_teacher and targets is None:
         raise ValueError(f"method {cfg.method!r} needs teacher targets")
     model.to(device).train()
-    targets = targets.to(device) if use_teacher else None
+    targets = targets.on(device, loader.dataset.indices) if use_teacher else None
     opt = _optimizer(model, cfg, momentum_state, device)
     for h in halves:
         h.start(model)
@@ -164,7 +164,8 @@ def _teacher_batch(targets: TeacherTargets | None, idx: torch.Tensor, device: to
     if targets is None:
         return None, None
     reps, ndcr = targets.take(idx)
-    return (None if reps is None else reps.to(device)), (None if ndcr is None else ndcr.to(device))
+    # Per-batch fusion returns CPU tensors; targets moved by ``on`` are already there (a no-op).
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in (reps, ndcr))
 
 
 def _restore_momentum(

@@ -401,6 +401,29 @@ def test_teacher_targets_take_maps_rows_and_rejects_foreign_indices(sup: Client)
         t.take(torch.as_tensor([int(sup.ids.max()) + 1]))
 
 
+def test_teacher_targets_on_a_device_check_ids_once_and_gather_without_a_host_read(sup: Client) -> None:
+    t = targets_for(sup)
+    foreign = int(np.setdiff1d(np.arange(sup.ids.max()), sup.ids)[0])
+    with pytest.raises(KeyError):
+        t.on(torch.device("meta"), np.append(sup.ids, foreign))
+    # meta tensors hold no values: any host read of device data (bool(), .item(), .cpu()) in take
+    # would raise here, so the gather is proven free of per-step syncs; indices move with the targets.
+    m = t.on(torch.device("meta"), sup.ids)
+    assert m.rows.device.type == m.prompt_reps.device.type == m.ndcr.device.type == "meta"
+    reps, h = m.take(torch.as_tensor(sup.ids[[3, 0, 3]]))
+    assert reps.device.type == h.device.type == "meta"
+    assert reps.shape == (3, *t.prompt_reps.shape[1:]) and h.shape == (3, t.ndcr.shape[1])
+    # on the CPU nothing moves and the values are those of take
+    c = t.on(CPU, sup.ids)
+    assert c.rows is t.rows and torch.equal(c.take(torch.as_tensor(sup.ids[:2]))[1], t.ndcr[:2])
+
+
+def test_loader_pins_memory_only_when_asked(sup: Client) -> None:
+    kw = dict(train=True, batch_size=4, seed=0)
+    assert make_loader(sup.data, sup.ids, **kw).pin_memory is False
+    assert make_loader(sup.data, sup.ids, **kw, pin_memory=True).pin_memory is True
+
+
 def test_diverging_training_raises_and_returns_nothing(teacher_cache: Path) -> None:
     from feddifrc_app.train import DivergedError
 
