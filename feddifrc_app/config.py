@@ -68,6 +68,13 @@ MAX_TIMEOUT_S = 30 * 86400
 # learning rate below it is still accepted: the run reports it as diverged).
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e9
+# A server step size (eta, eta-l, server-learning-rate, tau) above 10 has no use; FedAdam with
+# eta 1e3 makes a non-finite model from finite replies.
+MAX_STEP = 10.0
+# q-FFL weighs node k by F_k^q: with losses up to ~10 (cross-entropy over 100+ classes early on)
+# F^q leaves float32 at q ~ 38; the q-FFL paper's largest q is 15.
+MAX_Q = 20.0
+FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(float32).tiny: smaller is 0 in float32
 
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
@@ -146,23 +153,27 @@ class TrainConfig:
 class StrategyConfig:
     name: str = key(choices=STRATEGIES)
     proximal_mu: float = key(lo=0.0)
-    server_learning_rate: float = key(lo=0.0, lo_open=True)
+    # The step sizes' upper bounds are far above any published setting; past them a run only
+    # diverges (FedAvgM at 1e9 reaches a NaN loss in one round).
+    server_learning_rate: float = key(lo=0.0, lo_open=True, hi=MAX_STEP)
     server_momentum: float = key(lo=0.0, hi=1.0, hi_open=True)
-    eta: float = key(lo=0.0, lo_open=True)
-    eta_l: float = key(lo=0.0, lo_open=True)
+    eta: float = key(lo=0.0, lo_open=True, hi=MAX_STEP)
+    eta_l: float = key(lo=0.0, lo_open=True, hi=MAX_STEP)
     beta_1: float = key(lo=0.0, hi=1.0, hi_open=True)
     beta_2: float = key(lo=0.0, hi=1.0, hi_open=True)
-    tau: float = key(lo=0.0, lo_open=True)
+    tau: float = key(lo=FLOAT32_TINY, hi=MAX_STEP)  # below float32's smallest normal it is 0 in the arrays
     trim_beta: float = key(lo=0.0, hi=0.5, hi_open=True)
     num_malicious_nodes: int = key(lo=0)  # krum / multikrum / bulyan: f, the Byzantine nodes tolerated
     num_nodes_to_select: int = key(lo=1)  # multikrum: m, the lowest-scoring updates averaged
-    q: float = key(lo=0.0)  # qfedavg: the fairness exponent (0 = FedAvg)
+    q: float = key(lo=0.0, hi=MAX_Q)  # qfedavg: the fairness exponent (0 = FedAvg)
     dp: str = key(choices=DP_MODES)  # differential privacy: Flower's wrapper around the strategy (privacy.py)
     dp_noise_multiplier: float = key(lo=0.0)
     dp_clipping_norm: float = key(lo=0.0, lo_open=True)  # the fixed modes
     dp_initial_clipping_norm: float = key(lo=0.0, lo_open=True)  # the adaptive modes
     dp_target_clipped_quantile: float = key(lo=0.0, hi=1.0)
-    dp_clip_norm_lr: float = key(lo=0.0, lo_open=True)
+    dp_clip_norm_lr: float = key(
+        lo=0.0, lo_open=True, hi=1.0
+    )  # a round scales the norm by up to e^lr (Flower: 0.2)
     dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
     dp_delta: float = key(lo=0.0, hi=1.0, lo_open=True, hi_open=True)  # the accountant's delta
     round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
@@ -234,6 +245,7 @@ class Config:
     run_name: str = key(resume=True)
     resume_from: str = key(path=True, resume=True)
     keep_checkpoints: int = key(lo=0, resume=True)
+    max_frozen_rounds: int = key(lo=0)  # 0 = never judge a run by an unchanged global model
     dataset: DatasetConfig = key()
     partition: PartitionConfig = key()
     model: ModelConfig = key()
@@ -542,6 +554,44 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             raw["dataset.classes"],
             "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
         )
+
+
+# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
+# error names when the server's aggregate (not a node's training) went wrong.
+STRATEGY_KEYS = {
+    "fedavgm": ("server-learning-rate", "server-momentum"),
+    "fedprox": ("proximal-mu",),
+    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedadagrad": ("eta", "eta-l", "tau"),
+    "fedtrimmedavg": ("trim-beta",),
+    "krum": ("num-malicious-nodes",),
+    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
+    "bulyan": ("num-malicious-nodes",),
+    "qfedavg": ("q",),
+    "scaffold": ("server-learning-rate",),
+}
+DP_KEYS = {
+    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
+    "adaptive": (
+        "dp-noise-multiplier",
+        "dp-initial-clipping-norm",
+        "dp-target-clipped-quantile",
+        "dp-clip-norm-lr",
+        "dp-clipped-count-stddev",
+    ),
+}
+
+
+def strategy_settings(cfg: Config) -> str:
+    """The keys behind the server's aggregate, with their values:
+    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
+    s = cfg.strategy
+    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
+    if s.dp != "none":
+        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
+    flat = cfg.to_flat()
+    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
 
 
 def sampled_per_round(fraction: float, num_nodes: int) -> int:

@@ -8,6 +8,7 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,31 @@ SETUP = f"{MessageType.QUERY}.setup"
 # 3 s between pulls of the SuperLink's HTTP Grid; one pull is one small request, so 0.1 s costs
 # the SuperLink ~10 requests a second while a round waits.
 REPLY_POLL_SECONDS = 0.1
+
+
+# How much of a node's error a round's record keeps: its own last message line, not Ray's repr,
+# ANSI colours and the traceback around it (those stay in the ServerApp log).
+REASON_CHARS = 300
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_WRAPPED = "occurred. Message: "  # Flower's ClientAppException: "Exception X occurred. Message: <str(ex)>"
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))\s*:\s*(.+)$")
+_FLOWER = re.compile(r"^<class '(?:[\w.]*\.)?(\w+)'>:<'(.*)$")  # Flower's "<class 'X'>:<'message'>"
+
+
+def node_reason(reason: str) -> str:
+    """A node's error in its own words: the message the ClientApp raised (or else the last
+    ``SomeError: message`` line) without Ray's repr, ANSI colours and the traceback around it,
+    on one line of at most ``REASON_CHARS`` characters."""
+    text = _ANSI.sub("", reason)
+    if _WRAPPED in text:
+        line = " ".join(text.rsplit(_WRAPPED, 1)[1].split())
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        line = next((ln for ln in reversed(lines) if _RAISED.match(ln)), lines[-1] if lines else "")
+        if m := _RAISED.match(line) or _FLOWER.match(line):
+            line = f"{m[1]}: {m[2]}"
+    line = line.removesuffix("'>").strip()
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
 class RunStopped(Exception):
@@ -123,7 +149,7 @@ class Federation:
         for r in replies:
             if r.has_error():
                 log.warning("setup: node %s failed: %s", sender(r), r.error.reason)
-                errors.append(f"node {sender(r)}: {r.error.reason.strip().splitlines()[-1]}")
+                errors.append(f"node {sender(r)}: {node_reason(r.error.reason)}")
             else:
                 out[sender(r)] = r.content
                 self.partition_of[sender(r)] = int(r.content["info"]["partition-id"])
@@ -175,11 +201,18 @@ class Federation:
         sender = _senders(msgs)  # after sending: message ids are set when a message is pushed
         replies.sort(key=lambda r: self._order(sender(r)))
         got = {sender(r) for r in replies}
-        failures = [
-            {"node": sender(r), "partition-id": self.partition_of.get(sender(r)), "reason": r.error.reason}
-            for r in replies
-            if r.has_error()
-        ]
+        failures = []
+        for r in replies:
+            if r.has_error():
+                log.warning("node %s failed: %s", sender(r), r.error.reason)  # the whole of it, once
+                n = sender(r)
+                failures.append(
+                    {
+                        "node": n,
+                        "partition-id": self.partition_of.get(n),
+                        "reason": node_reason(r.error.reason),
+                    }
+                )
         failures += [
             {"node": n, "partition-id": self.partition_of[n], "reason": "no reply before round-timeout"}
             for n in chosen

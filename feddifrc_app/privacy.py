@@ -23,8 +23,10 @@ and the adaptive modes scale the noise by the norm the round clipped to (_Adapti
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,13 +51,31 @@ from flwr.supercore.differential_privacy import (
 )
 
 from feddifrc_app import log
-from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round
+from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round, strategy_settings
 from feddifrc_app.metric_keys import METRICS
 
 # The reply metric the named strategy weighs by under DP, set by the server (never a node's
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
 # to; an evaluate reply's num-examples, so the federated accuracy stays example-weighted.
 WEIGHT = "dp-aggregation-weight"
+
+
+class DPError(ArithmeticError):
+    """Flower's clipping arithmetic failed (a zero update's norm, an overflowing clipping-norm step)."""
+
+
+def _flower_dp_failure(e: BaseException, where: str, cfg: Config) -> DPError | None:
+    """``e`` as a DPError naming the DP keys if Flower's DP code raised it, else None (not ours to
+    rename: an error of the ClientApp itself passes through the mod unchanged)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    last = Path(frames[-1].filename) if frames else Path()
+    # flwr/supercore/differential_privacy.py (clipping), flwr/serverapp/strategy/dp_*.py (norm steps)
+    if "flwr" not in last.parts or not (last.stem == "differential_privacy" or last.stem.startswith("dp_")):
+        return None
+    return DPError(
+        f"{where}: Flower's differential privacy failed ({type(e).__name__}: {e}), e.g. an update of "
+        f"norm 0 or a clipping norm out of float range; check {strategy_settings(cfg)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,7 @@ def with_noisy_mean(cls: type[FedAvg]) -> type[FedAvg]:
 class _Accounted:
     """Equal weights for every reply, and a record of what the round released (``release``)."""
 
+    cfg: Config  # set by wrap: what a DPError names
     release: Release | None = None
     population: int = 0
 
@@ -139,7 +160,12 @@ class _Accounted:
             self.strategy.noise_std = compute_stdv(
                 self.noise_multiplier, self.clipping_norm, self.num_sampled_clients
             )
-        arrays, metrics = super().aggregate_train(server_round, replies)
+        try:
+            arrays, metrics = super().aggregate_train(server_round, replies)
+        except (ArithmeticError, ValueError) as e:
+            if (dp := _flower_dp_failure(e, f"round {server_round}", self.cfg)) is None:
+                raise
+            raise dp from e
         if arrays is not None:  # Flower added its noise
             count = getattr(self, "clipped_count_stddev", None)  # the adaptive modes only
             self.release = Release(
@@ -224,7 +250,9 @@ def wrap(strategy: Strategy, cfg: Config) -> Strategy:
     n = sampled_per_round(cfg.fraction_train, cfg.min_nodes)  # reset every round to the real count
     if mode.endswith("fixed"):
         cls = ServerFixed if mode == "server-fixed" else ClientFixed
-        return cls(strategy, s.dp_noise_multiplier, s.dp_clipping_norm, n)
+        out = cls(strategy, s.dp_noise_multiplier, s.dp_clipping_norm, n)
+        out.cfg = cfg
+        return out
     cls = ServerAdaptive if mode == "server-adaptive" else ClientAdaptive
     out = cls(
         strategy,
@@ -236,6 +264,7 @@ def wrap(strategy: Strategy, cfg: Config) -> Strategy:
         clipped_count_stddev=_count_stddev(cfg),
     )
     out.configured = (s.dp_noise_multiplier, _count_stddev(cfg))
+    out.cfg = cfg
     return out
 
 
@@ -267,8 +296,14 @@ def client_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     train = msg.metadata.message_type == MessageType.TRAIN and "config" in msg.content
     if not train or KEY_CLIPPING_NORM not in msg.content["config"]:
         return call_next(msg, ctxt)
-    mode = load_config(ctxt.run_config).strategy.dp
+    cfg = load_config(ctxt.run_config)
+    mode = cfg.strategy.dp
     mod = {"client-fixed": fixedclipping_mod, "client-adaptive": adaptiveclipping_mod}.get(mode)
     if mod is None:
         raise ConfigError(f"a train message asks for client-side clipping, but strategy.dp = {mode!r}")
-    return mod(msg, ctxt, call_next)
+    try:
+        return mod(msg, ctxt, call_next)
+    except (ArithmeticError, ValueError) as e:
+        if (dp := _flower_dp_failure(e, "this node's clipping", cfg)) is None:
+            raise
+        raise dp from e

@@ -13,6 +13,7 @@ timeouts are recorded per round.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -24,7 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
 from feddifrc_app import baselines, log, metric_keys, privacy, privacy_accounting, report
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, strategy_settings
 from feddifrc_app.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
@@ -34,7 +35,7 @@ from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.results import Results
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
-from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe
+from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
 
 # A round in which no node returns a usable update (every node failed or timed out, or nothing
 # was aggregated) leaves the global model untrained; after this many such rounds in a row the
@@ -48,8 +49,26 @@ class NoUpdateError(RuntimeError):
     """No node trained in ``MAX_EMPTY_ROUNDS`` consecutive rounds (the run fails, with the reason)."""
 
 
+class FrozenModelError(RuntimeError):
+    """The aggregate left the global model exactly as it was for ``max-frozen-rounds`` trained
+    rounds in a row (e.g. DP clipping every update to a norm of 0): a run that learns nothing."""
+
+
 def _finite(arrays: ArrayRecord) -> bool:
     return all(np.isfinite(a.numpy()).all() for a in arrays.values() if a.numpy().dtype.kind == "f")
+
+
+def _same(a: ArrayRecord, b: ArrayRecord) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def _non_finite_loss(central: dict[str, float | None]) -> str | None:
+    """The first central split whose loss is non-finite (a model with finite weights can still
+    score a NaN loss: BatchNorm statistics or logits out of float32's range)."""
+    return next(
+        (k for k, v in central.items() if k.endswith("-loss") and v is not None and not math.isfinite(v)),
+        None,
+    )
 
 
 class CentralEvaluator:
@@ -132,6 +151,8 @@ class RoundLoop:
                 self.basis = ArrayRecord(checkpoint["basis"])
         self.arrays = state_to_record(self.model.state_dict())
         self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
+        self.frozen_rounds = 0  # consecutive trained rounds whose aggregate changed nothing
+        self.diverged_cause: str | None = None  # the first diverged round's reason
 
     def evaluate(self) -> dict[str, float | None]:
         load_weights(self.model, record_to_state(self.arrays))
@@ -153,6 +174,8 @@ class RoundLoop:
                 self.results.rounds.append(row)
                 if self.empty_rounds >= MAX_EMPTY_ROUNDS:
                     raise self.no_update_error(row)  # results.json keeps the round's failures
+                if self.cfg.max_frozen_rounds and self.frozen_rounds >= self.cfg.max_frozen_rounds:
+                    raise self.frozen_error()
                 self.save(rnd)
                 log.info(
                     "round %d: val accuracy %s, test accuracy %.4f (%.1fs)",
@@ -168,8 +191,8 @@ class RoundLoop:
         self.run.save_results(self.results)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")
         if self.results.status == "diverged":
-            # Reported as a failed run (flwr ls), after every result is on disk.
-            raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.cfg.train.lr)
+            # Reported as a failed run (flwr ls), after every result is on disk, with the first cause.
+            raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.diverged_cause)
         s = self.results.summary
         log.info(
             "finished: final %.4f, best %.4f, mean of last 5 %.4f -> %s",
@@ -193,6 +216,15 @@ class RoundLoop:
         return NoUpdateError(
             f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
             f"{MAX_EMPTY_ROUNDS} such round(s) in a row, since its model was not trained"
+        )
+
+    def frozen_error(self) -> FrozenModelError:
+        inner = getattr(self.strategy, "clipping_norm", None)  # a DP wrapper's current norm
+        clip = f"; the DP clipping norm is now {inner:g}" if inner is not None else ""
+        return FrozenModelError(
+            f"the global model has not changed in {self.frozen_rounds} trained round(s) in a row: every "
+            f"aggregate equalled the model sent out ({strategy_settings(self.cfg)}{clip}); a run fails "
+            f"after max-frozen-rounds = {self.cfg.max_frozen_rounds} such rounds: it learns nothing"
         )
 
     def record_end(self, e: BaseException) -> None:
@@ -231,23 +263,30 @@ class RoundLoop:
                 len(ok),
                 failures,
             )
-        before = strategy_state(self.strategy)
+        before, previous = strategy_state(self.strategy), self.arrays
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
+        # Every reply is finite (a node that diverges sends none): a non-finite aggregate is the
+        # server's doing, its strategy (and DP) keys, not train.lr.
+        server_side = f"the replies were finite: check {strategy_settings(self.cfg)}"
         if arrays is not None and not _finite(arrays):
-            load_strategy_state(self.strategy, before)  # a rejected update leaves no trace
-            failures.append(
-                {
-                    "node": None,
-                    "partition-id": None,
-                    "reason": f"{DivergedError.TAG} the aggregated model is non-finite",
-                }
-            )
-            arrays = None
+            arrays = self._reject(before, failures, "the aggregated model", server_side)
         if arrays is not None:
+            self.frozen_rounds = self.frozen_rounds + 1 if _same(arrays, previous) else 0
             self.arrays = arrays
+        central = self.evaluate()
+        if arrays is not None and (split := _non_finite_loss(central)):
+            self.arrays = previous  # finite weights that score a NaN loss: rejected the same way
+            arrays = self._reject(
+                before,
+                failures,
+                f"the aggregated model's central {split}",
+                f"{lr_remedy(self.cfg.train.lr)}, or {server_side}",
+            )
+            central = self.evaluate()
         diverged = [f["reason"] for f in failures if DivergedError.TAG in str(f["reason"])]
         if diverged:
             self.results.diverged_rounds = [*(self.results.diverged_rounds or []), rnd]
+            self.diverged_cause = self.diverged_cause or f"round {rnd}: {diverged[0]}"
             log.error("round %d diverged (%s); the global model stays the last finite one", rnd, diverged[0])
         if arrays is None:
             log.warning("round %d: no usable update; the global model is unchanged", rnd)
@@ -260,10 +299,16 @@ class RoundLoop:
             # A rejected (non-finite) noisy aggregate still counts: it was computed and logged.
             **privacy_accounting.round_keys(self.cfg, self.results.rounds, privacy.release_of(self.strategy)),
             **self.federated(rnd, self.arrays),
-            **self.evaluate(),
+            **central,
         }
         row["seconds"] = time.perf_counter() - t0
         return row
+
+    def _reject(self, before: dict, failures: list[dict[str, Any]], what: str, remedy: str) -> None:
+        """Record a diverged aggregate as the round's failure; a rejected update leaves no trace
+        in the strategy's state. Returns None: the round's update."""
+        load_strategy_state(self.strategy, before)
+        failures.append({"node": None, "partition-id": None, "reason": str(DivergedError(what, remedy))})
 
     def _describe(self, reply: Message) -> dict[str, Any]:
         node = reply.metadata.src_node_id

@@ -31,10 +31,13 @@ class DivergedError(FloatingPointError):
 
     TAG = "diverged:"  # how the server recognises this failure in a node's error reply
 
-    def __init__(self, what: str, lr: float) -> None:
-        super().__init__(
-            f"{self.TAG} {what} became non-finite; lower train.lr (= {lr:g}) or the loss weights"
-        )
+    def __init__(self, what: str, remedy: str) -> None:
+        super().__init__(f"{self.TAG} {what} became non-finite; {remedy}")
+
+
+def lr_remedy(lr: float) -> str:
+    """What to change when local training diverges."""
+    return f"lower train.lr (= {lr:g}) or the loss weights"
 
 
 def _optimizer(
@@ -99,9 +102,9 @@ def train_local(
                 parts["ndcr-cosine"] = losses.cosine_alignment(z_ndcr.detach(), ndcr)
             run.add(parts, logits, y)
         if not math.isfinite(float(run.sums.get("total", 0.0))):
-            raise DivergedError("the training loss", tc.lr)
+            raise DivergedError("the training loss", lr_remedy(tc.lr))
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise DivergedError("the model weights", tc.lr)
+        raise DivergedError("the model weights", lr_remedy(tc.lr))
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
     # A half's term is reported by every node, as 0 where it added none (MOON's first round):
     # replies with different metric keys are not aggregated (metric_keys.py).

@@ -96,6 +96,16 @@ def test_casts_flower_scalars():
         ({"run-name": "/abs"}, "'run-name' = '/abs'"),
         ({"run-name": "."}, "'run-name' = '.'"),
         ({"run-name": "a\\b"}, "plain folder name"),
+        # Strategy values that only make a non-finite aggregate from finite replies.
+        ({"strategy.q": 1000.0}, "'strategy.q' = 1000.0 is invalid: expected a value in [0, 20]"),
+        ({"strategy.tau": 1e-39}, "'strategy.tau' = 1e-39 is invalid: expected a value in [1.17549e-38, 10]"),
+        ({"strategy.eta": 1e3}, "'strategy.eta' = 1000.0 is invalid: expected a value in (0, 10]"),
+        ({"strategy.server-learning-rate": 1e9}, "'strategy.server-learning-rate' = 1000000000.0"),
+        (
+            {"strategy.dp-clip-norm-lr": 1000.0},
+            "'strategy.dp-clip-norm-lr' = 1000.0 is invalid: expected a value in (0, 1]",
+        ),
+        ({"max-frozen-rounds": -1}, "'max-frozen-rounds' = -1"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override, fragment):

@@ -212,6 +212,30 @@ def test_client_mod_clips_only_a_message_that_asks_for_it():
     assert privacy.client_mod(setup, ctx, lambda m, c: "passed") == "passed"
 
 
+def test_flowers_dp_arithmetic_errors_name_the_dp_keys_and_the_nodes_own_errors_pass():
+    x = np.ones(4, dtype=np.float32)
+    dp = {"strategy__dp": "server-fixed", "strategy__dp_noise_multiplier": 0.0, "min_nodes": 2}
+    with pytest.raises(privacy.DPError) as e:  # an update of norm 0: Flower divides by it
+        _round(dp, x, [x.copy(), x + 1], 2)
+    assert str(e.value).startswith(
+        "round 1: Flower's differential privacy failed (ZeroDivisionError: float division by zero)"
+    )
+    assert str(e.value).endswith(
+        "check strategy.name = 'fedavg', strategy.dp = 'server-fixed', strategy.dp-noise-multiplier = 0.0, "
+        "strategy.dp-clipping-norm = 10.0"
+    )
+    ctx = _context(strategy__dp="client-fixed")
+    still = lambda m, c: _reply(m, np.zeros(2, dtype=np.float32))  # noqa: E731 - trains to w = x
+    with pytest.raises(privacy.DPError, match=r"^this node's clipping: Flower's differential privacy"):
+        privacy.client_mod(_train_msg(clipping_norm=1.0), ctx, still)
+
+    def raising(m, c):  # the ClientApp's own error is not DP's
+        raise ZeroDivisionError("in training")
+
+    with pytest.raises(ZeroDivisionError, match="in training"):
+        privacy.client_mod(_train_msg(clipping_norm=1.0), ctx, raising)
+
+
 def test_client_wrappers_ask_for_clipping_and_the_adaptive_one_reads_the_norm_bit():
     for mode in ("client-fixed", "client-adaptive"):
         cfg = make_config(method="fedavg", strategy__dp=mode, strategy__dp_noise_multiplier=0.0)

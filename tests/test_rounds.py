@@ -1,0 +1,131 @@
+"""The round loop judges a run by its model: a non-finite aggregate or central loss is a divergence
+named after its cause, and a global model that never changes fails the run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import make_config
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from test_server_app import _FailingFederation
+
+from feddifrc_app.outputs import RunDir
+from feddifrc_app.results import Results
+from feddifrc_app.rounds import FrozenModelError, RoundLoop
+from feddifrc_app.train import DivergedError
+
+
+class _TwoNodes(_FailingFederation):
+    """Two nodes that always reply (the strategy's aggregate is set by each test)."""
+
+    def exchange(self, msgs, chosen):
+        replies = []
+        for m in msgs:
+            content = RecordDict(
+                {
+                    "arrays": m.content["arrays"],
+                    "metrics": MetricRecord({"num-examples": 1.0, "train-total": 2.0}),
+                }
+            )
+            replies.append(Message(content=content, dst_node_id=m.metadata.dst_node_id, message_type="train"))
+        return replies, []
+
+
+def _shifted(arrays: ArrayRecord, by: float) -> ArrayRecord:
+    return ArrayRecord({k: Array(a.numpy() + np.asarray(by, a.numpy().dtype)) for k, a in arrays.items()})
+
+
+def _loop(tmp_path, evaluator, **overrides) -> RoundLoop:
+    (tmp_path / "run").mkdir(parents=True)
+    cfg = make_config(**{"method": "fedavg", "num_server_rounds": 2, **overrides})
+    return RoundLoop(
+        cfg, _TwoNodes(), RunDir(tmp_path / "run"), Results(rounds=[], resumed=[]), evaluator, 10, None
+    )
+
+
+def _central(loss: float) -> dict[str, float | None]:
+    return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": loss}
+
+
+def _on_disk(tmp_path) -> dict:
+    return json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+def test_a_non_finite_aggregate_of_finite_replies_names_the_strategy_keys_not_train_lr(tmp_path) -> None:
+    loop = _loop(tmp_path, lambda m: _central(2.3), strategy__name="qfedavg", strategy__q=15.0)
+    sent = loop.arrays
+    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(sent, math.inf), MetricRecord())
+    with pytest.raises(DivergedError) as e:
+        loop.run_all()
+    first = (
+        "diverged: the aggregated model became non-finite; the replies were finite: check "
+        "strategy.name = 'qfedavg', strategy.q = 15.0"
+    )
+    assert str(e.value) == f"diverged: the run (rounds [1, 2]) became non-finite; round 1: {first}"
+    assert "train.lr" not in str(e.value)
+    assert loop.arrays is sent  # the last finite model stays
+    res = _on_disk(tmp_path)
+    assert res["status"] == "diverged" and res["diverged-rounds"] == [1, 2]
+    assert res["rounds"][1]["failures"] == [{"node": None, "partition-id": None, "reason": first}]
+
+
+def test_a_finite_model_whose_central_loss_is_nan_is_a_divergence_and_is_rolled_back(tmp_path) -> None:
+    seen: list[float] = []
+
+    def evaluator(model) -> dict[str, float | None]:
+        w = float(next(model.parameters()).detach().abs().max())
+        seen.append(w)
+        return _central(math.nan if w > 100 else 2.3)  # the aggregate below scores a NaN loss
+
+    loop = _loop(tmp_path, evaluator, num_server_rounds=1)
+    sent = loop.arrays
+    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(sent, 1e3), MetricRecord())
+    with pytest.raises(DivergedError, match=r"round 1: diverged: the aggregated model's central test-loss"):
+        loop.run_all()
+    assert loop.arrays is sent and seen[1] > 100 and seen[2] == seen[0]  # scored again after the rollback
+    res = _on_disk(tmp_path)
+    assert res["status"] == "diverged" and res["rounds"][1]["test-loss"] == 2.3
+    (reason,) = [f["reason"] for f in res["rounds"][1]["failures"]]
+    assert reason == (
+        "diverged: the aggregated model's central test-loss became non-finite; lower train.lr (= 0.05) "
+        "or the loss weights, or the replies were finite: check strategy.name = 'fedavg'"
+    )
+
+
+def test_a_global_model_that_never_changes_fails_the_run_with_the_dp_settings(tmp_path) -> None:
+    loop = _loop(
+        tmp_path,
+        lambda m: _central(2.3),
+        strategy__dp="server-adaptive",
+        strategy__dp_clipped_count_stddev=1.0,
+        min_nodes=2,
+    )
+    loop.strategy.aggregate_train = lambda rnd, replies: (loop.arrays, MetricRecord())  # clipped to 0
+    with pytest.raises(FrozenModelError) as e:
+        loop.run_all()
+    assert str(e.value).startswith(
+        "the global model has not changed in 1 trained round(s) in a row: every aggregate equalled the "
+        "model sent out (strategy.name = 'fedavg', strategy.dp = 'server-adaptive', "
+        "strategy.dp-noise-multiplier = 1.0, strategy.dp-initial-clipping-norm = 0.1"
+    )
+    assert "the DP clipping norm is now 0.1" in str(e.value)
+    res = _on_disk(tmp_path)
+    assert res["status"] == "failed" and res["error"].startswith("FrozenModelError: the global model")
+    assert [r["round"] for r in res["rounds"]] == [0, 1]
+
+
+def test_max_frozen_rounds_counts_rounds_in_a_row_and_zero_never_judges(tmp_path) -> None:
+    loop = _loop(tmp_path, lambda m: _central(2.3), num_server_rounds=4, max_frozen_rounds=2)
+    moves = iter([0.0, 0.5, 0.0, 0.0])  # frozen, moved, frozen, frozen: fails after round 4
+    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, next(moves)), MetricRecord())
+    with pytest.raises(FrozenModelError, match=r"not changed in 2 trained round\(s\) in a row"):
+        loop.run_all()
+    assert [r["round"] for r in _on_disk(tmp_path)["rounds"]] == [0, 1, 2, 3, 4]
+
+    off = _loop(tmp_path / "off", lambda m: _central(2.3), max_frozen_rounds=0)
+    off.strategy.aggregate_train = lambda rnd, replies: (off.arrays, MetricRecord())
+    off.run_all()
+    assert _on_disk(tmp_path / "off")["status"] == "completed"
