@@ -175,7 +175,9 @@ class StrategyConfig:
         lo=0.0, lo_open=True, hi=1.0
     )  # a round scales the norm by up to e^lr (Flower: 0.2)
     dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
-    dp_delta: float = key(lo=0.0, hi=1.0, lo_open=True, hi_open=True)  # the accountant's delta
+    # The accountant's delta: the chance the epsilon bound fails. Above 0.01 it is no guarantee (and
+    # epsilon tends to 0 as delta tends to 1, so a large one reports a reassuring 0.0).
+    dp_delta: float = key(lo=0.0, hi=0.01, lo_open=True)
     round_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
     setup_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
 

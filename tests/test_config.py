@@ -293,9 +293,9 @@ def test_federated_evaluation_and_its_holdout_go_together():
         make_config(method="feddifrc-ssl", fraction_evaluate=1.0, evaluate_holdout=0.1)
 
 
-@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 1.5])
-def test_dp_delta_outside_0_1_is_refused_naming_the_key(delta):
-    with pytest.raises(ConfigError, match=r"'strategy\.dp-delta' = .* expected a value in \(0, 1\)"):
+@pytest.mark.parametrize("delta", [0.0, 0.999999, 0.011, -1e-5, 1.5])
+def test_dp_delta_outside_0_001_is_refused_naming_the_key(delta):
+    with pytest.raises(ConfigError, match=r"'strategy\.dp-delta' = .* expected a value in \(0, 0.01\]"):
         make_config(strategy__dp="server-fixed", strategy__dp_delta=delta)
     with pytest.raises(ConfigError, match=r"'strategy\.dp-delta' = 'tiny' is invalid: expected a number"):
         make_config(strategy__dp_delta="tiny")
