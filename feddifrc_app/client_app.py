@@ -28,7 +28,7 @@ from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.model import load_weights
 from feddifrc_app.projection import Basis
-from feddifrc_app.records import arrays_to_record, record_to_arrays, record_to_state, state_to_record
+from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays, record_to_state, state_to_record
 from feddifrc_app.targets import node_stats, node_targets
 from feddifrc_app.teacher import teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
@@ -151,7 +151,7 @@ def _targets(
     metrics: dict[str, float],
 ):
     """This node's teacher targets under the server's basis; their cost goes into ``metrics``."""
-    basis = Basis.from_arrays(record_to_arrays(msg.content["basis"])) if "basis" in msg.content else None
+    basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
     targets, cost = node_targets(cfg, node.resolve_cache_dir(cfg), data, ids, basis, model, device)
     metrics.update(cost)
     return targets

@@ -174,7 +174,7 @@ class StrategyConfig:
     dp_clip_norm_lr: float = key(
         lo=0.0, lo_open=True, hi=1.0
     )  # a round scales the norm by up to e^lr (Flower: 0.2)
-    dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = Flower's default, sampled nodes / 20
+    dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = derived: clipped_count_stddev
     # The accountant's delta: the chance the epsilon bound fails. Above 0.01 it is no guarantee (and
     # epsilon tends to 0 as delta tends to 1, so a large one reports a reassuring 0.0).
     dp_delta: float = key(lo=0.0, hi=0.01, lo_open=True)
@@ -596,6 +596,17 @@ def strategy_settings(cfg: Config) -> str:
     return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
 
 
+def clipped_count_stddev(given: float, noise_multiplier: float, sampled: int) -> float:
+    """strategy.dp-clipped-count-stddev as used: the value given, or for 0 Flower's default (sampled
+    nodes / 20) raised to the noise multiplier where it is below it. Flower needs the multiplier
+    below twice the count noise; at equal values the update keeps z x 1.15 (z_u = (z^-2 -
+    (2 s)^-2)^-1/2), where Flower's default refused every adaptive run of fewer than 40 nodes at z = 1.
+    Without noise (z = 0) the count is not noised either, as in Flower."""
+    if given or noise_multiplier == 0:
+        return given
+    return max(sampled / 20, noise_multiplier)
+
+
 def sampled_per_round(fraction: float, num_nodes: int) -> int:
     """Nodes sampled per round: ``fraction`` (``fraction-train``, or ``fraction-evaluate``) of the
     connected nodes, at least 1."""
@@ -661,26 +672,14 @@ def _check_privacy(v: Mapping[str, Any]) -> None:
             "with fewer local steps) and weighs it by its examples, so one node's influence exceeds "
             "the C / m that Flower's noise is calibrated for; use fedavg or fedprox",
         )
-    if dp.startswith("client") and v["method"] in ("feddifrc", "feddifrc-ssl"):
-        if v["diffusion.projection"] == "federated-pca":  # the train message carries the basis
-            raise _fail(
-                "strategy.dp",
-                dp,
-                "Flower's client mods accept a train message with one ArrayRecord, and "
-                "diffusion.projection = 'federated-pca' sends the basis too; use a server-side mode",
-            )
-    if dp.endswith("adaptive") and (z := v["strategy.dp-noise-multiplier"]) > 0:
-        n = sampled_per_round(v["fraction-train"], v["min-nodes"])
-        given = v["strategy.dp-clipped-count-stddev"]
-        count_std = given or n / 20
-        if z >= 2 * count_std:
-            source = f"{given:g}" if given else f"0 = sampled nodes / 20 = {n} / 20"
-            raise ConfigError(
-                f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
-                f"'strategy.dp-clipped-count-stddev' = {source}: adaptive clipping needs the noise "
-                f"multiplier below 2 x that count noise ({2 * count_std:g}; min-nodes = {v['min-nodes']}); "
-                "raise strategy.dp-clipped-count-stddev or lower strategy.dp-noise-multiplier"
-            )
+    given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]
+    if dp.endswith("adaptive") and given and z >= 2 * given:  # 0 derives a value that works
+        raise ConfigError(
+            f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
+            f"'strategy.dp-clipped-count-stddev' = {given:g}: adaptive clipping needs the noise "
+            f"multiplier below 2 x that count noise ({2 * given:g}); raise "
+            "strategy.dp-clipped-count-stddev (0 derives one) or lower strategy.dp-noise-multiplier"
+        )
 
 
 def _check_methods(v: Mapping[str, Any]) -> None:

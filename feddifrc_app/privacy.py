@@ -51,8 +51,16 @@ from flwr.supercore.differential_privacy import (
 )
 
 from feddifrc_app import log
-from feddifrc_app.config import Config, ConfigError, load_config, sampled_per_round, strategy_settings
+from feddifrc_app.config import (
+    Config,
+    ConfigError,
+    clipped_count_stddev,
+    load_config,
+    sampled_per_round,
+    strategy_settings,
+)
 from feddifrc_app.metric_keys import METRICS
+from feddifrc_app.records import BASIS
 
 # The reply metric the named strategy weighs by under DP, set by the server (never a node's
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
@@ -211,10 +219,10 @@ class _AdaptivePerRound(_Accounted):
         n = len(grid.get_node_ids())
         if n != self.num_sampled_clients:
             self.num_sampled_clients = n
-            z, count_std = self.configured
+            z, given = self.configured
             try:
                 self.clipped_count_stddev, self.noise_multiplier = compute_adaptive_noise_params(
-                    z, n, count_std
+                    z, n, clipped_count_stddev(given, z, n)
                 )
             except ValueError as e:
                 raise ConfigError(f"round {server_round}, {n} sampled nodes: strategy.dp: {e}") from None
@@ -237,11 +245,6 @@ class ClientAdaptive(_AdaptivePerRound, DifferentialPrivacyClientSideAdaptiveCli
     pass
 
 
-def _count_stddev(cfg: Config) -> float | None:
-    """strategy.dp-clipped-count-stddev; 0 = Flower's default (sampled nodes / 20)."""
-    return cfg.strategy.dp_clipped_count_stddev or None
-
-
 def wrap(strategy: Strategy, cfg: Config) -> Strategy:
     """``strategy`` under the DP wrapper that ``strategy.dp`` names (itself for "none")."""
     s, mode = cfg.strategy, cfg.strategy.dp
@@ -261,11 +264,40 @@ def wrap(strategy: Strategy, cfg: Config) -> Strategy:
         initial_clipping_norm=s.dp_initial_clipping_norm,
         target_clipped_quantile=s.dp_target_clipped_quantile,
         clip_norm_lr=s.dp_clip_norm_lr,
-        clipped_count_stddev=_count_stddev(cfg),
+        clipped_count_stddev=clipped_count_stddev(s.dp_clipped_count_stddev, s.dp_noise_multiplier, n),
     )
-    out.configured = (s.dp_noise_multiplier, _count_stddev(cfg))
+    out.configured = (s.dp_noise_multiplier, s.dp_clipped_count_stddev)
     out.cfg = cfg
     return out
+
+
+# Noise std per coordinate per round above which a model is unlikely to learn: a ResNet-10's conv
+# weights start at He-init std 0.04-0.12 (width 64-16), and the noise adds up over the rounds.
+ABSORBABLE_NOISE_STD = 0.01
+
+
+def noise_warning(cfg: Config) -> str | None:
+    """A warning when the DP noise per coordinate, z C / m with the fewest nodes a round samples
+    (min-nodes x fraction-train), is far above what a model can absorb; None otherwise."""
+    s = cfg.strategy
+    if s.dp == "none":
+        return None
+    fixed = s.dp.endswith("fixed")
+    norm, key = (
+        (s.dp_clipping_norm, "dp-clipping-norm")
+        if fixed
+        else (s.dp_initial_clipping_norm, "dp-initial-clipping-norm")
+    )
+    m = sampled_per_round(cfg.fraction_train, cfg.min_nodes)
+    std = s.dp_noise_multiplier * norm / m
+    if std <= ABSORBABLE_NOISE_STD:
+        return None
+    return (
+        f"strategy.dp = {s.dp!r}: DP noise of std {std:.3g} per coordinate per round (strategy.dp-noise-"
+        f"multiplier {s.dp_noise_multiplier:g} x strategy.{key} {norm:g} / {m} sampled node(s)) is far above "
+        f"{ABSORBABLE_NOISE_STD:g}, about what a model absorbs: expect no learning; DP-FedAvg needs many "
+        "nodes per round (min-nodes, fraction-train) or a smaller clipping norm"
+    )
 
 
 def settings(cfg: Config) -> dict[str, Any] | None:
@@ -280,7 +312,7 @@ def settings(cfg: Config) -> dict[str, Any] | None:
         "initial-clipping-norm": s.dp_initial_clipping_norm,
         "target-clipped-quantile": s.dp_target_clipped_quantile,
         "clip-norm-lr": s.dp_clip_norm_lr,
-        "clipped-count-stddev": s.dp_clipped_count_stddev or "sampled nodes / 20 (Flower's default)",
+        "clipped-count-stddev": s.dp_clipped_count_stddev or "max(sampled nodes / 20, noise multiplier)",
     }
 
 
@@ -301,8 +333,19 @@ def client_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     mod = {"client-fixed": fixedclipping_mod, "client-adaptive": adaptiveclipping_mod}.get(mode)
     if mod is None:
         raise ConfigError(f"a train message asks for client-side clipping, but strategy.dp = {mode!r}")
+    # Flower's mods take a train message with one ArrayRecord; the federated-PCA basis rides along
+    # to the ClientApp past them (the node clips only its model update).
+    basis = msg.content.array_records.get(BASIS)
+    if basis is not None:
+        del msg.content[BASIS]
+
+    def with_basis(m: Message, c: Context) -> Message:
+        if basis is not None:
+            m.content[BASIS] = basis
+        return call_next(m, c)
+
     try:
-        return mod(msg, ctxt, call_next)
+        return mod(msg, ctxt, with_basis)
     except (ArithmeticError, ValueError) as e:
         if (dp := _flower_dp_failure(e, "this node's clipping", cfg)) is None:
             raise

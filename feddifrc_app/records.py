@@ -8,6 +8,9 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
+# A train message's federated-PCA basis, beside its "arrays" (the model).
+BASIS = "basis"
+
 
 def shared_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The entries of a model state that travel: BN's ``num_batches_tracked`` is unused (momentum is

@@ -32,7 +32,7 @@ from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.records import record_to_state, state_to_record
+from feddifrc_app.records import BASIS, record_to_state, state_to_record
 from feddifrc_app.results import Results
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
@@ -247,7 +247,7 @@ class RoundLoop:
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
-                m.content["basis"] = self.basis
+                m.content[BASIS] = self.basis
         ok, failures = self.fed.exchange(msgs, chosen)
         ok, odd = metric_keys.conform(ok, required_metrics(self.cfg), self._describe)
         failures += odd

@@ -63,6 +63,8 @@ def private_settings(cfg: Config) -> dict | None:
     out = privacy.settings(cfg)
     if out is None:
         return None
+    if warning := privacy.noise_warning(cfg):
+        log.warning("%s", warning)
     out |= privacy_accounting.settings(cfg)
     if out["accountant"] is None:
         log.warning("strategy.dp = %r: no epsilon is reported: %s", cfg.strategy.dp, out["not-accounted"])

@@ -255,10 +255,9 @@ def test_client_wrappers_ask_for_clipping_and_the_adaptive_one_reads_the_norm_bi
     [
         ({"strategy__name": "scaffold"}, "scaffold.*second ArrayRecord"),
         ({"method": "fednh"}, "fednh.*second ArrayRecord"),
-        ({"method": "feddifrc", "strategy__dp": "client-fixed"}, "federated-pca"),
         (
-            {"strategy__dp": "server-adaptive", "min_nodes": 10},
-            r"sampled nodes / 20 = 10 / 20: .*below 2 x that count noise \(1; min-nodes = 10\)",
+            {"strategy__dp": "server-adaptive", "strategy__dp_clipped_count_stddev": 0.5},
+            r"'strategy.dp-clipped-count-stddev' = 0.5: .*below 2 x that count noise \(1\); raise",
         ),
     ],
 )
@@ -266,6 +265,48 @@ def test_dp_settings_that_cannot_work_fail_at_load(overrides, match):
     overrides = {"strategy__dp": "server-fixed", "method": "fedavg"} | overrides
     with pytest.raises(ConfigError, match=match):
         make_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    "mode", privacy_modes := ["server-fixed", "server-adaptive", "client-fixed", "client-adaptive"]
+)
+def test_every_dp_mode_loads_with_the_other_keys_at_their_defaults(mode):
+    cfg = make_config(strategy__dp=mode)  # FedDifRC with its federated-PCA basis, min-nodes 1
+    assert cfg.method == "feddifrc" and cfg.diffusion.projection == "federated-pca"
+    s = build_strategy(cfg)
+    if mode.endswith("adaptive"):  # 0 derives max(m / 20, z) = 1: Flower's z_u = (1 - 1/4)^-1/2
+        assert s.clipped_count_stddev == 1.0 and s.noise_multiplier == pytest.approx((4 / 3) ** 0.5)
+        s.configure_train(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _Grid(40))
+        assert s.clipped_count_stddev == 2.0  # 40 / 20, above z: Flower's own default
+        assert s.noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5)
+
+
+def test_a_client_mode_clips_the_update_and_hands_the_basis_to_the_clientapp():
+    msg = _train_msg(clipping_norm=1.0)
+    msg.content["basis"] = ArrayRecord({"b": torch.ones(3)})
+    seen = {}
+
+    def node(m: Message, c: Context) -> Message:
+        seen["basis"] = m.content["basis"]["b"].numpy().tolist()
+        return _node(m, c)
+
+    out = privacy.client_mod(msg, _context(strategy__dp="client-fixed"), node)
+    assert seen["basis"] == [1.0, 1.0, 1.0]
+    np.testing.assert_allclose(out.content["arrays"]["w"].numpy(), [0.6, 0.8], rtol=1e-6)
+
+
+def test_noise_far_above_what_a_model_absorbs_is_warned_at_load():
+    (warn,) = [privacy.noise_warning(make_config(strategy__dp="server-fixed"))]
+    assert warn.startswith(
+        "strategy.dp = 'server-fixed': DP noise of std 10 per coordinate per round (strategy.dp-noise-"
+        "multiplier 1 x strategy.dp-clipping-norm 10 / 1 sampled node(s)) is far above 0.01"
+    )
+    adaptive = make_config(strategy__dp="server-adaptive", min_nodes=20)  # 1 x 0.1 / 20 = 0.005
+    assert privacy.noise_warning(adaptive) is None
+    assert "0.0125 per coordinate" in privacy.noise_warning(
+        make_config(strategy__dp="client-adaptive", min_nodes=8)
+    )
+    assert privacy.noise_warning(make_config()) is None  # no DP
 
 
 def test_results_record_the_dp_settings():
