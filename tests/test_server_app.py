@@ -358,3 +358,36 @@ def test_train_device_cuda_is_the_nodes_business_the_server_goes_on_to_setup(tmp
     assert sorted(reasons) == [f"node {n}: DeviceError: node {n} has no usable GPU" for n in (11, 12)]
     assert grid.calls[:2] == ["get_node_ids", "push_messages"]
     assert set(grid.calls[2:]) == {"pull_messages"} and not grid.pending  # both replies read
+
+
+def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_without_validation() -> None:
+    """train.device = 'cuda' is never resolved by the server; with dataset.val-fraction = 0 there
+    is no validation split and every round's validation keys are None (results, reports: '-')."""
+    from conftest import make_config
+
+    from feddifrc_app import baselines
+    from feddifrc_app.dataset import load_dataset, load_validation
+    from feddifrc_app.report import format_table
+    from feddifrc_app.results import summarize
+    from feddifrc_app.rounds import CentralEvaluator
+
+    cfg = make_config(
+        method="fedavg",
+        train__device="cuda",
+        server__device="cpu",
+        dataset__val_fraction=0,
+        dataset__eval_limit=40,
+    )
+    test = load_dataset(cfg.dataset, "test")
+    ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
+    assert ev.device == torch.device("cpu") and ev.splits["val"] is None
+    torch.manual_seed(0)
+    row = {"round": 1, **ev(baselines.model_for(cfg, test.num_classes))}
+    assert row["val-accuracy"] is None and row["val-loss"] is None
+    assert row["test-accuracy"] in {k / 40 for k in range(41)} and row["test-loss"] > 0  # 40 test images
+    s = summarize([row])
+    assert s["final-accuracy"] == row["test-accuracy"] and s["val-best-round"] is None
+    table = format_table(Results(rounds=[row], summary=s))
+    assert (
+        "best (max over rounds, the paper's endpoint)" in table and "test at the best validation" not in table
+    )
