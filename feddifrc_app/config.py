@@ -117,6 +117,9 @@ class DatasetConfig:
     num_workers: int = key(lo=0, hi=64, resume=True)
     train_limit: int = key(lo=0)  # 0 = all training images
     eval_limit: int = key(lo=0)  # 0 = all validation / test images; N = a fixed stratified N (smoke runs)
+    # Share of the training split held out for the server's validation, before partitioning
+    # (0 = none: the nodes train on the whole split, the server reports test only).
+    val_fraction: float = key(lo=0.0, hi=0.5)
     classes: tuple[str, ...] = key()  # image-folder: the federation's class folders in label order
 
 
@@ -146,6 +149,12 @@ class TrainConfig:
     keep_momentum: bool = key()
     augment: bool = key()
     eval_batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # The ServerApp's own torch work (central evaluation): its machine need not be the nodes'.
     device: str = key(choices=DEVICES, resume=True)
 
 
@@ -247,7 +256,8 @@ class Config:
     run_name: str = key(resume=True)
     resume_from: str = key(path=True, resume=True)
     keep_checkpoints: int = key(lo=0, resume=True)
-    max_frozen_rounds: int = key(lo=0)  # 0 = never judge a run by an unchanged global model
+    max_frozen_rounds: int = key(lo=0, resume=True)  # 0 = never judge a run by an unchanged global model
+    server: ServerConfig = key()
     dataset: DatasetConfig = key()
     partition: PartitionConfig = key()
     model: ModelConfig = key()

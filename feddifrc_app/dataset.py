@@ -24,9 +24,11 @@ Sources (``load_dataset(cfg, split)``):
   subfolders, or class folders directly (then a fixed stratified 80/20 split).
 
 Validation (``split="val"``): mnist-5k's public split; for every other dataset a fixed
-stratified hold-out of ``VAL_FRACTION`` of the training split (``VAL_SPLIT_SEED``), carved
-before partitioning, so ``train`` is the rest (CIFAR-10: 45,000 train, 5,000 val). Choices
-(lr, loss weights, a checkpoint round) are read from ``val``; ``test`` is the endpoint.
+stratified hold-out of ``dataset.val-fraction`` of the training split (``VAL_SPLIT_SEED``), carved
+before partitioning, so ``train`` is the rest (CIFAR-10 at 0.1: 45,000 train, 5,000 val; at 0,
+the paper confs': all 50,000 train and no validation split). Choices (lr, loss weights, a
+checkpoint round) are read from ``val``; ``test`` is the endpoint. The fraction changes the
+``train`` split's images, so its fingerprint, the feature-cache key and the partition follow.
 
 Hub datasets come from the local cache with offline mode forced (no network) when present,
 else a download; ``DatasetUnavailableError`` says how to provide one that can be neither.
@@ -60,7 +62,6 @@ from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 PUBLIC_SPLIT = "public"  # mnist-5k only: the teacher's pretraining data, disjoint from train and test
 EVAL_LIMIT_SEED = 0  # dataset.eval-limit's subset: the same images whatever the run seed
-VAL_FRACTION = 0.1  # of the training split, held out for validation (not mnist-5k: its public split)
 VAL_SPLIT_SEED = 0  # fixed: the validation set never moves with the run seed
 
 # mnist-5k: 1,000 test images (100 per class) halve the standard error of a test accuracy
@@ -190,8 +191,7 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
     else:
         images, labels, names, (mean, std) = _load_hub_dataset(cfg, source)
     if source == "train" and not mnist:  # the validation hold-out, carved before partitioning
-        held = validation_holdout(labels)
-        keep = held if split == "val" else np.setdiff1d(np.arange(len(labels)), held).astype(np.int64)
+        keep = carve_validation(labels, split, cfg.val_fraction)
         images, labels = images[torch.from_numpy(keep)], labels[keep]
     limit, subset_seed = (cfg.train_limit, seed) if split == "train" else (cfg.eval_limit, EVAL_LIMIT_SEED)
     if split in SPLITS and 0 < limit < len(labels):
@@ -210,8 +210,12 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
 
 
 def load_validation(cfg: DatasetConfig) -> ImageData | None:
-    """The server's validation split; None (logged) for an image folder holding only a test set,
-    which has no training images to hold out from, or a training split too small to spare one."""
+    """The server's validation split; None (logged) with ``dataset.val-fraction = 0``, for an image
+    folder holding only a test set, which has no training images to hold out from, or a training
+    split too small to spare one."""
+    if cfg.val_fraction == 0 and cfg.name != "mnist-5k":
+        log.info("dataset.val-fraction = 0: no validation split, the server reports test only")
+        return None
     if cfg.name == "image-folder" and _image_folder_layout(Path(cfg.data_dir))[0] is None:
         log.warning("image folder %s holds only a test set: no validation split, test only", cfg.data_dir)
         return None
@@ -244,11 +248,19 @@ def stratified_subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     return np.sort(np.concatenate(picks)).astype(np.int64)
 
 
-def validation_holdout(labels: np.ndarray) -> np.ndarray:
-    """Sorted positions of the validation hold-out in a training split: ``VAL_FRACTION`` of it,
-    stratified, seed ``VAL_SPLIT_SEED`` (empty for a split too small to spare one image)."""
-    n = int(round(VAL_FRACTION * len(labels)))
+def validation_holdout(labels: np.ndarray, fraction: float) -> np.ndarray:
+    """Sorted positions of the validation hold-out in a training split: ``fraction`` of it
+    (``dataset.val-fraction``), stratified, seed ``VAL_SPLIT_SEED`` (empty at 0, or for a split
+    too small to spare one image)."""
+    n = int(round(fraction * len(labels)))
     return stratified_subset(labels, n, VAL_SPLIT_SEED) if n else np.zeros(0, dtype=np.int64)
+
+
+def carve_validation(labels: np.ndarray, split: str, fraction: float) -> np.ndarray:
+    """Sorted positions in a source training split (``labels``) that ``split`` keeps: the
+    validation hold-out (``validation_holdout``) for ``"val"``, every other image for ``"train"``."""
+    held = validation_holdout(labels, fraction)
+    return held if split == "val" else np.setdiff1d(np.arange(len(labels)), held).astype(np.int64)
 
 
 def _holdout_split(labels: np.ndarray, split: str) -> np.ndarray:

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from feddifrc_app.files import atomic_write  # noqa: E402
-from feddifrc_app.results import Results  # noqa: E402
+from feddifrc_app.results import BEST_LABEL, Results, summary_text  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -45,10 +45,7 @@ def plot_accuracy(results: Results, path: Path) -> None:
     ax.set_ylabel("accuracy (%)")
     title = f"{results.method or ''} / {results.strategy or ''} on {results.dataset or ''}"
     if s.get("final-accuracy") is not None:
-        title += (
-            f"\nfinal {100 * s['final-accuracy']:.2f}  best {100 * s['best-accuracy']:.2f}  "
-            f"mean-last-5 {100 * s['mean-last-5-accuracy']:.2f}"
-        )
+        title += "\n" + summary_text(s)
         if s.get("test-at-val-best-accuracy") is not None:
             title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
         if s.get("final-federated-accuracy") is not None:
@@ -102,10 +99,7 @@ def format_table(results: Results) -> str:
         lines.append("  ".join(row))
     s = results.summary or {}
     if s.get("final-accuracy") is not None:
-        lines.append(
-            f"final {100 * s['final-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%  "
-            f"mean of last 5 {100 * s['mean-last-5-accuracy']:.2f}%"
-        )
+        lines.append(summary_text(s))
         if s.get("test-at-val-best-accuracy") is not None:
             lines[-1] += (
                 f"  test at the best validation round ({s['val-best-round']}) "
@@ -292,7 +286,8 @@ def write_sweep_table(sweep_dir: Path) -> str:
     """table.md, table.csv and curves.png in ``sweep_dir``; returns the markdown.
 
     Rows are methods, columns settings; each entry is mean ± std over seeds of the final,
-    best and mean-of-last-5 test accuracy (%), with the paper's number where one exists.
+    best (max over rounds: the paper's endpoint, beside its number where one exists) and
+    mean-of-last-5 test accuracy (%).
     Only completed runs of the configured rounds count (:func:`completed_results`); every
     other cell is listed after the table with why. An unreadable sweep.json is a ValueError.
     """
@@ -336,7 +331,9 @@ def write_sweep_table(sweep_dir: Path) -> str:
             rows.append([m, s, str(len(g["runs"])), *stats, "" if g["paper"] is None else str(g["paper"])])
         lines.append(f"| {m} | " + " | ".join(entries) + " |")
     text = (
-        "final / best / mean of last 5 test accuracy (%), mean ± std over seeds\n\n"
+        f"final / {BEST_LABEL} / mean of last 5 test accuracy (%), mean ± std over seeds; "
+        "(paper X) is the paper's number, the maximum test accuracy over rounds its public code "
+        "reports: compare it with best\n\n"
         + "\n".join(lines)
         + "\n"
         + (f"\n{skip_text}" if skip_text else "")

@@ -33,7 +33,7 @@ from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import BASIS, record_to_state, state_to_record
-from feddifrc_app.results import Results
+from feddifrc_app.results import Results, summary_text
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
 
@@ -73,10 +73,14 @@ def _non_finite_loss(central: dict[str, float | None]) -> str | None:
 
 class CentralEvaluator:
     """Validation and test accuracy of the global model on the server, every round (a linear probe
-    for the self-supervised method). Choices are read from validation; test is the endpoint."""
+    for the self-supervised method). Choices are read from validation; test is the endpoint.
+
+    It runs on ``server.device``, never ``train.device``: the ServerApp's machine (a CPU-only
+    container in the documented deployment) need not have the nodes' GPU. Built before the setup
+    exchange (server_app), so a device or dataset it cannot have fails before any node works."""
 
     def __init__(self, cfg: Config, test: ImageData, val: ImageData | None) -> None:
-        self.cfg, self.device = cfg, resolve_device(cfg.train.device, "train.device")
+        self.cfg, self.device = cfg, resolve_device(cfg.server.device, "server.device")
         self.splits = {"val": self._loader(val) if val is not None else None, "test": self._loader(test)}
         if cfg.dataset.eval_limit:
             log.warning(
@@ -129,7 +133,9 @@ class RoundLoop:
         checkpoint: dict[str, Any] | None = None,
     ) -> None:
         """``checkpoint``: the one ``RunDir.begin`` returns under resume-from; the loop continues
-        after its round with its model, strategy state and basis."""
+        after its round with its model, strategy state and basis. ``basis``: the shared one sent
+        with every train message (the ServerApp builds the loop before the setup exchange and
+        sets ``self.basis`` once the nodes' statistics have given it)."""
         self.cfg, self.fed, self.run, self.results, self.evaluator, self.basis = (
             cfg,
             fed,
@@ -193,14 +199,7 @@ class RoundLoop:
         if self.results.status == "diverged":
             # Reported as a failed run (flwr ls), after every result is on disk, with the first cause.
             raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.diverged_cause)
-        s = self.results.summary
-        log.info(
-            "finished: final %.4f, best %.4f, mean of last 5 %.4f -> %s",
-            s.get("final-accuracy") or 0,
-            s.get("best-accuracy") or 0,
-            s.get("mean-last-5-accuracy") or 0,
-            self.run.path,
-        )
+        log.info("finished: %s -> %s", summary_text(self.results.summary), self.run.path)
 
     def no_update_error(self, row: dict[str, Any]) -> NoUpdateError:
         failures, n = row["failures"], len(row["nodes"])

@@ -31,30 +31,26 @@ def main(grid: Grid, context: Context) -> None:
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
     write_json(run.path / "config.json", cfg.to_flat())
     results.privacy = private_settings(cfg)
+    # Everything of the server's own that can fail (its datasets, server.device, the model, the
+    # strategy) is built before the setup exchange: a wrong setting costs no node an extraction.
+    # The teacher is the nodes' (its weights, device and dtype are theirs): each node checks it
+    # in setup before extracting anything (teacher.teacher_spec).
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
+    evaluator = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
+    fed = Federation(grid, cfg)
+    rounds = RoundLoop(cfg, fed, run, results, evaluator, test.num_classes, None, checkpoint)
 
     # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a
     # resumed run continues with the checkpoint's).
-    fed = Federation(grid, cfg)
     want_stats = cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and checkpoint is None
     t0 = time.perf_counter()
     setup = fed.setup(fed.wait_for_nodes(), want_stats)
     check_classes(setup, fed, test)
     check_teachers(setup, fed)
-    basis = federated_basis(cfg, setup, results) if want_stats else None
+    if want_stats:
+        rounds.basis = federated_basis(cfg, setup, results)
     results.setup_seconds = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
-
-    rounds = RoundLoop(
-        cfg,
-        fed,
-        run,
-        results,
-        CentralEvaluator(cfg, test, load_validation(cfg.dataset)),
-        test.num_classes,
-        basis,
-        checkpoint,
-    )
     rounds.run_all()
 
 

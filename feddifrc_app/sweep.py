@@ -28,7 +28,7 @@ from typing import Any
 
 from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
-from feddifrc_app.results import Results
+from feddifrc_app.results import Results, summary_text
 from feddifrc_app.run_config import parse_run_config
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
@@ -359,7 +359,7 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
             seconds=round(time.monotonic() - t_cell, 1),
         )
         eta = (time.monotonic() - t0) / i * (len(todo) - i)
-        what = f"final {done.summary['final-accuracy']:.4f}" if done else f"FAILED ({status})"
+        what = summary_text(done.summary) if done else f"FAILED ({status})"
         print(
             f"[{i}/{len(todo)}] {cell.name}: {what} in {time.monotonic() - t_cell:.0f}s; "
             f"{len(todo) - i} left, ETA {eta / 60:.1f} min",

@@ -170,7 +170,7 @@ def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
     _fake_run(tmp_path / "r")
     assert cli.main(["report", str(tmp_path / "r"), "--plots"]) == 0
     out = capsys.readouterr().out
-    assert "final 30.00%  best 40.00%  mean of last 5 35.00%" in out
+    assert "final 30.00%  best (max over rounds, the paper's endpoint) 40.00%  mean of last 5 35.00%" in out
     assert "RANDOM-weight teacher" in out and "2.2000" in out
     assert (tmp_path / "r" / "accuracy.png").is_file()
     assert cli.main(["report", str(tmp_path / "missing")]) == 2

@@ -161,6 +161,53 @@ def test_every_conf_file_loads(path):
     load_config(raw)
 
 
+# The family templates: family -> (README family-table row prefix, layers, the default layers' widths).
+FAMILY_TEMPLATES = {
+    "sdxl": ("| SDXL (", 3, (1280, 640, 320)),
+    "pixart": ("| PixArt-alpha / Sigma (", 28, (1152,) * 3),
+    "sd3": ("| SD3 / SD3.5 (", 24, (1536,) * 3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_family_templates_pin_cuda_and_use_the_family_defaults_and_public_ids(family):
+    """What load_config cannot check offline (the layer range needs the model's config) is read
+    from the family module and README's family table: the default layers, PCA widths each layer
+    can give, a hub id the README names; the nodes' devices pinned to cuda, the server's auto."""
+    from feddifrc_app.diffusion.family import family_module
+
+    row, n, widths = FAMILY_TEMPLATES[family]
+    path = ROOT / "conf" / f"{family}-cifar10-nid1-a0.5-feddifrc.toml"
+    cfg = load_config(default_run_config(plumbing=False) | parse_run_config([str(path)]))
+    assert (cfg.train.device, cfg.diffusion.device, cfg.server.device) == ("cuda", "cuda", "auto")
+    assert (cfg.dataset.name, cfg.method) == ("cifar10", "feddifrc")
+    assert cfg.diffusion.blocks == family_module(family).default_layers(n)
+    assert sum(cfg.diffusion.channels) == cfg.embedding_dim == 512
+    assert all(c <= w for c, w in zip(cfg.diffusion.channels, widths, strict=True))
+    (line,) = [x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith(row)]
+    assert f"`{cfg.diffusion.model}`" in line
+
+
+def test_server_device_is_its_own_key_defaulting_to_auto():
+    cfg = make_config(train__device="cuda")
+    assert (cfg.server.device, cfg.train.device) == ("auto", "cuda")
+    assert make_config(server__device="CPU").server.device == "cpu"
+    with pytest.raises(
+        ConfigError, match=r"'server.device' = 'gpu' is invalid: expected one of auto, cpu, cuda"
+    ):
+        make_config(server__device="gpu")
+
+
+def test_val_fraction_defaults_to_a_tenth_and_is_bounded():
+    assert make_config().dataset.val_fraction == 0.1
+    assert make_config(dataset__val_fraction=0).dataset.val_fraction == 0.0
+    for bad in (-0.1, 0.6):
+        with pytest.raises(
+            ConfigError, match=r"'dataset.val-fraction' = .* is invalid: expected a value in \[0, 0.5\]"
+        ):
+            make_config(dataset__val_fraction=bad)
+
+
 def test_conf_dir_is_not_empty():
     assert len(list((ROOT / "conf").glob("*.toml"))) >= 10
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_config
+from conftest import ROOT, make_config
 from PIL import Image
 
 from feddifrc_app.config import DatasetConfig, load_node_config
@@ -27,6 +27,7 @@ from feddifrc_app.dataset import (
     ImageData,
     ImageTransform,
     IndexedDataset,
+    carve_validation,
     client_holdout,
     client_split,
     eval_transform,
@@ -335,6 +336,50 @@ def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path, capl
         assert load_validation(cfg) is None  # nothing to hold out: the server evaluates test only
     assert "no validation split" in caplog.text
     assert len(load_validation(dcfg())) == 144  # digits: a real hold-out
+
+
+def test_the_validation_fraction_moves_images_between_train_and_val_and_the_train_key_follows(
+    caplog,
+) -> None:
+    """dataset.val-fraction of digits' 1,438 training images: 0.1 holds out round(143.8) = 144,
+    0.2 holds out 288; 0 none (the server then has no validation split). The training split's
+    fingerprint (the feature-cache key's dataset part) and every node's partition change with it."""
+    sizes, prints, parts = {}, {}, {}
+    for f in (0.0, 0.1, 0.2):
+        cfg = make_config(dataset__val_fraction=f)
+        tr = load_dataset(cfg.dataset, "train")
+        val = load_validation(cfg.dataset)
+        sizes[f] = (len(tr), 0 if val is None else len(val))
+        prints[f] = tr.fingerprint
+        parts[f] = client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": 2}))[1]
+        if val is not None:  # disjoint: no validation image is a training image
+            assert not {t.tobytes() for t in tr.images.numpy()} & {v.tobytes() for v in val.images.numpy()}
+    assert sizes == {0.0: (1438, 0), 0.1: (1294, 144), 0.2: (1150, 288)}
+    assert len(set(prints.values())) == 3
+    assert not np.array_equal(parts[0.0], parts[0.1])
+    assert "dataset.val-fraction = 0: no validation split, the server reports test only" in caplog.text
+    # mnist-5k validates on its public split (no training image): the fraction does not apply.
+    mnist = dataclasses.replace(make_config(plumbing=False).dataset, val_fraction=0.0)
+    assert len(load_validation(mnist)) == 1500
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("cifar10-*.toml")), ids=lambda p: p.name)
+def test_paper_confs_train_on_all_50000_cifar10_images(path: Path) -> None:
+    """Each paper conf's DatasetConfig, loaded with the pyproject defaults, carves its split from
+    CIFAR-10's 50,000 training labels (5,000 a class; synthetic: no download) without a hold-out."""
+    from conftest import default_run_config
+
+    from feddifrc_app.config import load_config
+    from feddifrc_app.run_config import parse_run_config
+
+    raw = default_run_config(plumbing=False) | parse_run_config([str(path)])
+    cfg = load_config(raw).dataset
+    assert cfg.name == "cifar10"
+    labels = np.repeat(np.arange(10, dtype=np.int64), 5000)
+    assert len(carve_validation(labels, "train", cfg.val_fraction)) == 50_000
+    assert len(carve_validation(labels, "val", cfg.val_fraction)) == 0
+    # the default (0.1) would have left 45,000, as before dataset.val-fraction existed
+    assert len(carve_validation(labels, "train", make_config().dataset.val_fraction)) == 45_000
 
 
 def test_image_folder_errors(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from feddifrc_app.results import Results, summarize
+from feddifrc_app.results import Results, summarize, summary_text
 
 
 def _rows(test, val=None, first=1):
@@ -35,6 +35,10 @@ def test_summary_reads_the_checkpoint_round_off_validation_not_test():
     s = summarize(_rows([0.5, 0.9, 0.6, 0.7], val=[0.4, 0.5, 0.8, 0.8]))
     assert (s["val-best-round"], s["val-best-accuracy"], s["test-at-val-best-accuracy"]) == (3, 0.8, 0.6)
     assert s["best-accuracy"] == 0.9  # still reported beside it, as the paper's code does
+    # Printed with the label that says it is the paper's endpoint, between final and mean of last 5.
+    assert summary_text(s) == (
+        "final 70.00%  best (max over rounds, the paper's endpoint) 90.00%  mean of last 5 67.50%"
+    )
 
 
 def test_a_results_json_reads_and_writes_back_byte_for_byte():

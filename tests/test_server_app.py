@@ -8,8 +8,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
+import torch
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
 
+from feddifrc_app import server_app
+from feddifrc_app.device import DeviceError
 from feddifrc_app.results import Results
 from feddifrc_app.server_app import check_classes, check_teachers
 
@@ -271,3 +276,118 @@ def test_a_new_serverapp_process_imports_dp_accounting_only_for_an_accounted_run
     *seen, eps = json.loads(cp.stdout.strip().splitlines()[-1])
     assert seen == [False, False, True]
     assert eps == pytest.approx(4.729, abs=1e-3)  # one round at multiplier 1 (test_privacy's value)
+
+
+class RecordingGrid(Grid):
+    """Flower's transport interface (``Grid``) that records every call the ServerApp makes.
+
+    ``reply`` answers each pushed message (as a node would); without one, sending anything
+    fails the test. Message ids are stamped as Flower's own grids stamp them on push."""
+
+    def __init__(self, node_ids: list[int], reply=None) -> None:
+        self.calls: list[str] = []
+        self.node_ids, self.reply = node_ids, reply
+        self.pending: dict[str, Message] = {}
+
+    def set_run(self, run) -> None:
+        self.calls.append("set_run")
+
+    @property
+    def run(self):
+        self.calls.append("run")
+        raise AssertionError("the ServerApp reads no Run from its Grid")
+
+    def create_message(self, *args, **kwargs) -> Message:
+        self.calls.append("create_message")
+        raise AssertionError("the ServerApp builds its messages itself")
+
+    def get_node_ids(self) -> list[int]:
+        self.calls.append("get_node_ids")
+        return list(self.node_ids)
+
+    def push_messages(self, messages) -> list[str]:
+        self.calls.append("push_messages")
+        if self.reply is None:
+            raise AssertionError(f"a message was sent: {[m.metadata.message_type for m in messages]}")
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = f"m{len(self.calls)}-{m.metadata.dst_node_id}"
+            self.pending[m.metadata.message_id] = self.reply(m)
+            ids.append(m.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids) -> list[Message]:
+        self.calls.append("pull_messages")
+        return [self.pending.pop(i) for i in list(message_ids) if i in self.pending]
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        self.calls.append("send_and_receive")
+        raise AssertionError("the ServerApp sends through push_messages / pull_messages")
+
+
+def _context(tmp_path, **overrides) -> Context:
+    from conftest import default_run_config
+
+    run_config = default_run_config(outputs_dir=str(tmp_path / "runs"), run_name="r", **overrides)
+    return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_invalid_server_device_fails_before_any_node_is_asked_anything(tmp_path) -> None:
+    """server.device = 'cuda' where the ServerApp has no GPU: the run fails before the Grid is
+    touched at all, so no node is asked for statistics (no extraction is spent on a dead run)."""
+    grid = RecordingGrid(node_ids=[11, 12])
+    with pytest.raises(DeviceError, match=r"^server.device = 'cuda', but .*set server.device = 'cpu'"):
+        server_app.main(grid, _context(tmp_path, server__device="cuda"))
+    assert grid.calls == []
+
+
+def test_train_device_cuda_is_the_nodes_business_the_server_goes_on_to_setup(tmp_path) -> None:
+    """train.device = 'cuda' on this CPU-only process: the ServerApp needs no GPU (its central
+    evaluation runs on server.device), so it reaches the setup exchange and asks each node once;
+    nodes that all fail setup end the run with each node's own reason."""
+
+    def fail(m: Message) -> Message:
+        reason = f"Traceback ...\nDeviceError: node {m.metadata.dst_node_id} has no usable GPU"
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=m)
+
+    grid = RecordingGrid(node_ids=[12, 11], reply=fail)
+    with pytest.raises(RuntimeError, match=r"^setup: no node answered \(node 1[12]: ") as e:
+        server_app.main(grid, _context(tmp_path, train__device="cuda"))
+    reasons = str(e.value).removeprefix("setup: no node answered (").removesuffix(")").split("; ")
+    assert sorted(reasons) == [f"node {n}: DeviceError: node {n} has no usable GPU" for n in (11, 12)]
+    assert grid.calls[:2] == ["get_node_ids", "push_messages"]
+    assert set(grid.calls[2:]) == {"pull_messages"} and not grid.pending  # both replies read
+
+
+def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_without_validation() -> None:
+    """train.device = 'cuda' is never resolved by the server; with dataset.val-fraction = 0 there
+    is no validation split and every round's validation keys are None (results, reports: '-')."""
+    from conftest import make_config
+
+    from feddifrc_app import baselines
+    from feddifrc_app.dataset import load_dataset, load_validation
+    from feddifrc_app.report import format_table
+    from feddifrc_app.results import summarize
+    from feddifrc_app.rounds import CentralEvaluator
+
+    cfg = make_config(
+        method="fedavg",
+        train__device="cuda",
+        server__device="cpu",
+        dataset__val_fraction=0,
+        dataset__eval_limit=40,
+    )
+    test = load_dataset(cfg.dataset, "test")
+    ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
+    assert ev.device == torch.device("cpu") and ev.splits["val"] is None
+    torch.manual_seed(0)
+    row = {"round": 1, **ev(baselines.model_for(cfg, test.num_classes))}
+    assert row["val-accuracy"] is None and row["val-loss"] is None
+    assert row["test-accuracy"] in {k / 40 for k in range(41)} and row["test-loss"] > 0  # 40 test images
+    s = summarize([row])
+    assert s["final-accuracy"] == row["test-accuracy"] and s["val-best-round"] is None
+    table = format_table(Results(rounds=[row], summary=s))
+    assert (
+        "best (max over rounds, the paper's endpoint)" in table and "test at the best validation" not in table
+    )

@@ -78,14 +78,34 @@ def _failed_run(procs, run_config: str) -> dict:
     return info
 
 
-def test_a_node_setup_error_reaches_flwr_ls(flower_procs, tmp_path):
-    (tmp_path / "file").write_text("not a folder")
+def test_train_device_cuda_without_a_gpu_fails_at_the_nodes_in_round_1(flower_procs, tmp_path):
+    """train.device = 'cuda' on this CPU-only machine (the paper confs pin it): the ServerApp never
+    needs CUDA (its evaluation runs on server.device), so setup completes (the nodes extract on
+    diffusion.device 'auto' = the CPU, the basis is fitted), the server scores round 0, and round 1
+    fails at the nodes, each node's own reason in results.json and the first in `flwr ls`.
+
+    This run replaced one that failed in setup (diffusion.cache-dir a file): a node's error still
+    reaches `flwr ls` here; the nodes' setup errors ending the run, each named, are test_server_app's
+    (a recording Grid), and the cache-dir check is test_client_app's."""
+    out = tmp_path / "runs"
     info = _failed_run(
         flower_procs,
-        f"num-server-rounds=1 dataset.train-limit=60 {EVAL} outputs-dir='{tmp_path / 'runs'}' "
-        f"diffusion.cache-dir='{tmp_path / 'file'}'",
+        f"num-server-rounds=2 dataset.train-limit=40 {EVAL} outputs-dir='{out}' run-name='cuda' "
+        f"diffusion.cache-dir='{tmp_path / 'cache'}' train.device='cuda'",
     )
-    assert "is not a folder" in info["status-details"], info
+    r = results(out / "cuda")
+    assert r["basis"]["nodes"] == 2 and r["setup-cache-misses"] == 40  # setup completed
+    assert r["teacher"]["devices"] == {"cpu float32": [0, 1]}
+    assert [x["round"] for x in r["rounds"]] == [0, 1]  # round 1 ended the run
+    assert 0.0 <= r["rounds"][0]["test-accuracy"] <= 1.0  # the server's own evaluation, on its CPU
+    failures = r["rounds"][1]["failures"]
+    assert sorted(f["partition-id"] for f in failures) == [0, 1]
+    for f in failures:
+        assert "train.device = 'cuda', but " in f["reason"], f
+    assert r["status"] == "failed" and r["error"].startswith(
+        "NoUpdateError: round 1: no node returned a usable update (2 of 2 nodes failed; first failure: "
+    )
+    assert "train.device = 'cuda', but " in info["status-details"], info
 
 
 # Every Flower strategy this app added, each under one of the four DP modes: 1 round, no teacher,

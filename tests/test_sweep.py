@@ -102,6 +102,11 @@ def test_table_is_mean_and_std_over_seeds_with_the_paper_number(tmp_path):
     assert "| moon | 60.00 ± 14.14 / 70.00 ± 14.14 / 65.00 ± 14.14 (n=2) (paper 80.79) | – |" in md
     assert "| fedavg | – | 40.00 ± 0.00 / 40.00 ± 0.00 / 40.00 ± 0.00 (n=1) |" in md
     assert md.index("| fedavg") < md.index("| moon")  # the baseline first
+    # The paper's number is a max over rounds: the table names which of its three stands beside it.
+    assert md.startswith(
+        "final / best (max over rounds, the paper's endpoint) / mean of last 5 test accuracy (%), "
+        "mean ± std over seeds; (paper X) is the paper's number, the maximum test accuracy over rounds"
+    )
     csv_rows = (out / "table.csv").read_text().splitlines()
     assert csv_rows[0].startswith("method,setting,seeds,final") and len(csv_rows) == 3
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
