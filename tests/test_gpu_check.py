@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import full_size as fs  # noqa: E402
