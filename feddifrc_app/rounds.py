@@ -71,6 +71,17 @@ def _non_finite_loss(central: dict[str, float | None]) -> str | None:
     )
 
 
+def record_end(run: RunDir, results: Results, e: BaseException) -> None:
+    """A run that ends early says so in results.json: stopped, or failed with the reason."""
+    stopped = isinstance(e, RunStopped | RunNotRunningException | KeyboardInterrupt | SystemExit)
+    results.status = "stopped" if stopped else "failed"
+    results.error = f"{type(e).__name__}: {e}"
+    done = [r["round"] for r in results.rounds]
+    when = f"after round {max(done)}" if done else "before its first round"
+    log.warning("run %s %s: %s", results.status, when, e)
+    run.save_results(results)
+
+
 class CentralEvaluator:
     """Validation and test accuracy of the global model on the server, every round (a linear probe
     for the self-supervised method). Choices are read from validation; test is the endpoint.
@@ -191,7 +202,7 @@ class RoundLoop:
                     row["seconds"],
                 )
         except BaseException as e:
-            self.record_end(e)
+            record_end(self.run, self.results, e)
             raise
         self.results.status = "diverged" if self.results.diverged_rounds else "completed"
         self.run.save_results(self.results)
@@ -225,15 +236,6 @@ class RoundLoop:
             f"aggregate equalled the model sent out ({strategy_settings(self.cfg)}{clip}); a run fails "
             f"after max-frozen-rounds = {self.cfg.max_frozen_rounds} such rounds: it learns nothing"
         )
-
-    def record_end(self, e: BaseException) -> None:
-        """A run that ends early says so in results.json: stopped, or failed with the reason."""
-        stopped = isinstance(e, RunStopped | RunNotRunningException | KeyboardInterrupt | SystemExit)
-        self.results.status = "stopped" if stopped else "failed"
-        self.results.error = f"{type(e).__name__}: {e}"
-        done = [r["round"] for r in self.results.rounds]
-        log.warning("run %s after round %s: %s", self.results.status, max(done, default=None), e)
-        self.run.save_results(self.results)
 
     def train_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()

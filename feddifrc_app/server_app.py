@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
@@ -17,7 +18,7 @@ from feddifrc_app.outputs import RunDir
 from feddifrc_app.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
-from feddifrc_app.rounds import CentralEvaluator, RoundLoop
+from feddifrc_app.rounds import CentralEvaluator, RoundLoop, record_end
 
 app = ServerApp()
 
@@ -29,6 +30,20 @@ def main(grid: Grid, context: Context) -> None:
     run = RunDir.for_config(cfg, context.run_id)
     log.info("run directory: %s", run.path)
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
+    # From here the folder is this run's: however setup ends, results.json says so (the round
+    # loop records its own end).
+    try:
+        rounds = prepare(grid, cfg, run, results, checkpoint)
+    except BaseException as e:
+        record_end(run, results, e)
+        raise
+    rounds.run_all()
+
+
+def prepare(
+    grid: Grid, cfg: Config, run: RunDir, results: Results, checkpoint: dict[str, Any] | None
+) -> RoundLoop:
+    """The server's own parts, then the setup exchange: the round loop, ready to run."""
     write_json(run.path / "config.json", cfg.to_flat())
     results.privacy = private_settings(cfg)
     # Everything of the server's own that can fail (its datasets, server.device, the model, the
@@ -51,7 +66,7 @@ def main(grid: Grid, context: Context) -> None:
         rounds.basis = federated_basis(cfg, setup, results)
     results.setup_seconds = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
-    rounds.run_all()
+    return rounds
 
 
 def private_settings(cfg: Config) -> dict | None:

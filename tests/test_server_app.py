@@ -340,6 +340,10 @@ def test_an_invalid_server_device_fails_before_any_node_is_asked_anything(tmp_pa
     with pytest.raises(DeviceError, match=r"^server.device = 'cuda', but .*set server.device = 'cpu'"):
         server_app.main(grid, _context(tmp_path, server__device="cuda"))
     assert grid.calls == []
+    # The run folder is this run's by then: results.json says how it ended, the reason first.
+    res = json.loads((tmp_path / "runs" / "r" / "results.json").read_text())
+    assert res["status"] == "failed" and res["error"].startswith("DeviceError: server.device = 'cuda', but ")
+    assert res["rounds"] == []
 
 
 def test_train_device_cuda_is_the_nodes_business_the_server_goes_on_to_setup(tmp_path) -> None:
@@ -358,6 +362,8 @@ def test_train_device_cuda_is_the_nodes_business_the_server_goes_on_to_setup(tmp
     assert sorted(reasons) == [f"node {n}: DeviceError: node {n} has no usable GPU" for n in (11, 12)]
     assert grid.calls[:2] == ["get_node_ids", "push_messages"]
     assert set(grid.calls[2:]) == {"pull_messages"} and not grid.pending  # both replies read
+    res = json.loads((tmp_path / "runs" / "r" / "results.json").read_text())
+    assert res["status"] == "failed" and res["error"] == f"RuntimeError: {e.value}"
 
 
 def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_without_validation() -> None:
