@@ -741,19 +741,19 @@ def evaluation_holdout(
     ``round(fraction * n)`` of them are held out (at least 1 and at most n - 1 when
     ``fraction > 0``), stratified by ``labels[ids]`` (``stratified_subset``, ``RandomState(seed)``):
     the same ids, labels and seed give the same split in every process. Both parts keep the
-    order of ``ids``. ``fraction = 0``: (``ids``, empty). ``ValueError`` (naming the key) for a
-    node with fewer than 2 examples, which cannot both train and evaluate.
+    order of ``ids``. ``fraction = 0``: (``ids``, empty). ``ValueError`` (naming the key and the
+    node's count) when fewer than 2 examples would be left to train on (BatchNorm's minimum).
     """
     ids = np.asarray(ids, dtype=np.int64)
     if fraction == 0:
         return ids, ids[:0]
     n = len(ids)
-    if n < 2:
+    k = min(max(int(round(fraction * n)), 1), max(n - 1, 1))  # at least one each way, if it can
+    if n - k < 2:
         raise ValueError(
-            f"evaluate-holdout = {fraction:g}: this node has {n} example(s), too few to hold one out "
-            "and train on the rest"
+            f"evaluate-holdout = {fraction:g} holds out {k} of this node's {n} example(s), leaving "
+            f"{n - k} to train on where BatchNorm needs at least 2; lower evaluate-holdout"
         )
-    k = min(max(int(round(fraction * n)), 1), n - 1)
     held = np.zeros(n, dtype=bool)
     held[stratified_subset(np.asarray(labels)[ids], k, seed)] = True
     return ids[~held], ids[held]

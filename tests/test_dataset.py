@@ -671,13 +671,25 @@ def test_the_evaluation_holdout_is_seeded_stratified_and_disjoint() -> None:
     again = evaluation_holdout(ids, labels, 0.25, seed=7)
     assert np.array_equal(again[0], train) and np.array_equal(again[1], held)  # deterministic
     assert not np.array_equal(evaluation_holdout(ids, labels, 0.25, seed=8)[1], held)  # seeded
-    # at least one held out, at least one left to train on; 0 holds out nothing
+    # at least one held out, at least two (BatchNorm's minimum) left to train on; 0 holds out nothing
     assert [len(p) for p in evaluation_holdout(ids[:3], labels, 0.01, 0)] == [2, 1]
-    assert [len(p) for p in evaluation_holdout(ids[:3], labels, 0.99, 0)] == [1, 2]
     train0, held0 = evaluation_holdout(ids, labels, 0.0, 0)
     assert np.array_equal(train0, ids) and held0.size == 0 and held0.dtype == np.int64
-    with pytest.raises(ValueError, match=r"evaluate-holdout = 0.5: this node has 1 example\(s\)"):
+    with pytest.raises(
+        ValueError, match=r"^evaluate-holdout = 0.5 holds out 1 of this node's 1 example\(s\), leaving 0"
+    ):
         evaluation_holdout(ids[:1], labels, 0.5, 0)
+    with pytest.raises(
+        ValueError, match=r"^evaluate-holdout = 0.99 holds out 2 of this node's 3 example\(s\), leaving 1"
+    ):
+        evaluation_holdout(ids[:3], labels, 0.99, 0)
+    n = len(ids)  # 0.999 of a node's images leaves it one: refused, naming its count
+    with pytest.raises(
+        ValueError,
+        match=rf"^evaluate-holdout = 0.999 holds out {n - 1} of this node's {n} example\(s\), "
+        r"leaving 1 to train on where BatchNorm needs at least 2",
+    ):
+        evaluation_holdout(ids, labels, 0.999, 0)
 
 
 def test_a_node_trains_on_its_data_less_the_evaluation_holdout(tmp_path: Path) -> None:
