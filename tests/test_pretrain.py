@@ -357,3 +357,11 @@ def test_pixart_family_trains_a_dit_teacher_the_app_loads(tmp_path: Path) -> Non
     assert {b: tuple(v.shape) for b, v in feats.items()} == {3: (2, 3, 128), 5: (2, 3, 128), 7: (2, 3, 128)}
     with pytest.raises(ValueError, match="family"):
         PretrainRecipe(family="sd3")
+
+
+def test_a_teacher_that_never_left_its_warm_up_is_labelled_random_weights() -> None:
+    from feddifrc_app.diffusion.pretrain import untrained
+
+    assert untrained(PretrainRecipe(unet_steps=0)) and untrained(PretrainRecipe(unet_steps=1))  # warm-up 100
+    assert untrained(PretrainRecipe(unet_steps=100)) and not untrained(PretrainRecipe(unet_steps=101))
+    assert not untrained(PretrainRecipe())  # the packaged recipe: 1,200 steps

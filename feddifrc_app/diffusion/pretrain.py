@@ -467,6 +467,12 @@ def _check_data(images: torch.Tensor, labels: np.ndarray, class_prompts: Sequenc
     return labels_t
 
 
+def untrained(recipe: PretrainRecipe) -> bool:
+    """A denoiser whose learning rate never left its warm-up (``unet_steps <= unet_warmup``; 0 steps
+    is the untrained initialisation) is labelled random weights: a control, never evidence."""
+    return recipe.unet_steps <= recipe.unet_warmup
+
+
 def _marker(
     folder: Path,
     name: str,
@@ -479,7 +485,7 @@ def _marker(
     return {
         "kind": PRETRAINED_KIND,
         "model_id": name,
-        "random_weights": recipe.unet_steps == 0,
+        "random_weights": untrained(recipe),
         "resolution": recipe.resolution,
         "recipe": asdict(recipe),
         "prompts": [*class_prompts, ""],
