@@ -26,7 +26,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
+from feddifrc_app.config import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_OUTPUTS_DIR,
+    Config,
+    ConfigError,
+    PathError,
+    resolve_cache_dir,
+    resolve_path,
+)
 from feddifrc_app.results import Results
 from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 
@@ -244,7 +252,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from feddifrc_app.diffusion.pipeline import weights_hash
     from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 
-    cache_dir = Path(args.cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+    cache_dir = resolve_path(args.cache_dir or DEFAULT_CACHE_DIR, "--cache-dir")
     name = "tiny" if args.seed == 0 else f"tiny-seed{args.seed}"
     path = build_tiny_pipeline(cache_dir / "models" / f"tiny-seed{args.seed}", seed=args.seed)
     print(path)
@@ -310,9 +318,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     )
     from feddifrc_app.prompts import teacher_prompts
 
-    protected = [Path(args.app)]
+    protected, out = [resolve_path(args.app, "--app")], resolve_path(args.out, "--out")
     try:  # before anything is loaded or trained
-        check_out_folder(Path(args.out), args.force, protected)
+        check_out_folder(out, args.force, protected)
     except OutFolderError as e:
         raise CLIError(str(e)) from None
     cfg = load_app_config(args.app, args.run_config)
@@ -341,7 +349,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             data.images,
             data.labels,
             prompts,
-            Path(args.out),
+            out,
             recipe,
             name=args.name,
             data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
@@ -389,7 +397,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
     from feddifrc_app.report import format_table, plot_accuracy
 
-    run_dir = Path(args.run_dir).expanduser().resolve()
+    run_dir = resolve_path(args.run_dir, "RUN_DIR")
     results = _read_results(run_dir)
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
@@ -424,7 +432,7 @@ def _add_status(p: argparse.ArgumentParser) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
-    root = Path(args.outputs_dir).expanduser().resolve()
+    root = resolve_path(args.outputs_dir, "--outputs-dir")
     runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last :]
     if not runs:
         print(f"no runs under {root}")
@@ -561,12 +569,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     missing = [c for c in args.confs if not Path(c).is_file()]
     if missing:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
-    app, out = Path(args.app).resolve(), Path(args.out).resolve()
+    app, out = resolve_path(args.app, "--app"), resolve_path(args.out, "--out")
     try:
         sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
-        cells = make_cells(
-            [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
-        )
+        confs = [str(resolve_path(c, "override file")) for c in args.confs]
+        cells = make_cells(confs, list(range(args.seeds)), _grid(args.grid))
         configs = sweep.validate(cells)
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
@@ -590,7 +597,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     """table.md, table.csv and curves.png of a sweep folder; prints the markdown."""
     from feddifrc_app.report import write_sweep_table
 
-    out = Path(args.sweep_dir).expanduser().resolve()
+    out = resolve_path(args.sweep_dir, "SWEEP_DIR")
     if not (out / "sweep.json").is_file():
         raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
     try:
@@ -656,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (CLIError, RunConfigError) as e:
+    except (CLIError, RunConfigError, PathError) as e:  # PathError: a path argument, named
         print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -221,3 +221,54 @@ def test_status_names_a_failed_run_and_an_unreadable_file_without_a_traceback(tm
     assert f"round 2/? ({tmp_path / 'a' / 'config.json'} unreadable: JSONDecodeError)" in out
     assert out.count("  failed: NoUpdateError: round 1: no node returned a usable update\n") == 1
     assert f"b: {tmp_path / 'b' / 'results.json'} has an unexpected layout (AttributeError" in out
+
+
+def test_a_sweep_refuses_a_lock_file_that_links_elsewhere_and_leaves_its_target_intact(tmp_path, capsys):
+    """Issue 33 case 3 for ``sweep --out``: refused in one line before any run, the target untouched."""
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "precious.txt").write_text("precious\n")
+    (tmp_path / "sw" / ".lock").symlink_to(tmp_path / "precious.txt")
+    assert cli.main(["sweep", "--app", str(ROOT), "--out", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"feddifrc sweep: error: --out {tmp_path / 'sw'}: cannot create or lock it (")
+    assert f"{tmp_path / 'sw' / '.lock'} is a symbolic link, not a lock file" in err and err.count("\n") == 1
+    assert (tmp_path / "precious.txt").read_text() == "precious\n"
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir()) == [".lock"]  # no run started
+
+
+APP = ["--app", str(ROOT)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["report", "{loop}"], "RUN_DIR = '{loop}'"),
+        (["report", "{loop}/sub"], "RUN_DIR = '{loop}/sub'"),
+        (["status", "--outputs-dir", "{loop}"], "--outputs-dir = '{loop}'"),
+        (["table", "{loop}"], "SWEEP_DIR = '{loop}'"),
+        (["sweep", *APP, "--out", "{loop}"], "--out = '{loop}'"),
+        (["sweep", "--out", "{tmp}/sw", "--app", "{loop}"], "--app = '{loop}'"),
+        (["make-tiny", "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["extract", *APP, "--check", "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["fetch", *APP, "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["pretrain-teacher", *APP, "--out", "{loop}"], "--out = '{loop}'"),
+        (["pretrain-teacher", "--out", "{tmp}/t", "--app", "{loop}"], "--app = '{loop}'"),
+        (
+            ["fetch", *APP, "--run-config", "outputs-dir='{loop}'"],
+            "config key 'outputs-dir' = '{loop}' is invalid:",
+        ),
+        (
+            ["fetch", *APP, "--run-config", "diffusion.model='{loop}'"],
+            "config key 'diffusion.model' = '{loop}' is invalid:",
+        ),
+    ],
+)
+def test_a_symlink_loop_in_a_path_argument_is_one_line_naming_it(tmp_path, capsys, argv, named):
+    """Issue 33 case 9: ``ln -s loop loop`` given to any command was a RuntimeError traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert cli.main([a.format(loop=loop, tmp=tmp_path) for a in argv]) == 2
+    assert capsys.readouterr().err == (
+        f"feddifrc {argv[0]}: error: {named.format(loop=loop)} "
+        "cannot be resolved (a symlink loop); pass a path to a real folder or file\n"
+    )
