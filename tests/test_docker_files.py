@@ -784,7 +784,82 @@ def test_make_certs_is_incremental_and_force_renews(tmp_path: Path) -> None:
     bad = subprocess.run(
         ["bash", str(MAKE_CERTS), "-o", str(out), "-n", "two"], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and "non-negative integer" in bad.stderr
+    assert bad.returncode == 2 and "-n expects a positive integer" in bad.stderr
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _signers(d: Path) -> list[str]:
+    """The certificates under ``d`` whose key usage allows signing certificates."""
+    out = []
+    for p in [*d.rglob("*.pem"), *d.rglob("*.crt")]:
+        ku = subprocess.run(
+            ["openssl", "x509", "-in", str(p), "-noout", "-ext", "keyUsage"], capture_output=True, text=True
+        ).stdout
+        if "Certificate Sign" in ku:
+            out.append(str(p.relative_to(d)))
+    return sorted(out)
+
+
+@needs_openssl
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["DNS:a\nkeyUsage = critical, keyCertSign"],
+            "SAN $'DNS:a\\nkeyUsage = critical, keyCertSign' is not a DNS name",
+        ),
+        (["lab.example.org\nkeyUsage = critical, keyCertSign"], "is neither a DNS name"),
+        ([""], "an empty SAN argument; pass a DNS name or an IP address"),
+        (["a,b"], "SAN a\\,b is neither a DNS name"),
+        (["a.*"], "is neither a DNS name"),
+        (["IP:1.2.3.256"], "SAN IP:1.2.3.256 is not an IPv4 or IPv6 address"),
+        (["DNS:a b"], "is not a DNS name"),
+        (["-n", "08"], "-n expects a positive integer up to 9999 (no sign, no leading zero), got 08"),
+        (["-n", "0"], "-n expects a positive integer"),
+        (["-n", "99999999999999999999"], "-n expects a positive integer"),
+        (["-n"], "-n needs a value"),
+        (["-d", "0x10"], "-d expects a positive integer"),
+    ],
+)
+def test_make_certs_refuses_a_bad_argument_in_one_line_before_writing_anything(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Issue 33 case 10: a SAN with a newline wrote an extension of its own (keyUsage keyCertSign:
+    a SuperLink certificate that signs certificates); -n 08 was bash arithmetic errors and exit 0."""
+    out = tmp_path / "c"
+    argv = args if args[0].startswith("-") else ["-n", "1", *args]
+    cp = subprocess.run(["bash", str(MAKE_CERTS), "-o", str(out), *argv], capture_output=True, text=True)
+    assert (cp.returncode, cp.stdout) == (2, "") and cp.stderr.startswith("make_certs.sh: "), cp.stderr
+    assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
+    assert not out.exists()  # nothing written, not even the folder
+    run_make_certs(out, "-n", "1")  # into an existing folder: refused the same, nothing changes
+    (out / "superlink" / "server.pem").unlink()  # the certificate the SAN would go into
+    before = _tree(out)
+    cp = subprocess.run(["bash", str(MAKE_CERTS), "-o", str(out), *argv], capture_output=True, text=True)
+    assert cp.returncode == 2 and message in cp.stderr
+    assert _tree(out) == before
+    assert [Path(p).name for p in _signers(out)] == ["ca.crt"] * 4  # the CA and its 3 bundle copies
+
+
+@needs_openssl
+def test_make_certs_prints_an_openssl_failure_and_leaves_no_half_written_output(tmp_path: Path) -> None:
+    """An address of the right characters that openssl refuses (nine groups): its own message is
+    printed, exit 1, and nothing of the run is left (it exited 1 silently with a lone server.key)."""
+    out = tmp_path / "c"
+    bad = ["bash", str(MAKE_CERTS), "-o", str(out), "-n", "1", "IP:1:2:3:4:5:6:7:8:9"]
+    cp = subprocess.run(bad, capture_output=True, text=True)
+    assert cp.returncode == 1, cp
+    assert cp.stderr.startswith("make_certs.sh: signing the certificate of superlink (SANs ")
+    assert "(openssl x509 exited non-zero): " in cp.stderr and "bad ip address" in cp.stderr
+    assert not out.exists()
+    run_make_certs(out, "-n", "1")
+    shutil.rmtree(out / "superlink")  # as the header says, to change the SANs
+    before = _tree(out)
+    assert subprocess.run(bad, capture_output=True, text=True).returncode == 1
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 
 @needs_openssl
