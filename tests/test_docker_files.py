@@ -661,6 +661,48 @@ def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "distinct" in bad.stderr
 
 
+def _device_ids(data: dict[str, Any], n: int) -> list[list[Any]]:
+    services = data["services"]
+    return [
+        services[f"superexec-clientapp-{i}"]["deploy"]["resources"]["reservations"]["devices"][0][
+            "device_ids"
+        ]
+        for i in range(1, n + 1)
+    ]
+
+
+def test_generator_quotes_gpu_ids_and_refuses_what_yaml_or_compose_would_read(tmp_path: Path) -> None:
+    """Issue 33 case 10: GPU ids went into the YAML unescaped. Ids that YAML would type (null, a
+    hex or exponent number, a MIG UUID with ':' and '/') stay the strings given; characters that
+    YAML or Compose read (quotes, '#', ': ', '$', a newline) are refused in one line."""
+    gpus = ["null", "0x1A", "1e3", "GPU-5c2b:7/1/0", "007", "true"]
+    out = tmp_path / "c.yml"
+    subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), f"--gpus={','.join(gpus)}", "-o", str(out)], check=True
+    )
+    assert _device_ids(yaml.safe_load(out.read_text()), len(gpus)) == [[g] for g in gpus]
+    for bad in ['0"]\n  evil: x', "0 #c", "a: b", "${HOME}", "'q'", "-1", "[0]", "0\t1"]:
+        cp = subprocess.run(
+            [sys.executable, str(MAKE_COMPOSE), f"--gpus=1,{bad}"], capture_output=True, text=True
+        )
+        assert (cp.returncode, cp.stdout) == (2, ""), bad
+        assert cp.stderr.splitlines()[-1] == (
+            f"make_compose.py: error: --gpus: {bad.strip()!r} is not a GPU id (an index or a GPU/MIG UUID: "
+            "letters, digits, and _ . : / - after the first)"
+        ), cp.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "why"), [("missing/c.yml", "No such file or directory"), ("", "Is a directory")]
+)
+def test_generator_names_an_output_it_cannot_write_in_one_line(tmp_path: Path, where: str, why: str) -> None:
+    cp = subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), "-o", str(tmp_path / where)], capture_output=True, text=True
+    )
+    assert (cp.returncode, cp.stdout) == (2, "")
+    assert cp.stderr == f"make_compose.py: error: -o {tmp_path / where}: cannot write it ({why})\n"
+
+
 def test_generator_cpu_nodes_run_the_cpu_image_without_gpus(tmp_path: Path) -> None:
     """--cpu-nodes N (what scripts/docker_e2e.py brings up): no GPU reservation, the CPU image."""
     out = tmp_path / "compose.e2e.yml"
