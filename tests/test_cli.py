@@ -272,3 +272,42 @@ def test_a_symlink_loop_in_a_path_argument_is_one_line_naming_it(tmp_path, capsy
         f"feddifrc {argv[0]}: error: {named.format(loop=loop)} "
         "cannot be resolved (a symlink loop); pass a path to a real folder or file\n"
     )
+
+
+def test_status_lists_every_run_when_one_results_json_is_a_folder(tmp_path, capsys):
+    """Issue 33 case 5: a results.json that is a folder raised IsADirectoryError before any run."""
+    _fake_run(tmp_path / "a")
+    (tmp_path / "b" / "results.json").mkdir(parents=True)
+    _fake_run(tmp_path / "c")
+    assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"b: {tmp_path / 'b' / 'results.json'} is unreadable (Is a directory); restore it" in out
+    assert out.count("feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1") == 2
+
+
+def test_table_skips_and_names_a_run_whose_round_lacks_test_accuracy(tmp_path, capsys):
+    """Issue 33 case 5: a round row without test-accuracy made `feddifrc table` raise KeyError and
+    write no table; the run is now skipped, named with its round, and the others are tabled."""
+    import json
+
+    out, cells = tmp_path / "sw", {}
+    for name, rows in {
+        "good": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5}],
+        "torn": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-loss": 1.0}],
+        "nulled": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": None}],
+    }.items():
+        (out / "runs" / name).mkdir(parents=True)
+        summary = {"final-accuracy": 0.5, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.5}
+        results = {"rounds": rows, "summary": summary, "status": "completed"}
+        (out / "runs" / name / "results.json").write_text(json.dumps(results))
+        config = {"dataset.name": "digits", "partition.name": "iid", "num-server-rounds": 1}
+        (out / "runs" / name / "config.json").write_text(json.dumps(config))
+        cells[name] = {"conf": "conf/digits-fedavg.toml", "grid": {}, "paper": None, "status": "completed"}
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+    assert cli.main(["table", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 50.00 ± 0.00 / 50.00 ± 0.00 / 50.00 ± 0.00 (n=1) |" in text  # "good" alone
+    torn, nulled = (out / "runs" / n / "results.json" for n in ("torn", "nulled"))
+    assert f"skipped torn: {torn} round 1 has no finite test-accuracy (None)" in text
+    assert f"skipped nulled: {nulled} round 1 has no finite test-accuracy (None)" in text
+    assert (out / "table.md").is_file() and (out / "curves.png").is_file()
