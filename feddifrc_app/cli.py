@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -412,6 +413,9 @@ def cmd_report(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    print(f"status: {_ending(run_dir, results) or results.status or 'unknown (results.json has none)'}")
+    if bad := _non_finite(results):  # printed as nan/inf below: not measurements
+        print(f"NOT FINITE (nan/inf below are not measurements): {'; '.join(bad)}")
     print(format_table(results))
     for name in ("accuracy.png", "label_distribution.png", "config.json"):
         if (run_dir / name).is_file():
@@ -465,34 +469,49 @@ def _status_line(path: Path, r: Results) -> str:
             cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
     s = r.summary or {}
     fails = sum(len(x.get("failures", [])) for x in rounds)
-    live = ""
-    if r.status == "running":
-        from feddifrc_app.files import folder_holder
-
-        who = folder_holder(path.parent)
-        proc = r.process or {}
-        live = (
-            f"  running ({who})"
-            if who
-            else f"  DEAD: results.json says running but no process holds the folder (last pid "
-            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
-            f"resume-from='{path.parent}'"
-        )
     acc = (
         f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
         if rounds and s.get("best-accuracy") is not None
         else "no round finished yet"
     )
-    status = r.status
-    ended = (
-        f"  {status}" + (f": {r.error.splitlines()[0][:200]}" if r.error else "")
-        if status not in (None, "running", "completed")
-        else ""
-    )
+    ending = _ending(path.parent, r)
     return (
         f"{path.parent.name}: {r.method}/{r.strategy} {r.dataset}  "
-        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
+        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}" + (f"  {ending}" if ending else "")
     )
+
+
+def _ending(run_dir: Path, r: Results) -> str:
+    """How a run ended, or who runs it ("" when it completed): its status and the first line of
+    its error, or, for a "running" one, its live holder or that its process is gone."""
+    if r.status == "running":
+        from feddifrc_app.files import folder_holder
+
+        who = folder_holder(run_dir)
+        proc = r.process or {}
+        return (
+            f"running ({who})"
+            if who
+            else f"DEAD: results.json says running but no process holds the folder (last pid "
+            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with resume-from='{run_dir}'"
+        )
+    if r.status in (None, "completed"):
+        return ""
+    first = r.error.splitlines()[0][:200] if isinstance(r.error, str) and r.error.strip() else ""
+    return f"{r.status}" + (f": {first}" if first else "")
+
+
+def _non_finite(r: Results) -> list[str]:
+    """Where results.json holds NaN or inf (strict JSON never does: a hand-edited or foreign file)."""
+
+    def bad(v: Any) -> bool:
+        return isinstance(v, float) and not math.isfinite(v)
+
+    out = [f"summary {k} = {v}" for k, v in (r.summary or {}).items() if bad(v)]
+    for row in r.rounds:
+        values = {**row, **(row.get("train-metrics") or {})} if isinstance(row, dict) else {}
+        out += [f"round {row.get('round')} {k} = {v}" for k, v in values.items() if bad(v)]
+    return out
 
 
 # --------------------------------------------------------------------------- sweep / table

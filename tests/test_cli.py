@@ -311,3 +311,35 @@ def test_table_skips_and_names_a_run_whose_round_lacks_test_accuracy(tmp_path, c
     assert f"skipped torn: {torn} round 1 has no finite test-accuracy (None)" in text
     assert f"skipped nulled: {nulled} round 1 has no finite test-accuracy (None)" in text
     assert (out / "table.md").is_file() and (out / "curves.png").is_file()
+
+
+def test_report_says_how_the_run_ended_and_marks_non_finite_values(tmp_path, capsys):
+    """Issue 33 case 8: a failed or dead run printed its table like a finished one, NaN as 'nan%'."""
+    import json
+
+    _fake_run(tmp_path / "r")
+    path = tmp_path / "r" / "results.json"
+    r = json.loads(path.read_text())
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert "\nstatus: unknown (results.json has none)\n" in capsys.readouterr().out
+    path.write_text(json.dumps({**r, "status": "completed"}))
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert "\nstatus: completed\n" in capsys.readouterr().out
+    r.update(status="failed", error="NoUpdateError: round 2: no node returned a usable update\nTraceback ...")
+    r["rounds"][2]["test-loss"] = float("inf")
+    r["summary"]["best-accuracy"] = float("nan")
+    path.write_text(json.dumps(r))  # NaN / Infinity: not strict JSON, as a hand edit leaves it
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "\nstatus: failed: NoUpdateError: round 2: no node returned a usable update\n" in out
+    assert "Traceback" not in out
+    assert "\nNOT FINITE (nan/inf below are not measurements): summary best-accuracy = nan; " in out
+    assert "round 2 test-loss = inf\n" in out
+    r.update(status="running", process={"pid": 999999999, "host": "elsewhere"})
+    del r["error"]
+    path.write_text(json.dumps(r))
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert (
+        "\nstatus: DEAD: results.json says running but no process holds the folder (last pid 999999999 "
+        f"on elsewhere); resume with resume-from='{tmp_path / 'r'}'\n"
+    ) in capsys.readouterr().out
