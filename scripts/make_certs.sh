@@ -34,7 +34,7 @@
 # anything else DNS:). Use the SuperLink's public host name and/or IP address, exactly as the
 # SuperNodes and the `flwr` CLI will dial it. A DNS name is dot-separated labels of letters,
 # digits and inner hyphens (a leading "*." allowed); anything else is refused before any file
-# is written. -n is a positive integer (at most 9999), -d a positive number of days.
+# is written. -n is 0 to 9999 (0: the CA and the SuperLink only), -d a positive number of days.
 #
 # Existing files are kept (the CA is reused), so re-running with a larger -n adds keys for new
 # nodes signed by the same CA. --force regenerates everything (old keys stop working). To add a
@@ -71,8 +71,8 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Plain decimal only: bash arithmetic reads 08 as a bad octal number, and a long one overflows.
-[[ "$NUM_NODES" =~ ^[1-9][0-9]{0,3}$ ]] ||
-  die "-n expects a positive integer up to 9999 (no sign, no leading zero), got $(printf %q "$NUM_NODES")"
+[[ "$NUM_NODES" =~ ^(0|[1-9][0-9]{0,3})$ ]] ||
+  die "-n expects an integer from 0 to 9999 (no sign, no leading zero), got $(printf %q "$NUM_NODES")"
 [[ "$DAYS" =~ ^[1-9][0-9]{0,5}$ ]] ||
   die "-d expects a positive integer up to 999999 (no leading zero), got $(printf %q "$DAYS")"
 [[ -n "$OUT_DIR" ]] || die "-o expects a folder path, got an empty string"
