@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -437,7 +438,10 @@ def _add_status(p: argparse.ArgumentParser) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
     root = resolve_path(args.outputs_dir, "--outputs-dir")
-    runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last :]
+    # lexists, lstat: a results.json that is a broken link or a symlink loop is listed and named too.
+    found = [d / "results.json" for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir()]
+    found = [p for p in found if not p.parent.name.startswith(".") and os.path.lexists(p)]
+    runs = sorted(found, key=lambda p: p.lstat().st_mtime)[-args.last :]
     if not runs:
         print(f"no runs under {root}")
         return 0

@@ -279,9 +279,12 @@ def test_status_lists_every_run_when_one_results_json_is_a_folder(tmp_path, caps
     _fake_run(tmp_path / "a")
     (tmp_path / "b" / "results.json").mkdir(parents=True)
     _fake_run(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "results.json").symlink_to(tmp_path / "d" / "results.json")  # a loop
     assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"b: {tmp_path / 'b' / 'results.json'} is unreadable (Is a directory); restore it" in out
+    assert f"d: {tmp_path / 'd' / 'results.json'} is unreadable (Too many levels of symbolic links)" in out
     assert out.count("feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1") == 2
 
 
