@@ -31,6 +31,8 @@ Stdlib only.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,9 @@ HEALTH_PORT = 8081
 # to a message. With --isolation subprocess, set it on the SuperNode or SuperLink: their child
 # SuperExec inherits it.
 TASK_POLL_INTERVAL = "0.2"
+# What `--gpus` may name: an index, or an NVIDIA GPU / MIG UUID ("GPU-...", "MIG-GPU-.../1/0").
+# Nothing YAML or Compose reads specially (quotes, '#', ': ', '$' interpolation, newlines).
+GPU_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]*")
 CPU_BUILD = "superexec-cpu-build"
 CUDA_BUILD = "superexec-cuda-build"
 
@@ -291,12 +296,13 @@ x-{CUDA_BUILD}: &{CUDA_BUILD}
 
 
 def _gpu_reservation(gpu: str) -> str:
+    # A JSON string is a YAML double-quoted scalar: the id stays a string ("0", not 0; "null", not None).
     return f"""    deploy:
       resources:
         reservations:
           devices:
             - driver: nvidia
-              device_ids: ["{gpu}"]
+              device_ids: [{json.dumps(gpu)}]
               capabilities: [gpu]
 """
 
@@ -436,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         gpus = [g.strip() for g in a.gpus.split(",") if g.strip()]
         if not gpus or len(set(gpus)) != len(gpus):
             p.error(f"--gpus needs distinct GPU ids, got {a.gpus!r}")
+        if bad := [g for g in gpus if not GPU_ID.fullmatch(g)]:
+            p.error(
+                f"--gpus: {bad[0]!r} is not a GPU id (an index or a GPU/MIG UUID: letters, digits, "
+                "and _ . : / - after the first)"
+            )
     shown = (
         (f"--cpu-nodes {a.cpu_nodes}" if a.cpu_nodes is not None else f"--gpus {','.join(gpus)}")
         + (" --insecure" if a.insecure else "")
@@ -444,8 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     text = render(gpus, shown, insecure=a.insecure, loopback=a.loopback, cpu=a.cpu_nodes is not None)
     if a.output is None:
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         a.output.write_text(text)
+    except OSError as e:
+        print(f"make_compose.py: error: -o {a.output}: cannot write it ({e.strerror or e})", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,12 +21,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
+from feddifrc_app.config import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_OUTPUTS_DIR,
+    Config,
+    ConfigError,
+    PathError,
+    resolve_cache_dir,
+    resolve_path,
+)
 from feddifrc_app.results import Results
 from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 
@@ -244,7 +254,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from feddifrc_app.diffusion.pipeline import weights_hash
     from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 
-    cache_dir = Path(args.cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+    cache_dir = resolve_path(args.cache_dir or DEFAULT_CACHE_DIR, "--cache-dir")
     name = "tiny" if args.seed == 0 else f"tiny-seed{args.seed}"
     path = build_tiny_pipeline(cache_dir / "models" / f"tiny-seed{args.seed}", seed=args.seed)
     print(path)
@@ -310,9 +320,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     )
     from feddifrc_app.prompts import teacher_prompts
 
-    protected = [Path(args.app)]
+    protected, out = [resolve_path(args.app, "--app")], resolve_path(args.out, "--out")
     try:  # before anything is loaded or trained
-        check_out_folder(Path(args.out), args.force, protected)
+        check_out_folder(out, args.force, protected)
     except OutFolderError as e:
         raise CLIError(str(e)) from None
     cfg = load_app_config(args.app, args.run_config)
@@ -341,7 +351,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             data.images,
             data.labels,
             prompts,
-            Path(args.out),
+            out,
             recipe,
             name=args.name,
             data_note=f"{data.name} '{PUBLIC_SPLIT}' split at {data.image_size} px: disjoint from "
@@ -389,7 +399,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
     from feddifrc_app.report import format_table, plot_accuracy
 
-    run_dir = Path(args.run_dir).expanduser().resolve()
+    run_dir = resolve_path(args.run_dir, "RUN_DIR")
     results = _read_results(run_dir)
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
@@ -404,6 +414,9 @@ def cmd_report(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    print(f"status: {_ending(run_dir, results) or results.status or 'unknown (results.json has none)'}")
+    if bad := _non_finite(results):  # printed as nan/inf below: not measurements
+        print(f"NOT FINITE (nan/inf below are not measurements): {'; '.join(bad)}")
     print(format_table(results))
     for name in ("accuracy.png", "label_distribution.png", "config.json"):
         if (run_dir / name).is_file():
@@ -424,8 +437,11 @@ def _add_status(p: argparse.ArgumentParser) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
-    root = Path(args.outputs_dir).expanduser().resolve()
-    runs = sorted((p for p in root.glob("*/results.json")), key=lambda p: p.stat().st_mtime)[-args.last :]
+    root = resolve_path(args.outputs_dir, "--outputs-dir")
+    # lexists, lstat: a results.json that is a broken link or a symlink loop is listed and named too.
+    found = [d / "results.json" for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir()]
+    found = [p for p in found if not p.parent.name.startswith(".") and os.path.lexists(p)]
+    runs = sorted(found, key=lambda p: p.lstat().st_mtime)[-args.last :]
     if not runs:
         print(f"no runs under {root}")
         return 0
@@ -457,34 +473,49 @@ def _status_line(path: Path, r: Results) -> str:
             cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
     s = r.summary or {}
     fails = sum(len(x.get("failures", [])) for x in rounds)
-    live = ""
-    if r.status == "running":
-        from feddifrc_app.files import folder_holder
-
-        who = folder_holder(path.parent)
-        proc = r.process or {}
-        live = (
-            f"  running ({who})"
-            if who
-            else f"  DEAD: results.json says running but no process holds the folder (last pid "
-            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with "
-            f"resume-from='{path.parent}'"
-        )
     acc = (
         f"latest {100 * rounds[-1]['test-accuracy']:.2f}%  best {100 * s['best-accuracy']:.2f}%"
         if rounds and s.get("best-accuracy") is not None
         else "no round finished yet"
     )
-    status = r.status
-    ended = (
-        f"  {status}" + (f": {r.error.splitlines()[0][:200]}" if r.error else "")
-        if status not in (None, "running", "completed")
-        else ""
-    )
+    ending = _ending(path.parent, r)
     return (
         f"{path.parent.name}: {r.method}/{r.strategy} {r.dataset}  "
-        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}{live}{ended}"
+        f"round {len(rounds)}/{cfg_rounds}  {acc}  failures {fails}" + (f"  {ending}" if ending else "")
     )
+
+
+def _ending(run_dir: Path, r: Results) -> str:
+    """How a run ended, or who runs it ("" when it completed): its status and the first line of
+    its error, or, for a "running" one, its live holder or that its process is gone."""
+    if r.status == "running":
+        from feddifrc_app.files import folder_holder
+
+        who = folder_holder(run_dir)
+        proc = r.process or {}
+        return (
+            f"running ({who})"
+            if who
+            else f"DEAD: results.json says running but no process holds the folder (last pid "
+            f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with resume-from='{run_dir}'"
+        )
+    if r.status in (None, "completed"):
+        return ""
+    first = r.error.splitlines()[0][:200] if isinstance(r.error, str) and r.error.strip() else ""
+    return f"{r.status}" + (f": {first}" if first else "")
+
+
+def _non_finite(r: Results) -> list[str]:
+    """Where results.json holds NaN or inf (strict JSON never does: a hand-edited or foreign file)."""
+
+    def bad(v: Any) -> bool:
+        return isinstance(v, float) and not math.isfinite(v)
+
+    out = [f"summary {k} = {v}" for k, v in (r.summary or {}).items() if bad(v)]
+    for row in r.rounds:
+        values = {**row, **(row.get("train-metrics") or {})} if isinstance(row, dict) else {}
+        out += [f"round {row.get('round')} {k} = {v}" for k, v in values.items() if bad(v)]
+    return out
 
 
 # --------------------------------------------------------------------------- sweep / table
@@ -561,12 +592,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     missing = [c for c in args.confs if not Path(c).is_file()]
     if missing:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
-    app, out = Path(args.app).resolve(), Path(args.out).resolve()
+    app, out = resolve_path(args.app, "--app"), resolve_path(args.out, "--out")
     try:
         sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
-        cells = make_cells(
-            [str(Path(c).resolve()) for c in args.confs], list(range(args.seeds)), _grid(args.grid)
-        )
+        confs = [str(resolve_path(c, "override file")) for c in args.confs]
+        cells = make_cells(confs, list(range(args.seeds)), _grid(args.grid))
         configs = sweep.validate(cells)
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
@@ -590,7 +620,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     """table.md, table.csv and curves.png of a sweep folder; prints the markdown."""
     from feddifrc_app.report import write_sweep_table
 
-    out = Path(args.sweep_dir).expanduser().resolve()
+    out = resolve_path(args.sweep_dir, "SWEEP_DIR")
     if not (out / "sweep.json").is_file():
         raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
     try:
@@ -656,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (CLIError, RunConfigError) as e:
+    except (CLIError, RunConfigError, PathError) as e:  # PathError: a path argument, named
         print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ before any data or model is touched. Stdlib only.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -298,13 +299,15 @@ class NodeConfig:
     cache_dir: str  # "" = run config / default
 
     def resolve_cache_dir(self, cfg: Config) -> Path:
-        return resolve_cache_dir(cfg, self.cache_dir)
+        return resolve_cache_dir(cfg, self.cache_dir, "node cache-dir")
 
 
-def resolve_cache_dir(cfg: Config, override: str | None) -> Path:
-    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``)
-    wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
-    return Path(os.path.expanduser(override or cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR)).resolve()
+def resolve_cache_dir(cfg: Config, override: str | None, name: str = "--cache-dir") -> Path:
+    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``,
+    named ``name`` in an error) wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
+    if override:
+        return resolve_path(override, name)
+    return resolve_path(cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR, "diffusion.cache-dir")
 
 
 def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
@@ -414,8 +417,39 @@ def _check_range(
         )
 
 
-def _path(v: str) -> str:
-    return str(Path(os.path.expanduser(v)).resolve()) if v else ""
+class PathError(ValueError):
+    """A path given by the user that cannot be resolved (a symlink loop, a name too long): one
+    line naming the key or argument it came from; ``why`` is the reason alone."""
+
+    def __init__(self, name: str, value: str, why: str) -> None:
+        self.why = f"cannot be resolved ({why}); pass a path to a real folder or file"
+        super().__init__(f"{name} = {value!r} {self.why}")
+
+
+def resolve_path(value: str, name: str) -> Path:
+    """``value`` made absolute, ``~`` expanded and symlinks followed: the one place a path the user
+    gave (a config key, a node key, a CLI argument ``name``) is resolved. A path that does not
+    exist is fine (it may be created); one that cannot be resolved is a ``PathError``."""
+    try:
+        path = Path(os.path.expanduser(value)).resolve()
+    except RuntimeError:  # Python < 3.13: resolve() on a symlink loop
+        raise PathError(name, value, "a symlink loop") from None
+    try:
+        os.stat(path)  # Python >= 3.13 resolves a loop without raising; stat still meets it
+    except OSError as e:
+        if e.errno == errno.ELOOP or e.errno == errno.ENAMETOOLONG:
+            why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
+            raise PathError(name, value, why) from None
+        # absent (created later), or refused later, naming it, by what uses it
+    return path
+
+
+def _path(key: str, v: str) -> str:
+    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be)."""
+    try:
+        return str(resolve_path(v, key)) if v else ""
+    except PathError as e:
+        raise _fail(key, v, e.why) from None
 
 
 def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
@@ -438,7 +472,7 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
             raise _fail(key, raw, f"expected one of {', '.join(rule['choices'])}")
         return s.strip().lower()
     if rule["path"]:
-        path = _path(s.strip() or rule["empty"])
+        path = _path(key, s.strip() or rule["empty"])
         if path and os.path.exists(path) and not os.path.isdir(path):
             # Every path key is a folder (written into, or a run directory): a file or a device
             # here would fail later in someone else's words.
@@ -476,7 +510,9 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     values = {k: _cast(k, run_config[k], typ, rule) for k, (typ, rule) in KEYS.items()}
     values["run-name"] = values["run-name"].strip()
     model = values["diffusion.model"].strip()
-    values["diffusion.model"] = _path(model) if model.startswith(("~", "/", ".")) else model
+    if model.startswith(("~", "/", ".")):  # a local folder, not a hub id
+        model = _path("diffusion.model", model)
+    values["diffusion.model"] = model
     _check_rules(values, run_config)
     return _build(Config, values)
 
@@ -762,8 +798,8 @@ def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:
     pid, n = node_config.get("partition-id"), node_config.get("num-partitions")
     pid = None if pid is None else _as_int("node partition-id", pid)
     n = None if n is None else _as_int("node num-partitions", n)
-    data_dir = _path(_as_str("node data-dir", node_config.get("data-dir", "")).strip())
-    cache_dir = _path(_as_str("node cache-dir", node_config.get("cache-dir", "")).strip())
+    data_dir = _path("node data-dir", _as_str("node data-dir", node_config.get("data-dir", "")).strip())
+    cache_dir = _path("node cache-dir", _as_str("node cache-dir", node_config.get("cache-dir", "")).strip())
     if n is not None and n < 1:
         raise _fail("node num-partitions", n, "expected an integer >= 1")
     if (pid is None) != (n is None):

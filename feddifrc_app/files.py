@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -224,15 +225,43 @@ def _holder_text(fd: int) -> str:
         return "another process (its lock file does not say which)"
 
 
+def _open_lock(path: Path, flags: int) -> int:
+    """``path`` opened as a lock file: never through a symlink, and only if it is a regular file
+    with no other name (a hard link), so that writing who holds it overwrites nothing else.
+    ``NotALockFile`` otherwise; O_NONBLOCK so that a FIFO planted there cannot hang the open."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
+            raise NotALockFile(f"{path} is a symbolic link, not a lock file; {_REFUSED}") from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a folder; a socket or a FIFO without a reader
+            raise NotALockFile(f"{path} is not a regular file; {_REFUSED}") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else "has another name (a hard link)"
+        raise NotALockFile(f"{path} {what}; {_REFUSED}")
+    return fd
+
+
+_REFUSED = "refusing to use it as the folder's lock (it may point at someone's file): remove it and retry"
+
+
+class NotALockFile(OSError):
+    """A folder's ``.lock`` is a symlink, a hard link or not a regular file: never opened or written."""
+
+
 def lock_folder(folder: Path, what: str) -> None:
     """Own ``folder`` until this process exits: an exclusive flock on ``<folder>/.lock``, which
     the kernel drops when the process dies however it dies (so a killed owner never leaves a
-    stale lock). Re-entrant within the process. ``FolderInUse`` names the holder otherwise.
+    stale lock). Re-entrant within the process. ``FolderInUse`` names the holder otherwise;
+    ``NotALockFile`` when ``.lock`` is anything but this app's own regular file.
     flock is per machine: folders shared over NFS between machines are not covered."""
     key = str(Path(folder).resolve())
     if key in _HELD:
         return
-    fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -245,7 +274,7 @@ def lock_folder(folder: Path, what: str) -> None:
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
         "what": f"{what}, {Path(sys.argv[0]).name if sys.argv and sys.argv[0] else 'python'}",
     }
-    os.ftruncate(fd, 0)
+    os.ftruncate(fd, 0)  # ours: a regular file of this folder that we hold the flock of
     os.write(fd, json.dumps(info).encode())
     _HELD[key] = fd
 
@@ -262,8 +291,8 @@ def folder_holder(folder: Path) -> str | None:
     if str(Path(folder).resolve()) in _HELD:
         return None  # this process: it may continue what it owns
     try:
-        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
-    except OSError:
+        fd = _open_lock(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # none, or not a lock file (lock_folder refuses it, naming it)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -112,15 +112,20 @@ class RunDir:
         return self.path / "results.json"
 
     def load_results(self) -> Results | None:
-        """None when there is no results.json yet; a file that is not JSON is a ValueError naming it,
-        one of another layout a TypeError (a key of the wrong type) or AttributeError (not an object)."""
-        if not self.results_path.exists():
+        """None when there is no results.json yet; a file that is not JSON or cannot be read (a
+        folder, a symlink loop) is a ValueError naming it, one of another layout a TypeError (a key
+        of the wrong type) or AttributeError (not an object)."""
+        if not self.results_path.exists() and not self.results_path.is_symlink():
             return None
         try:
             obj = json.loads(self.results_path.read_text())
         except ValueError as e:
             raise ValueError(
                 f"{self.results_path} is not valid JSON ({e}); restore it or start a new run"
+            ) from None
+        except OSError as e:  # a folder, a symlink loop, no permission: named like bad JSON
+            raise ValueError(
+                f"{self.results_path} is unreadable ({e.strerror or e}); restore it or start a new run"
             ) from None
         return Results.from_json(obj)
 

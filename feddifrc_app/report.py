@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,11 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
         return None, f"results.json ends at round {last}, the config asks for {rounds}"
     if not summary_ok:
         return None, f"{path} has no final/best/mean-last-5 accuracy"
+    for row in r.rounds:  # the table's curves read every row: a damaged one skips the run, named
+        acc = row.get("test-accuracy") if isinstance(row, dict) else None
+        if isinstance(acc, bool) or not isinstance(acc, (int, float)) or not math.isfinite(acc):
+            where = f"round {row.get('round')!r}" if isinstance(row, dict) else f"row {row!r}"
+            return None, f"{path} {where} has no finite test-accuracy ({acc!r})"
     return r, ""
 
 

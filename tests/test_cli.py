@@ -221,3 +221,128 @@ def test_status_names_a_failed_run_and_an_unreadable_file_without_a_traceback(tm
     assert f"round 2/? ({tmp_path / 'a' / 'config.json'} unreadable: JSONDecodeError)" in out
     assert out.count("  failed: NoUpdateError: round 1: no node returned a usable update\n") == 1
     assert f"b: {tmp_path / 'b' / 'results.json'} has an unexpected layout (AttributeError" in out
+
+
+def test_a_sweep_refuses_a_lock_file_that_links_elsewhere_and_leaves_its_target_intact(tmp_path, capsys):
+    """Issue 33 case 3 for ``sweep --out``: refused in one line before any run, the target untouched."""
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "precious.txt").write_text("precious\n")
+    (tmp_path / "sw" / ".lock").symlink_to(tmp_path / "precious.txt")
+    assert cli.main(["sweep", "--app", str(ROOT), "--out", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"feddifrc sweep: error: --out {tmp_path / 'sw'}: cannot create or lock it (")
+    assert f"{tmp_path / 'sw' / '.lock'} is a symbolic link, not a lock file" in err and err.count("\n") == 1
+    assert (tmp_path / "precious.txt").read_text() == "precious\n"
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir()) == [".lock"]  # no run started
+
+
+APP = ["--app", str(ROOT)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["report", "{loop}"], "RUN_DIR = '{loop}'"),
+        (["report", "{loop}/sub"], "RUN_DIR = '{loop}/sub'"),
+        (["status", "--outputs-dir", "{loop}"], "--outputs-dir = '{loop}'"),
+        (["table", "{loop}"], "SWEEP_DIR = '{loop}'"),
+        (["sweep", *APP, "--out", "{loop}"], "--out = '{loop}'"),
+        (["sweep", "--out", "{tmp}/sw", "--app", "{loop}"], "--app = '{loop}'"),
+        (["make-tiny", "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["extract", *APP, "--check", "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["fetch", *APP, "--cache-dir", "{loop}"], "--cache-dir = '{loop}'"),
+        (["pretrain-teacher", *APP, "--out", "{loop}"], "--out = '{loop}'"),
+        (["pretrain-teacher", "--out", "{tmp}/t", "--app", "{loop}"], "--app = '{loop}'"),
+        (
+            ["fetch", *APP, "--run-config", "outputs-dir='{loop}'"],
+            "config key 'outputs-dir' = '{loop}' is invalid:",
+        ),
+        (
+            ["fetch", *APP, "--run-config", "diffusion.model='{loop}'"],
+            "config key 'diffusion.model' = '{loop}' is invalid:",
+        ),
+    ],
+)
+def test_a_symlink_loop_in_a_path_argument_is_one_line_naming_it(tmp_path, capsys, argv, named):
+    """Issue 33 case 9: ``ln -s loop loop`` given to any command was a RuntimeError traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert cli.main([a.format(loop=loop, tmp=tmp_path) for a in argv]) == 2
+    assert capsys.readouterr().err == (
+        f"feddifrc {argv[0]}: error: {named.format(loop=loop)} "
+        "cannot be resolved (a symlink loop); pass a path to a real folder or file\n"
+    )
+
+
+def test_status_lists_every_run_when_one_results_json_is_a_folder(tmp_path, capsys):
+    """Issue 33 case 5: a results.json that is a folder raised IsADirectoryError before any run."""
+    _fake_run(tmp_path / "a")
+    (tmp_path / "b" / "results.json").mkdir(parents=True)
+    _fake_run(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "results.json").symlink_to(tmp_path / "d" / "results.json")  # a loop
+    assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"b: {tmp_path / 'b' / 'results.json'} is unreadable (Is a directory); restore it" in out
+    assert f"d: {tmp_path / 'd' / 'results.json'} is unreadable (Too many levels of symbolic links)" in out
+    assert out.count("feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1") == 2
+
+
+def test_table_skips_and_names_a_run_whose_round_lacks_test_accuracy(tmp_path, capsys):
+    """Issue 33 case 5: a round row without test-accuracy made `feddifrc table` raise KeyError and
+    write no table; the run is now skipped, named with its round, and the others are tabled."""
+    import json
+
+    out, cells = tmp_path / "sw", {}
+    for name, rows in {
+        "good": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5}],
+        "torn": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-loss": 1.0}],
+        "nulled": [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": None}],
+    }.items():
+        (out / "runs" / name).mkdir(parents=True)
+        summary = {"final-accuracy": 0.5, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.5}
+        results = {"rounds": rows, "summary": summary, "status": "completed"}
+        (out / "runs" / name / "results.json").write_text(json.dumps(results))
+        config = {"dataset.name": "digits", "partition.name": "iid", "num-server-rounds": 1}
+        (out / "runs" / name / "config.json").write_text(json.dumps(config))
+        cells[name] = {"conf": "conf/digits-fedavg.toml", "grid": {}, "paper": None, "status": "completed"}
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+    assert cli.main(["table", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 50.00 ± 0.00 / 50.00 ± 0.00 / 50.00 ± 0.00 (n=1) |" in text  # "good" alone
+    torn, nulled = (out / "runs" / n / "results.json" for n in ("torn", "nulled"))
+    assert f"skipped torn: {torn} round 1 has no finite test-accuracy (None)" in text
+    assert f"skipped nulled: {nulled} round 1 has no finite test-accuracy (None)" in text
+    assert (out / "table.md").is_file() and (out / "curves.png").is_file()
+
+
+def test_report_says_how_the_run_ended_and_marks_non_finite_values(tmp_path, capsys):
+    """Issue 33 case 8: a failed or dead run printed its table like a finished one, NaN as 'nan%'."""
+    import json
+
+    _fake_run(tmp_path / "r")
+    path = tmp_path / "r" / "results.json"
+    r = json.loads(path.read_text())
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert "\nstatus: unknown (results.json has none)\n" in capsys.readouterr().out
+    path.write_text(json.dumps({**r, "status": "completed"}))
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert "\nstatus: completed\n" in capsys.readouterr().out
+    r.update(status="failed", error="NoUpdateError: round 2: no node returned a usable update\nTraceback ...")
+    r["rounds"][2]["test-loss"] = float("inf")
+    r["summary"]["best-accuracy"] = float("nan")
+    path.write_text(json.dumps(r))  # NaN / Infinity: not strict JSON, as a hand edit leaves it
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "\nstatus: failed: NoUpdateError: round 2: no node returned a usable update\n" in out
+    assert "Traceback" not in out
+    assert "\nNOT FINITE (nan/inf below are not measurements): summary best-accuracy = nan; " in out
+    assert "round 2 test-loss = inf\n" in out
+    r.update(status="running", process={"pid": 999999999, "host": "elsewhere"})
+    del r["error"]
+    path.write_text(json.dumps(r))
+    assert cli.main(["report", str(tmp_path / "r")]) == 0
+    assert (
+        "\nstatus: DEAD: results.json says running but no process holds the folder (last pid 999999999 "
+        f"on elsewhere); resume with resume-from='{tmp_path / 'r'}'\n"
+    ) in capsys.readouterr().out

@@ -278,10 +278,13 @@ def test_absurd_sizes_and_timeouts_are_refused_and_fedavg_ignores_teacher_widths
 
 
 def _fuzz_values(tmp_file: Path) -> list:
+    loop = tmp_file.parent / "loop"  # `ln -s loop loop`: resolving it never ends
+    loop.symlink_to(loop)
     return [
         *(True, False, 0, -1, 1, 2**63, -(2**63), 1e308, -1e308, 1e-308, 0.5),
         *(float("nan"), float("inf"), float("-inf")),
         *("", " ", "\0", "a\0b", "/dev/null", str(tmp_file), "abc", "1,2", "{}{}", "-1", "1e308", "nan"),
+        *(str(loop), str(loop / "sub"), "~/../" + str(loop)),
     ]
 
 
@@ -294,6 +297,7 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
     tmp_file = tmp_path / "a-file"
     tmp_file.write_text("x")
     values, cases, accepted = _fuzz_values(tmp_file), 0, 0
+    loops = [v for v in values if isinstance(v, str) and "loop" in v]
     for k, (typ, rule) in KEYS.items():
         for v in values:
             cfg = default_run_config()
@@ -303,8 +307,11 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
                 got = load_config(cfg).to_flat()[k]
             except ConfigError as e:
                 assert k in str(e), (k, v, str(e))  # names the key (or, for a cross-key rule, mentions it)
+                if v in loops and (rule["path"] or k == "diffusion.model"):
+                    assert f"'{k}' = {v!r} is invalid: cannot be resolved (a symlink loop)" in str(e)
                 continue
             accepted += 1
+            assert not (v in loops and rule["path"]), (k, v, got)  # a loop is never a path
             if typ is int:
                 assert abs(got) <= max(MAX_INT, rule["range"][1] or 0), (k, v)
             elif typ is float:
@@ -314,6 +321,10 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
             if isinstance(got, str):
                 assert "\0" not in got, (k, v)
     assert cases >= 300 and accepted < cases / 2, (cases, accepted)
+    for k in ("data-dir", "cache-dir"):  # the node's own path keys
+        for v in loops:
+            with pytest.raises(ConfigError, match=f"'node {k}' = .* cannot be resolved \\(a symlink loop\\)"):
+                load_node_config({"partition-id": 0, "num-partitions": 1, k: v})
 
 
 def test_resolve_cache_dir(tmp_path):

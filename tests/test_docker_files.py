@@ -661,6 +661,48 @@ def test_generator_scales_to_more_gpus(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "distinct" in bad.stderr
 
 
+def _device_ids(data: dict[str, Any], n: int) -> list[list[Any]]:
+    services = data["services"]
+    return [
+        services[f"superexec-clientapp-{i}"]["deploy"]["resources"]["reservations"]["devices"][0][
+            "device_ids"
+        ]
+        for i in range(1, n + 1)
+    ]
+
+
+def test_generator_quotes_gpu_ids_and_refuses_what_yaml_or_compose_would_read(tmp_path: Path) -> None:
+    """Issue 33 case 10: GPU ids went into the YAML unescaped. Ids that YAML would type (null, a
+    hex or exponent number, a MIG UUID with ':' and '/') stay the strings given; characters that
+    YAML or Compose read (quotes, '#', ': ', '$', a newline) are refused in one line."""
+    gpus = ["null", "0x1A", "1e3", "GPU-5c2b:7/1/0", "007", "true"]
+    out = tmp_path / "c.yml"
+    subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), f"--gpus={','.join(gpus)}", "-o", str(out)], check=True
+    )
+    assert _device_ids(yaml.safe_load(out.read_text()), len(gpus)) == [[g] for g in gpus]
+    for bad in ['0"]\n  evil: x', "0 #c", "a: b", "${HOME}", "'q'", "-1", "[0]", "0\t1"]:
+        cp = subprocess.run(
+            [sys.executable, str(MAKE_COMPOSE), f"--gpus=1,{bad}"], capture_output=True, text=True
+        )
+        assert (cp.returncode, cp.stdout) == (2, ""), bad
+        assert cp.stderr.splitlines()[-1] == (
+            f"make_compose.py: error: --gpus: {bad.strip()!r} is not a GPU id (an index or a GPU/MIG UUID: "
+            "letters, digits, and _ . : / - after the first)"
+        ), cp.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "why"), [("missing/c.yml", "No such file or directory"), ("", "Is a directory")]
+)
+def test_generator_names_an_output_it_cannot_write_in_one_line(tmp_path: Path, where: str, why: str) -> None:
+    cp = subprocess.run(
+        [sys.executable, str(MAKE_COMPOSE), "-o", str(tmp_path / where)], capture_output=True, text=True
+    )
+    assert (cp.returncode, cp.stdout) == (2, "")
+    assert cp.stderr == f"make_compose.py: error: -o {tmp_path / where}: cannot write it ({why})\n"
+
+
 def test_generator_cpu_nodes_run_the_cpu_image_without_gpus(tmp_path: Path) -> None:
     """--cpu-nodes N (what scripts/docker_e2e.py brings up): no GPU reservation, the CPU image."""
     out = tmp_path / "compose.e2e.yml"
@@ -784,7 +826,82 @@ def test_make_certs_is_incremental_and_force_renews(tmp_path: Path) -> None:
     bad = subprocess.run(
         ["bash", str(MAKE_CERTS), "-o", str(out), "-n", "two"], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and "non-negative integer" in bad.stderr
+    assert bad.returncode == 2 and "-n expects an integer from 0 to 9999" in bad.stderr
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _signers(d: Path) -> list[str]:
+    """The certificates under ``d`` whose key usage allows signing certificates."""
+    out = []
+    for p in [*d.rglob("*.pem"), *d.rglob("*.crt")]:
+        ku = subprocess.run(
+            ["openssl", "x509", "-in", str(p), "-noout", "-ext", "keyUsage"], capture_output=True, text=True
+        ).stdout
+        if "Certificate Sign" in ku:
+            out.append(str(p.relative_to(d)))
+    return sorted(out)
+
+
+@needs_openssl
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["DNS:a\nkeyUsage = critical, keyCertSign"],
+            "SAN $'DNS:a\\nkeyUsage = critical, keyCertSign' is not a DNS name",
+        ),
+        (["lab.example.org\nkeyUsage = critical, keyCertSign"], "is neither a DNS name"),
+        ([""], "an empty SAN argument; pass a DNS name or an IP address"),
+        (["a,b"], "SAN a\\,b is neither a DNS name"),
+        (["a.*"], "is neither a DNS name"),
+        (["IP:1.2.3.256"], "SAN IP:1.2.3.256 is not an IPv4 or IPv6 address"),
+        (["DNS:a b"], "is not a DNS name"),
+        (["-n", "08"], "-n expects an integer from 0 to 9999 (no sign, no leading zero), got 08"),
+        (["-n", "-1"], "-n expects an integer from 0 to 9999"),
+        (["-n", "99999999999999999999"], "-n expects an integer from 0 to 9999"),
+        (["-n"], "-n needs a value"),
+        (["-d", "0x10"], "-d expects a positive integer"),
+    ],
+)
+def test_make_certs_refuses_a_bad_argument_in_one_line_before_writing_anything(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Issue 33 case 10: a SAN with a newline wrote an extension of its own (keyUsage keyCertSign:
+    a SuperLink certificate that signs certificates); -n 08 was bash arithmetic errors and exit 0."""
+    out = tmp_path / "c"
+    argv = args if args[0].startswith("-") else ["-n", "1", *args]
+    cp = subprocess.run(["bash", str(MAKE_CERTS), "-o", str(out), *argv], capture_output=True, text=True)
+    assert (cp.returncode, cp.stdout) == (2, "") and cp.stderr.startswith("make_certs.sh: "), cp.stderr
+    assert message in cp.stderr and cp.stderr.count("\n") == 1, cp.stderr
+    assert not out.exists()  # nothing written, not even the folder
+    run_make_certs(out, "-n", "1")  # into an existing folder: refused the same, nothing changes
+    (out / "superlink" / "server.pem").unlink()  # the certificate the SAN would go into
+    before = _tree(out)
+    cp = subprocess.run(["bash", str(MAKE_CERTS), "-o", str(out), *argv], capture_output=True, text=True)
+    assert cp.returncode == 2 and message in cp.stderr
+    assert _tree(out) == before
+    assert [Path(p).name for p in _signers(out)] == ["ca.crt"] * 4  # the CA and its 3 bundle copies
+
+
+@needs_openssl
+def test_make_certs_prints_an_openssl_failure_and_leaves_no_half_written_output(tmp_path: Path) -> None:
+    """An address of the right characters that openssl refuses (nine groups): its own message is
+    printed, exit 1, and nothing of the run is left (it exited 1 silently with a lone server.key)."""
+    out = tmp_path / "c"
+    bad = ["bash", str(MAKE_CERTS), "-o", str(out), "-n", "1", "IP:1:2:3:4:5:6:7:8:9"]
+    cp = subprocess.run(bad, capture_output=True, text=True)
+    assert cp.returncode == 1, cp
+    assert cp.stderr.startswith("make_certs.sh: signing the certificate of superlink (SANs ")
+    assert "(openssl x509 exited non-zero): " in cp.stderr and "bad ip address" in cp.stderr
+    assert not out.exists()
+    run_make_certs(out, "-n", "1")
+    shutil.rmtree(out / "superlink")  # as the header says, to change the SANs
+    before = _tree(out)
+    assert subprocess.run(bad, capture_output=True, text=True).returncode == 1
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 
 @needs_openssl

@@ -1,14 +1,25 @@
 """files.py's verified-array format: the digest is byte-order and layout independent and does not
-move across versions (cached files written before must still verify); read_archive detects damage."""
+move across versions (cached files written before must still verify); read_archive detects damage.
+A folder's lock file is never opened through a symlink nor written when it is not ours."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 import pytest
 
-from feddifrc_app.files import CorruptFile, array_digest, read_archive, write_archive
+from feddifrc_app.files import (
+    CorruptFile,
+    NotALockFile,
+    array_digest,
+    folder_holder,
+    lock_folder,
+    read_archive,
+    release_folder,
+    write_archive,
+)
 
 
 def _reference(parts) -> str:
@@ -54,3 +65,41 @@ def test_archive_round_trip_and_truncation_is_detected(tmp_path):
         read_archive(p)
     with pytest.raises(FileNotFoundError):
         read_archive(tmp_path / "absent.npz")
+
+
+def _plant(folder, kind, victim):
+    """``folder/.lock`` as an attacker (or an accident) leaves it, pointing at ``victim``."""
+    folder.mkdir()
+    lock = folder / ".lock"
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "dangling symlink":
+        lock.symlink_to(victim.with_name("not-yet"))
+    elif kind == "hard link":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "hard link", "fifo", "folder"])
+def test_a_lock_file_that_is_not_ours_is_refused_and_left_untouched(tmp_path, kind):
+    """Issue 33 case 3: a ``.lock`` planted as a link to someone's file was opened and overwritten
+    with the holder's JSON. Now it is refused naming the path, and its target keeps its bytes."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "victim"
+    _plant(folder, kind, victim)
+    with pytest.raises(NotALockFile, match=f"^{folder / '.lock'} (is|has) .*: remove it and retry$"):
+        lock_folder(folder, "a test")
+    assert folder_holder(folder) is None  # a reader never opens it either
+    assert victim.read_text() == "precious\n" and victim.stat().st_nlink == (2 if kind == "hard link" else 1)
+    assert not victim.with_name("not-yet").exists()  # not created through the dangling link
+    if kind == "folder":
+        (folder / ".lock").rmdir()
+    else:
+        (folder / ".lock").unlink()
+    lock_folder(folder, "a test")  # removed as the message says: the folder locks again
+    release_folder(folder)
+    assert (folder / ".lock").is_file() and not (folder / ".lock").is_symlink()

@@ -116,6 +116,20 @@ def test_outputs_dir_that_is_a_file_is_named(tmp_path):
         RunDir.for_config(make_config(outputs_dir=str(tmp_path / "f" / "sub"), run_name="r"), 1)
 
 
+def test_a_run_refuses_a_lock_file_that_links_elsewhere_and_leaves_its_target_intact(tmp_path):
+    """Issue 33 case 3, its recipe: a run named 'victim' whose folder holds ``.lock`` -> someone's file."""
+    from feddifrc_app.files import NotALockFile
+
+    (tmp_path / "outs" / "victim").mkdir(parents=True)
+    (tmp_path / "precious.txt").write_text("precious\n")
+    (tmp_path / "outs" / "victim" / ".lock").symlink_to(tmp_path / "precious.txt")
+    cfg = make_config(outputs_dir=str(tmp_path / "outs"), run_name="victim")
+    lock = tmp_path / "outs" / "victim" / ".lock"
+    with pytest.raises(NotALockFile, match=f"^{lock} is a symbolic link, not a lock file; refusing"):
+        RunDir.for_config(cfg, 1)
+    assert (tmp_path / "precious.txt").read_text() == "precious\n"
+
+
 def test_partial_writes_of_a_killed_run_are_removed(tmp_path):
     cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
     run = RunDir.for_config(cfg, 1)
