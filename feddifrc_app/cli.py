@@ -668,6 +668,15 @@ COMMANDS: dict[
 }
 
 
+# What Ctrl-C keeps, by command: only these resume; any other leaves no partial output behind.
+INTERRUPTED = {
+    "extract": "the features extracted so far are cached; rerun to resume",
+    "sweep": "finished cells are kept; rerun to resume",
+    "fetch": "finished files are kept; rerun to resume",
+    "pretrain-teacher": "no partial teacher is kept; a rerun starts over",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="feddifrc", description="FedDifRC tools outside `flwr run`.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -690,7 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"feddifrc {args.command}: interrupted (cached work is kept; rerun to resume)", file=sys.stderr)
+        kept = INTERRUPTED.get(args.command, "nothing half-written is left")
+        print(f"feddifrc {args.command}: interrupted ({kept})", file=sys.stderr)
         return 130
 
 

@@ -110,11 +110,18 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 BEST_LABEL = "best (max over rounds, the paper's endpoint)"
 
 
+def percent(x: float | None) -> str:
+    """``61.20%``; ``-`` when there is none, ``NOT FINITE`` for NaN or inf (never ``nan%``)."""
+    if x is None:
+        return "-"
+    return f"{100 * x:.2f}%" if math.isfinite(x) else f"NOT FINITE ({x})"
+
+
 def summary_text(s: dict[str, Any]) -> str:
     """``final 61.20%  best (max over rounds, the paper's endpoint) 63.05%  mean of last 5 62.10%``."""
     return (
-        f"final {100 * s['final-accuracy']:.2f}%  {BEST_LABEL} {100 * s['best-accuracy']:.2f}%  "
-        f"mean of last 5 {100 * s['mean-last-5-accuracy']:.2f}%"
+        f"final {percent(s['final-accuracy'])}  {BEST_LABEL} {percent(s['best-accuracy'])}  "
+        f"mean of last 5 {percent(s['mean-last-5-accuracy'])}"
     )
 
 

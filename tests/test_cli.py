@@ -346,3 +346,19 @@ def test_report_says_how_the_run_ended_and_marks_non_finite_values(tmp_path, cap
         "\nstatus: DEAD: results.json says running but no process holds the folder (last pid 999999999 "
         f"on elsewhere); resume with resume-from='{tmp_path / 'r'}'\n"
     ) in capsys.readouterr().out
+
+
+def test_ctrl_c_says_what_each_command_keeps(monkeypatch, capsys) -> None:
+    def interrupt(args):
+        raise KeyboardInterrupt
+
+    for command, kept in [
+        ("extract", "the features extracted so far are cached; rerun to resume"),
+        ("pretrain-teacher", "no partial teacher is kept; a rerun starts over"),
+        ("report", "nothing half-written is left"),
+    ]:
+        spec = cli.COMMANDS[command]
+        monkeypatch.setitem(cli.COMMANDS, command, (spec[0], spec[1], interrupt))
+        args = {"extract": [], "pretrain-teacher": ["--out", "/tmp/t"], "report": ["/tmp"]}[command]
+        assert cli.main([command, *args]) == 130
+        assert capsys.readouterr().err.strip().endswith(f"interrupted ({kept})")

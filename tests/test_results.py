@@ -39,6 +39,12 @@ def test_summary_reads_the_checkpoint_round_off_validation_not_test():
     assert summary_text(s) == (
         "final 70.00%  best (max over rounds, the paper's endpoint) 90.00%  mean of last 5 67.50%"
     )
+    # A damaged or empty summary never prints "nan%" or raises.
+    odd = {"final-accuracy": float("nan"), "best-accuracy": None, "mean-last-5-accuracy": float("inf")}
+    assert summary_text(odd) == (
+        "final NOT FINITE (nan)  best (max over rounds, the paper's endpoint) -  "
+        "mean of last 5 NOT FINITE (inf)"
+    )
 
 
 def test_a_results_json_reads_and_writes_back_byte_for_byte():
