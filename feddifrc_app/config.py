@@ -81,6 +81,11 @@ DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
 
+# Keys that change what a run computes, added after runs were written, with the value those runs
+# computed with: resuming such a run compares against it (outputs.RunDir.check_resume_config).
+KEYS_ADDED_SINCE = {"dataset.val-fraction": 0.1}
+
+
 class ConfigError(ValueError):
     """A config key is missing, unknown, of the wrong type or out of range."""
 

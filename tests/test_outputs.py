@@ -106,6 +106,17 @@ def test_resume_checks_the_config_and_names_what_changed(tmp_path):
         RunDir.for_config(bad, 2)
 
 
+def test_a_run_written_before_a_key_existed_resumes_at_the_value_it_computed_with(tmp_path):
+    cfg = make_config(outputs_dir=str(tmp_path), run_name="old")
+    run = RunDir.for_config(cfg, run_id=1)
+    flat = cfg.to_flat()
+    del flat["dataset.val-fraction"]  # config.json of a version that held out a fixed 10%
+    write_json(run.path / "config.json", flat)
+    assert RunDir.for_config(make_config(resume_from=str(run.path)), 2).path == run.path
+    with pytest.raises(ValueError, match=r"dataset.val-fraction: 0.1 -> 0.0"):
+        RunDir.for_config(make_config(resume_from=str(run.path), dataset__val_fraction=0.0), 2)
+
+
 def test_outputs_dir_that_is_a_file_is_named(tmp_path):
     from feddifrc_app.config import ConfigError
 
