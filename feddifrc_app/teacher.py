@@ -170,6 +170,7 @@ def featurizer(spec: TeacherSpec) -> Featurizer:
     key = _one_per_teacher(spec)
     if (hit := _FEATURIZERS.get(key)) is None:
         hit = _FEATURIZERS[key] = _featurizer(key)
+        _BUILT[0] += 1
     return hit
 
 
@@ -181,8 +182,16 @@ def release(spec: TeacherSpec) -> None:
 
 
 def loaded() -> int:
-    """How many featurizers this process holds (for logs and tests)."""
+    """How many featurizers (teachers) this process holds now (for logs and tests)."""
     return len(_FEATURIZERS)
+
+
+def built() -> int:
+    """How many featurizers (teacher loads) this process has built so far (for logs and tests)."""
+    return _BUILT[0]
+
+
+_BUILT = [0]
 
 
 def _one_per_teacher(spec: TeacherSpec) -> TeacherSpec:
