@@ -113,12 +113,13 @@ def placement(device: torch.device) -> dict[str, torch.device]:
 @contextlib.contextmanager
 def text_encoders_on(teacher: Teacher) -> Iterator[None]:
     """The text encoders on the teacher's device for one prompt encoding, then back home
-    (``placement``), with the GPU memory they held returned to the driver."""
+    (``placement``), with the GPU memory they held returned to the driver. Nests: only the
+    outermost call moves them."""
     home = placement(teacher.device)["text_encoders"]
-    if home == teacher.device:
-        yield
-        return
     mods = teacher.text_encoders
+    if home == teacher.device or any(next(m.parameters()).device != home for m in mods):
+        yield  # nothing to move, or an outer call holds them on the device (and takes them home)
+        return
     try:
         for m in mods:
             m.to(teacher.device)  # .to(device) keeps T5's float32 `wo` as loaded
