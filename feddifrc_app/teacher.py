@@ -58,7 +58,6 @@ class TeacherSpec:
     identity: TeacherIdentity  # the weights' sha256, resolved without building a network
     device: torch.device
     dtype: torch.dtype  # the denoiser's; "auto" resolved per family
-    vae_dtype: torch.dtype  # the VAE's: float32 for SDXL under float16 (family.vae_dtype), else dtype
     resolution: int
     timestep: int
     blocks: tuple[int, ...]
@@ -66,6 +65,11 @@ class TeacherSpec:
     seed: int
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        """The VAE's dtype: float32 for SDXL under float16 (``family.vae_dtype``), else ``dtype``."""
+        return vae_dtype(self.identity.folder, self.identity.family, self.dtype)
 
     @property
     def where(self) -> str:
@@ -92,7 +96,6 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
         identity=identity,
         device=device,
         dtype=dtype,
-        vae_dtype=vae_dtype(identity.folder, family, dtype),
         resolution=d.resolution,
         timestep=d.timestep,
         blocks=d.blocks,
