@@ -47,7 +47,7 @@ import torch
 
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range
-from feddifrc_app.diffusion.pipeline import Teacher, load_teacher
+from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, text_encoders_on
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,21 +191,22 @@ def naive(
     handles = [t.unet.up_blocks[b].register_forward_hook(hook_for(b)) for b in blocks]
     g = torch.Generator(device="cpu")
     try:
-        for i in range(len(images)):
-            for p, prompt in enumerate(prompts):
-                emb = encode_prompts(t.tokenizer, t.text_encoder, (prompt,)).to(t.dtype)
-                x = to_unit_range(images[i : i + 1].to(t.device), resolution).to(t.dtype)
-                l0 = t.vae.encode(x).latent_dist.mean.float() * float(t.vae.config.scaling_factor)
-                for draw in range(ensemble):
-                    g.manual_seed(noise_seed(seed, int(ids[i]), draw))
-                    eps = torch.randn(shape, generator=g)[None].to(t.device)
-                    lt = (sa * l0 + s1a * eps).to(t.dtype)
-                    try:
-                        t.unet(lt, torch.tensor(timestep, device=t.device), encoder_hidden_states=emb)
-                    except _Stop:
-                        pass
-                    for b in blocks:
-                        out[b][i, p] += grabbed[b][0].cpu() / ensemble
+        with text_encoders_on(t):  # the naive call re-runs its text encoder on the device
+            for i in range(len(images)):
+                for p, prompt in enumerate(prompts):
+                    emb = encode_prompts(t.tokenizer, t.text_encoder, (prompt,)).to(t.dtype)
+                    x = to_unit_range(images[i : i + 1].to(t.device), resolution).to(t.dtype)
+                    l0 = t.vae.encode(x).latent_dist.mean.float() * float(t.vae.config.scaling_factor)
+                    for draw in range(ensemble):
+                        g.manual_seed(noise_seed(seed, int(ids[i]), draw))
+                        eps = torch.randn(shape, generator=g)[None].to(t.device)
+                        lt = (sa * l0 + s1a * eps).to(t.dtype)
+                        try:
+                            t.unet(lt, torch.tensor(timestep, device=t.device), encoder_hidden_states=emb)
+                        except _Stop:
+                            pass
+                        for b in blocks:
+                            out[b][i, p] += grabbed[b][0].cpu() / ensemble
     finally:
         for h in handles:
             h.remove()
@@ -265,7 +266,7 @@ def breakdown(
     res = feat.resolution
     prompt = prompts[1]
     kw = dict(resolution=res, timestep=feat.timestep, blocks=feat.blocks, ensemble=1, seed=feat.seed)
-    with torch.inference_mode():
+    with torch.inference_mode(), text_encoders_on(t):  # the naive call encodes on the device
         x = to_unit_range(images[:1].to(t.device), res).to(t.dtype)
         parts = {
             "text": lambda: encode_prompts(t.tokenizer, t.text_encoder, (prompt,)).to(t.dtype),

@@ -64,20 +64,39 @@ def _say_auto_is_cpu(key: str) -> None:
     log.info("%s = 'auto' runs on the CPU: %s", key, no_cuda_reason())
 
 
-def resolve_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
-    """``auto`` -> float16 on CUDA, float32 on CPU; else float32 / float16 / bfloat16.
+def resolve_dtype(
+    name: str, device: torch.device, key: str = "dtype", *, prefer_bf16: bool = False
+) -> torch.dtype:
+    """``auto`` -> ``auto_dtype``; else float32 / float16 / bfloat16.
 
-    float16 on the CPU is refused: it computes ~22x slower than float32 there (measured with the
-    SD-2.1 UNet), so it is never what anyone wants.
+    ``prefer_bf16``: the model's activations can leave float16's range (SDXL, SD3: the teacher
+    family's ``AUTO_BF16``). float16 on the CPU is refused: it computes ~22x slower than
+    float32 there (measured with the SD-2.1 UNet), so it is never what anyone wants.
     """
     n = str(name).strip().lower()
     if n == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device.type, prefer_bf16, prefer_bf16 and _cuda_bf16(device))
     if n not in _DTYPES:
         raise DeviceError(f"{key} = {name!r}: expected auto, float32, float16 or bfloat16")
     if n == "float16" and device.type == "cpu":
         raise DeviceError(
             f"{key} = 'float16' on the CPU runs ~22x slower than float32; set {key} = 'float32' "
-            "(or 'auto': float16 on CUDA, float32 on the CPU)"
+            "(or 'auto': float32 on the CPU)"
         )
     return _DTYPES[n]
+
+
+def auto_dtype(device_type: str, prefer_bf16: bool, bf16_supported: bool) -> torch.dtype:
+    """What ``auto`` means: float32 off CUDA; on CUDA bfloat16 for a model that prefers it where
+    the GPU computes it natively (``bf16_supported``), else float16."""
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if prefer_bf16 and bf16_supported else torch.float16
+
+
+def _cuda_bf16(device: torch.device) -> bool:
+    """Native bfloat16 (compute capability 8.0+); emulated bfloat16 (older GPUs) is slow."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)

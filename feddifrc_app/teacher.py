@@ -10,13 +10,14 @@ feature depends on. Everything below takes the spec, never the run config::
     pooled, stats = pooled_features(features, ids) # {block: (n, P, C_b)} from the cache
 
 The teacher itself is built only when some id misses the cache (``featurizer(spec)``, once
-per process per spec): a warm cache never loads Stable Diffusion.
+per process per spec): a warm cache never loads Stable Diffusion. After a cold extraction it
+is released (its GPU memory returned) unless ``diffusion.condition = "global-model"``, which
+needs it every round (``TeacherSpec.resident``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,12 @@ from feddifrc_app.diffusion.cache import (
     key_fields,
     key_from_fields,
 )
-from feddifrc_app.diffusion.family import check_layers, layer_count
+from feddifrc_app.diffusion.family import check_layers, family_module, layer_count, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
     load_teacher,
+    release_teacher,
     teacher_identity,
     teacher_resolution,
 )
@@ -55,18 +57,26 @@ class TeacherSpec:
     cache_dir: Path  # the node's teacher cache folder (features, tiny models, digests)
     identity: TeacherIdentity  # the weights' sha256, resolved without building a network
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the denoiser's; "auto" resolved per family
     resolution: int
     timestep: int
     blocks: tuple[int, ...]
     ensemble: int
     seed: int
     batch_size: int  # images per UNet call: changes the speed, never a feature
+    resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        """The VAE's dtype: float32 for SDXL under float16 (``family.vae_dtype``), else ``dtype``."""
+        return vae_dtype(self.identity.folder, self.identity.family, self.dtype)
 
     @property
     def where(self) -> str:
-        """``"cuda float16"``: the device type and the dtype in the feature key."""
-        return f"{self.device.type} {str(self.dtype).removeprefix('torch.')}"
+        """``"cuda float16"``: the device type and the dtype(s) in the feature key."""
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        vae = "" if self.vae_dtype == self.dtype else f" (vae {name(self.vae_dtype)})"
+        return f"{self.device.type} {name(self.dtype)}{vae}"
 
 
 def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
@@ -75,9 +85,11 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
     (``family.FamilyError``, naming the valid range)."""
     d = cfg.diffusion
     device = resolve_device(d.device, "diffusion.device")
-    dtype = resolve_dtype(d.dtype, device, "diffusion.dtype")
+    resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
-    check_layers(d.blocks, layer_count(identity.folder, identity.family), identity.family)
+    family = identity.family
+    check_layers(d.blocks, layer_count(identity.folder, family), family)
+    dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
     return TeacherSpec(
         model=d.model,
         cache_dir=Path(cache_dir),
@@ -90,6 +102,7 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
         ensemble=d.ensemble,
         seed=cfg.seed,
         batch_size=d.batch_size,
+        resident=d.condition == "global-model",
     )
 
 
@@ -116,12 +129,15 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         ensemble=spec.ensemble,
         dataset_fingerprint=data.fingerprint,
         dtype=str(spec.dtype),
+        vae_dtype=str(spec.vae_dtype),
         family=spec.identity.family,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 
 
-@functools.cache
+_FEATURIZERS: dict[TeacherSpec, Featurizer] = {}
+
+
 def _featurizer(spec: TeacherSpec) -> Featurizer:
     t0 = time.perf_counter()
     teacher = load_teacher(spec.model, spec.cache_dir, spec.device, spec.dtype)
@@ -152,9 +168,37 @@ def _featurizer(spec: TeacherSpec) -> Featurizer:
 
 
 def featurizer(spec: TeacherSpec) -> Featurizer:
-    """The frozen teacher + featurizer of ``spec``, loaded once per process (the batch size,
-    which changes no feature, does not make another one)."""
-    return _featurizer(dataclasses.replace(spec, batch_size=0))
+    """The frozen teacher + featurizer of ``spec``, loaded once per process until ``release``
+    (the batch size and residency, which change no feature, do not make another one)."""
+    key = _one_per_teacher(spec)
+    if (hit := _FEATURIZERS.get(key)) is None:
+        hit = _FEATURIZERS[key] = _featurizer(key)
+        _BUILT[0] += 1
+    return hit
+
+
+def release(spec: TeacherSpec) -> None:
+    """Drop this process's featurizer and teacher of ``spec``: once nothing else holds them, their
+    (GPU) memory is free; a later ``featurizer(spec)`` loads them again."""
+    _FEATURIZERS.pop(_one_per_teacher(spec), None)
+    release_teacher(spec.model, spec.cache_dir, spec.device, spec.dtype)
+
+
+def loaded() -> int:
+    """How many featurizers (teachers) this process holds now (for logs and tests)."""
+    return len(_FEATURIZERS)
+
+
+def built() -> int:
+    """How many featurizers (teacher loads) this process has built so far (for logs and tests)."""
+    return _BUILT[0]
+
+
+_BUILT = [0]
+
+
+def _one_per_teacher(spec: TeacherSpec) -> TeacherSpec:
+    return dataclasses.replace(spec, batch_size=0, resident=False)
 
 
 def pooled_features(
@@ -168,7 +212,8 @@ def pooled_features(
     """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
 
     The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
-    ``keep=False`` only fills the cache (``feddifrc extract``).
+    After such a cold extraction it is released unless ``spec.resident``: a later miss (another
+    node this process serves) loads it again. ``keep=False`` only fills the cache (``feddifrc extract``).
     """
     spec, data = features.spec, features.data
     store = FeatureStore(spec.cache_dir / "features")
@@ -191,8 +236,11 @@ def pooled_features(
         chunk=chunk,
         desc=f"{data.name}/{data.split} teacher features",
     )
-    if extractor.loaded and torch.cuda.is_available():
-        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache
-        # otherwise; the teacher itself stays loaded for the next client this process serves.
+    cold = extractor.loaded
+    del extractor  # it holds the featurizer: the memo must be its only holder when released
+    if cold and not spec.resident:  # the rounds read the cache; only global-model conditioning needs it
+        release(spec)
+    if cold and torch.cuda.is_available():
+        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache otherwise.
         torch.cuda.empty_cache()
     return out

@@ -87,7 +87,7 @@ def test_fetch_names_the_teacher_weights_and_dataset_splits_and_fails_offline_in
 def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys):
     from feddifrc_app import teacher
 
-    teacher._featurizer.cache_clear()
+    built, held = teacher.built(), teacher.loaded()
     argv = [
         "extract",
         "--app",
@@ -110,8 +110,8 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert cli.main(argv) == 0
     out1 = capsys.readouterr()
     assert "computed 10" in out1.out, out1
-    assert teacher._featurizer.cache_info().currsize == 1  # the teacher was built for the misses
-    teacher._featurizer.cache_clear()
+    assert teacher.built() == built + 1  # the teacher was built for the misses ...
+    assert teacher.loaded() == held  # ... and released after them
     shards = sorted((tmp_cache / "features").glob("*/shard-*.npz"))
     assert shards
     before = {p: p.read_bytes() for p in shards}
@@ -119,7 +119,7 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert cli.main(argv) == 0
     out2 = capsys.readouterr()
     assert "already cached 10, computed 0" in out2.out, out2
-    assert teacher._featurizer.cache_info().currsize == 0  # warm cache: the teacher was never built
+    assert teacher.built() == built + 1  # warm cache: the teacher was never built
     assert {p: p.read_bytes() for p in sorted((tmp_cache / "features").glob("*/shard-*.npz"))} == before
     assert cli.main([*argv, "--check"]) == 0
     assert "10 of 10 images cached (100.0%), 0 to extract" in capsys.readouterr().out

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from feddifrc_app.device import DeviceError, resolve_device, resolve_dtype
+from feddifrc_app.device import DeviceError, auto_dtype, resolve_device, resolve_dtype
+from feddifrc_app.diffusion.family import family_module
 from feddifrc_app.diffusion.pipeline import (
     Teacher,
     TeacherLoadError,
     load_teacher,
+    placement,
+    release_teacher,
     teacher_identity,
     weights_hash,
 )
@@ -196,6 +199,59 @@ def test_cuda_without_cuda_fails_with_the_reason_not_a_fallback(monkeypatch, bui
         with pytest.raises(DeviceError, match=f"diffusion.device = '{name}', but {reason}"):
             resolve_device(name, "diffusion.device")
     assert resolve_device("auto", "diffusion.device") == CPU  # 'auto' means: CUDA if there is one
+
+
+def test_auto_dtype_is_per_family_bf16_only_where_the_gpu_has_it() -> None:
+    """auto: float32 off CUDA; on CUDA bfloat16 for SDXL and SD3 on a GPU with native bfloat16
+    (compute capability 8.0+), float16 for every other case."""
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert {fam: family_module(fam).AUTO_BF16 for fam in ("sd", "sdxl", "pixart", "sd3")} == {
+        "sd": False,
+        "sdxl": True,
+        "pixart": False,
+        "sd3": True,
+    }
+    table = {
+        (dev, pref, ok): auto_dtype(dev, pref, ok)
+        for dev in ("cpu", "cuda")
+        for pref in (False, True)
+        for ok in (False, True)
+    }
+    assert table == {
+        **{("cpu", pref, ok): f32 for pref in (False, True) for ok in (False, True)},
+        ("cuda", False, False): f16,
+        ("cuda", False, True): f16,
+        ("cuda", True, False): f16,
+        ("cuda", True, True): bf16,
+    }
+    native = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    assert resolve_dtype("auto", torch.device("cuda"), prefer_bf16=True) == (bf16 if native else f16)
+    assert resolve_dtype("auto", CPU, prefer_bf16=True) == f32
+    assert resolve_dtype("float16", torch.device("cuda"), prefer_bf16=True) == f16  # explicit wins
+
+
+def test_text_encoders_wait_on_the_cpu_the_rest_on_the_teacher_device(teacher: Teacher) -> None:
+    cuda = torch.device("cuda")
+    assert placement(cuda) == {"denoiser": cuda, "vae": cuda, "text_encoders": CPU}
+    assert placement(CPU) == {"denoiser": CPU, "vae": CPU, "text_encoders": CPU}
+    assert teacher.text_encoders == (teacher.text_encoder,)
+
+
+def test_a_released_teacher_is_freed_and_loads_again(cache_dir: Path) -> None:
+    import gc
+    import weakref
+
+    folder = str(cache_dir / "models" / "tiny-seed0")  # by path: not the module's shared teacher
+    t = load_teacher(folder, cache_dir, CPU, torch.float32)
+    parts = [weakref.ref(m) for m in (t.unet, t.vae, t.text_encoder)]
+    assert load_teacher(folder, cache_dir, CPU, torch.float32) is t
+    del t
+    release_teacher(folder, cache_dir, CPU, torch.float32)
+    gc.collect()
+    assert [r() for r in parts] == [None, None, None]
+    again = load_teacher(folder, cache_dir, CPU, torch.float32)
+    assert again.unet is not None and load_teacher(folder, cache_dir, CPU, torch.float32) is again
+    release_teacher(folder, cache_dir, CPU, torch.float32)
 
 
 def test_float16_on_the_cpu_is_refused_naming_the_key() -> None:

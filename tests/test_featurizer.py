@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from feddifrc_app.diffusion.featurizer import Featurizer, noise_seed, to_unit_range
-from feddifrc_app.diffusion.pipeline import Teacher, load_teacher
+from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, placement
 
 CPU = torch.device("cpu")
 PROMPTS = ("a photo of a zero", "a photo of a one", "")
@@ -254,6 +254,30 @@ def test_prompt_embeddings_are_computed_once(teacher: Teacher, images: torch.Ten
     finally:
         h.remove()
     assert e1.shape == (3, 77, teacher.text_width)
+
+
+def test_a_new_prompt_list_encodes_after_the_encoders_went_home(
+    teacher: Teacher, images: torch.Tensor
+) -> None:
+    """The text encoders wait where ``placement`` says (the CPU) once a prompt list is encoded; a
+    new list brings them to the teacher's device again and encodes as a fresh featurizer does."""
+    f = make(teacher)
+    home = placement(teacher.device)["text_encoders"]
+    ran_on = []
+    h = teacher.text_encoder.register_forward_pre_hook(
+        lambda m, _a: ran_on.append(next(m.parameters()).device)
+    )
+    try:
+        f.prompt_embeddings(PROMPTS)
+        assert {p.device for p in teacher.text_encoder.parameters()} == {home}
+        other = ("a photo of a seven", "")
+        got = f.prompt_embeddings(other)
+    finally:
+        h.remove()
+    assert ran_on == [teacher.device, teacher.device] and got.device == teacher.device
+    assert {p.device for p in teacher.text_encoder.parameters()} == {home}
+    torch.testing.assert_close(got, make(teacher).prompt_embeddings(other), atol=0, rtol=0)
+    assert not torch.equal(got[0], f.prompt_embeddings(PROMPTS)[0])  # the new prompt, not a stale memo
 
 
 def test_token_offsets(teacher: Teacher, images: torch.Tensor) -> None:

@@ -1,15 +1,27 @@
-"""teacher.py: the feature-cache key of a run's teacher (what changes it, and what must not)."""
+"""teacher.py: the feature-cache key of a run's teacher (what changes it, and what must not), and
+how long the teacher stays loaded."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import json
 import shutil
+import weakref
 
+import numpy as np
+import pytest
+import torch
 from conftest import make_config
 
+from feddifrc_app import teacher
 from feddifrc_app.dataset import load_dataset
+from feddifrc_app.diffusion.cache import key_fields, key_from_fields
+from feddifrc_app.diffusion.family import vae_dtype
+from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import feature_set, teacher_spec
+from feddifrc_app.teacher import feature_set, featurizer, pooled_features, teacher_spec
 
 
 def test_cache_key_names_the_weights_never_their_folder(tmp_path):
@@ -31,3 +43,87 @@ def test_cache_key_names_the_weights_never_their_folder(tmp_path):
     assert key(other)[0] != ka  # other weights
     assert key(a, **{"diffusion.dtype": "bfloat16"})[0] != ka  # the dtype is part of the key
     assert fields["dtype"] == "float32" and len(fields["weights_hash"]) == 64
+
+
+def test_vae_dtype_is_the_sdxl_rule_of_diffusers_not_the_flag_alone(teacher_cache):
+    """float32 only for SDXL under float16 with force_upcast set; SD 2.1's, PixArt's and SD3's VAE
+    configs set the flag too (the tiny ones as well: diffusers' default), and stay in the dtype."""
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    got = {}
+    for model in ("tiny", "tiny-sdxl", "tiny-pixart", "tiny-sd3"):
+        ident = teacher_identity(model, teacher_cache)
+        assert json.loads((ident.folder / "vae" / "config.json").read_text())["force_upcast"] is True
+        got.update({(ident.family, d): vae_dtype(ident.folder, ident.family, d) for d in (f32, f16, bf16)})
+    assert got == {(fam, d): f32 if (fam, d) == ("sdxl", f16) else d for fam, d in got}
+    fixed = teacher_cache / "sdxl-fp16-fix"  # an SDXL folder whose VAE says it needs no upcast
+    shutil.copytree(teacher_identity("tiny-sdxl", teacher_cache).folder, fixed, dirs_exist_ok=True)
+    cfg = json.loads((fixed / "vae" / "config.json").read_text())
+    (fixed / "vae" / "config.json").write_text(json.dumps({**cfg, "force_upcast": False}))
+    assert vae_dtype(fixed, "sdxl", f16) == f16
+
+
+def test_only_an_upcast_vae_adds_a_key_field(teacher_cache):
+    """SDXL under float16 gets vae_dtype in its key; every other (family, dtype) key is the one
+    made before the field existed (the SD keys are pinned in test_teacher_families.py)."""
+    base = dict(
+        weights_hash="ab" * 32,
+        resolution=224,
+        timestep=300,
+        blocks=(1, 2, 3),
+        prompts=("a", ""),
+        seed=0,
+        ensemble=1,
+        dataset_fingerprint="cd" * 32,
+    )
+    for family in ("sd", "sdxl", "pixart", "sd3"):
+        for dtype in ("float32", "float16", "bfloat16"):
+            before = key_fields(**base, dtype=dtype, family=family)
+            same = key_fields(**base, dtype=dtype, vae_dtype=f"torch.{dtype}", family=family)
+            assert same == before and "vae_dtype" not in same
+    up = key_fields(**base, dtype="float16", vae_dtype="torch.float32", family="sdxl")
+    plain = key_fields(**base, dtype="float16", family="sdxl")
+    assert up == {**plain, "vae_dtype": "float32"} and key_from_fields(up) != key_from_fields(plain)
+    # through the spec: what the run's key records
+    sdxl = {"diffusion.model": "tiny-sdxl", "diffusion.blocks": "0,1,2", "diffusion.channels": "64,32,32"}
+    cfg = make_config(**sdxl, **{"model.width": 16, "diffusion.device": "cpu"})
+    spec = teacher_spec(cfg, teacher_cache)
+    assert (spec.dtype, spec.vae_dtype, spec.where) == (torch.float32, torch.float32, "cpu float32")
+    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    prompts = teacher_prompts(cfg, data.class_names)
+    f16 = dataclasses.replace(spec, dtype=torch.float16)  # what a GPU resolves for diffusion.dtype = float16
+    assert f16.vae_dtype == torch.float32
+    fields = feature_set(f16, data, prompts).fields
+    assert (fields["dtype"], fields["vae_dtype"], f16.where) == (
+        "float16",
+        "float32",
+        "cpu float16 (vae float32)",
+    )
+
+
+@pytest.mark.parametrize("condition", ["none", "global-model"])
+def test_the_teacher_is_released_after_a_cold_extraction_unless_conditioned(tmp_path, condition):
+    """After the cache is filled nothing references the denoiser or the text encoders (their
+    memory is free), unless diffusion.condition = "global-model" needs them every round."""
+    cfg = make_config(
+        **{"diffusion.device": "cpu", "diffusion.condition": condition, "dataset.train-limit": 8}
+    )
+    spec = teacher_spec(cfg, tmp_path)
+    assert spec.resident is (condition == "global-model")
+    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    features = feature_set(spec, data, teacher_prompts(cfg, data.class_names))
+    held = teacher.loaded()
+    t = featurizer(spec).teacher  # what the extraction below uses (loaded once per spec)
+    parts = [weakref.ref(m) for m in (t.unet, t.vae, *t.text_encoders)]
+    del t
+    _, stats = pooled_features(features, np.arange(4))
+    assert stats.misses == 4
+    gc.collect()
+    if condition == "none":
+        assert [r() for r in parts] == [None] * len(parts) and teacher.loaded() == held
+    else:
+        assert all(r() is not None for r in parts) and featurizer(spec).teacher.unet is parts[0]()
+        _, warm = pooled_features(features, np.arange(4))
+        assert warm.hits == 4 and featurizer(spec).teacher.unet is parts[0]()
+        teacher.release(spec)
+        gc.collect()
+        assert [r() for r in parts] == [None] * len(parts) and teacher.loaded() == held

@@ -3,6 +3,7 @@ through the same featurizer, identity and feature cache as the SD teacher (issue
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -13,9 +14,15 @@ from conftest import make_config
 
 from feddifrc_app.dataset import load_dataset
 from feddifrc_app.diffusion import pixart, sd, sd3, sdxl
-from feddifrc_app.diffusion.family import FamilyError, read_family
-from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.diffusion.pipeline import TeacherLoadError, load_teacher, teacher_identity, weights_hash
+from feddifrc_app.diffusion.family import FamilyError, encode_image, read_family, vae_dtype
+from feddifrc_app.diffusion.featurizer import Featurizer, to_unit_range
+from feddifrc_app.diffusion.pipeline import (
+    TeacherLoadError,
+    load_teacher,
+    release_teacher,
+    teacher_identity,
+    weights_hash,
+)
 from feddifrc_app.diffusion.tiny_zoo import build_tiny_zoo
 from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
@@ -182,16 +189,89 @@ def test_an_unsupported_pipeline_folder_is_a_clear_error(tmp_path: Path) -> None
         teacher_identity(str(tmp_path), tmp_path / "cache")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_reduced_precision_runs_and_stays_close(
-    family: str, teacher_cache: Path, images: torch.Tensor
+    family: str, dtype: torch.dtype, teacher_cache: Path, images: torch.Tensor
 ) -> None:
-    """bfloat16 (what CUDA runs as fp16/bf16) through every family's path: the model timestep,
+    """bfloat16 and float16 (what CUDA runs) through every family's path: the model timestep,
     masks and pooled embeddings survive the cast; pooled features stay float32 and close."""
     ref = _make(_load(family, teacher_cache))(images, torch.arange(3), PROMPTS)
-    low = _make(load_teacher(f"tiny-{family}", teacher_cache, CPU, torch.bfloat16))(
-        images, torch.arange(3), PROMPTS
-    )
+    low = _make(load_teacher(f"tiny-{family}", teacher_cache, CPU, dtype))(images, torch.arange(3), PROMPTS)
     for b in ref:
         assert low[b].dtype == torch.float32 and torch.isfinite(low[b]).all()
         cos = torch.nn.functional.cosine_similarity(low[b].flatten(1), ref[b].flatten(1), dim=-1)
+        assert float(cos.min()) > 0.98, (b, cos)
+
+
+MODELS = {"sd": "tiny", "sdxl": "tiny-sdxl", "pixart": "tiny-pixart", "sd3": "tiny-sd3"}
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize("fam", sorted(MODELS))
+def test_which_part_runs_in_which_dtype(
+    fam: str, dtype: torch.dtype, teacher_cache: Path, images: torch.Tensor
+) -> None:
+    """The dtype audit: the denoiser runs in the teacher's dtype; the VAE too, except SDXL's
+    under float16 (float32, as diffusers' SDXL pipelines); text encoders in the teacher's dtype
+    (T5 keeps its float32 ``wo`` under float16, as transformers loads it) and on the CPU once
+    the prompts are encoded."""
+    t = load_teacher(MODELS[fam], teacher_cache, CPU, dtype)
+    ran: dict[str, torch.dtype] = {}
+
+    def seen(name):
+        def hook(_module, args, kwargs) -> None:
+            ran.setdefault(name, (args or (kwargs.get("hidden_states"),))[0].dtype)
+
+        return hook
+
+    hooks = [
+        t.vae.encoder.register_forward_pre_hook(seen("vae"), with_kwargs=True),
+        t.unet.register_forward_pre_hook(seen("denoiser"), with_kwargs=True),
+    ]
+    try:
+        blocks = (1, 2, 3) if fam == "sd" else LAYERS[fam]
+        feat = Featurizer(t, resolution=16, timestep=300, blocks=blocks, ensemble=1, seed=0)
+        out = feat(images, torch.arange(3), PROMPTS)
+    finally:
+        for h in hooks:
+            h.remove()
+    vae = torch.float32 if (fam, dtype) == ("sdxl", torch.float16) else dtype
+    assert ran == {"vae": vae, "denoiser": dtype}
+    assert {p.dtype for p in t.vae.parameters()} == {vae} and {p.dtype for p in t.unet.parameters()} == {
+        dtype
+    }
+    assert vae_dtype(teacher_identity(MODELS[fam], teacher_cache).folder, fam, dtype) == vae
+    for enc in t.text_encoders:
+        kept = {n for n, p in enc.named_parameters() if p.dtype != dtype}
+        t5 = type(enc).__name__ == "T5EncoderModel" and dtype == torch.float16
+        assert kept == ({n for n, _ in enc.named_parameters() if ".wo." in n} if t5 else set()), kept
+        assert kept or not t5
+        assert {p.device for p in enc.parameters()} == {CPU}
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in out.values())
+
+
+def test_sdxl_encodes_in_float32_where_float16_overflows(tmp_path: Path, images: torch.Tensor) -> None:
+    """A VAE whose first convolution leaves float16's range (x 1e5): in float16 its latents are
+    not finite (the premise); the SDXL teacher under float16 encodes in float32, so its
+    features are finite and close to the float32 teacher's."""
+    folder = str(build_tiny_zoo("sdxl", tmp_path / "sdxl", seed=0))
+    x = to_unit_range(images, 16)
+    feats = {}
+    for dtype in (torch.float32, torch.float16):
+        t = load_teacher(folder, tmp_path, CPU, dtype)
+        with torch.no_grad():
+            for p in t.vae.encoder.conv_in.parameters():
+                p.mul_(1e5)
+        assert torch.isfinite(encode_image(t.vae, x.to(t.vae.dtype))).all()
+        if dtype == torch.float16:
+            assert t.vae.dtype == torch.float32
+            assert not torch.isfinite(encode_image(copy.deepcopy(t.vae).half(), x.half())).all()
+        feats[dtype] = _make(t)(images, torch.arange(3), PROMPTS)
+        release_teacher(folder, tmp_path, CPU, dtype)
+    for b, ref in feats[torch.float32].items():
+        low = feats[torch.float16][b]
+        assert torch.isfinite(low).all()
+        cos = torch.nn.functional.cosine_similarity(low.flatten(1), ref.flatten(1), dim=-1)
         assert float(cos.min()) > 0.98, (b, cos)

@@ -64,6 +64,7 @@ def key_fields(
     dataset_fingerprint: str,
     conditioning: str = "none",
     dtype: str = "",
+    vae_dtype: str = "",
     family: str = "sd",
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
@@ -74,7 +75,9 @@ def key_fields(
     so an fp32 CPU extract never serves an fp16 GPU run); pass ``str(teacher.dtype)``.
     Dataset indices are not part of the key: entries are stored per image id. ``family``
     (``family.FAMILIES``: which layers ``blocks`` index, how the image is noised) is a field
-    of every family but SD 1.x/2.x, whose keys predate it and stay as they were.
+    of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
+    is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
+    under float16, ``family.vae_dtype``): every other key is as it was before it existed.
     """
     fields = {
         "format": FORMAT,
@@ -90,6 +93,9 @@ def key_fields(
         "conditioning": str(conditioning),
         "dtype": str(dtype).removeprefix("torch."),
     }
+    vae = str(vae_dtype).removeprefix("torch.")
+    if vae and vae != fields["dtype"]:
+        fields["vae_dtype"] = vae
     if family != "sd":
         fields["family"] = str(family)
     return fields

@@ -8,6 +8,10 @@ so the feature-cache key can name it without building a network. Each family mod
 - ``PIPELINE`` / ``LAYER_ATTR`` / ``LAYER_NAME``: the diffusers pipeline class it loads with,
   the denoiser attribute whose entries are hooked (``up_blocks``, ``transformer_blocks``)
   and how the docs name them;
+- ``AUTO_BF16``: ``diffusion.dtype = "auto"`` means bfloat16 on a GPU that computes it
+  natively (activations that can leave float16's range), float16 otherwise;
+- ``VAE_FORCE_UPCAST``: the family's diffusers pipelines honour ``vae.config.force_upcast``
+  (the VAE encodes in float32 when the teacher runs in float16: ``vae_dtype``);
 - ``default_layers(n)``: the documented default of ``diffusion.blocks`` for ``n`` layers;
 - ``encode_prompts(teacher, prompts, resolution) -> Conditioning``;
 - ``noise_coeffs(teacher, timestep) -> (a, b, model_timestep)``: ``x_t = a x0 + b eps``;
@@ -117,6 +121,22 @@ def check_layers(layers: tuple[int, ...], n: int, family: str) -> tuple[int, ...
             f"{family} teacher (it has {n}); its default is '{default}'"
         )
     return layers
+
+
+def vae_dtype(folder: Path, family: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the teacher's VAE encodes in: float32 when the teacher runs in float16, the
+    family honours ``force_upcast`` and the folder's ``vae/config.json`` sets it (diffusers'
+    default: True), as diffusers' SDXL pipelines do (that VAE overflows in float16); else
+    ``dtype``. Read from the folder, so the feature key knows it without building a network.
+
+    A family rule, not the flag alone: SD 2.1's, PixArt's and SD3's VAE configs set the flag
+    too, but their diffusers pipelines never read it (they encode and decode in the pipeline's
+    dtype), and an upcast there would change SD features under unchanged cache keys.
+    bfloat16 has float32's exponent range: no upcast."""
+    if dtype != torch.float16 or not family_module(family).VAE_FORCE_UPCAST:
+        return dtype
+    cfg = json.loads((Path(folder) / "vae" / "config.json").read_text())
+    return torch.float32 if cfg.get("force_upcast", True) else dtype
 
 
 def encode_image(vae, x: Tensor) -> Tensor:

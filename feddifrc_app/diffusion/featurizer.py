@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from feddifrc_app.diffusion.family import Conditioning, check_layers, encode_image
-from feddifrc_app.diffusion.pipeline import Teacher
+from feddifrc_app.diffusion.pipeline import Teacher, text_encoders_on
 from feddifrc_app.diffusion.sd import (
     encode_clip as encode_prompts,
 )  # SD's CLIP encoding (pretrain, benchmarks)
@@ -142,7 +142,7 @@ class Featurizer:
             self._prompts.move_to_end(key)
             return hit
         t = self.teacher
-        with torch.inference_mode():
+        with torch.inference_mode(), text_encoders_on(t):  # they wait on the CPU otherwise
             cond = t.adapter.encode_prompts(t, key, self.resolution)
         self._prompts[key] = cond
         if len(self._prompts) > _PROMPT_MEMO:
@@ -203,9 +203,11 @@ class Featurizer:
         return {b: (total[b] / self.ensemble).to("cpu", torch.float32).contiguous() for b in self.blocks}
 
     def encode(self, images: Tensor) -> Tensor:
-        """uint8 images -> VAE latent mean x scaling factor, float32 ``(B, C, h, w)`` on the device."""
+        """uint8 images -> VAE latent mean x scaling factor, float32 ``(B, C, h, w)`` on the device,
+        computed in the VAE's dtype (float32 for SDXL under float16: ``family.vae_dtype``); the
+        noised latents are cast to the denoiser's dtype in ``_draw``."""
         t = self.teacher
-        x = to_unit_range(images.to(t.device), self.resolution).to(t.dtype)
+        x = to_unit_range(images.to(t.device), self.resolution).to(t.vae.dtype)
         return encode_image(t.vae, x)
 
     def noise(self, ids: Tensor, draw: int) -> Tensor:

@@ -11,13 +11,16 @@ back silently: a missing or damaged model is a ``TeacherLoadError`` with one act
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import json
 import os
 import re
 import urllib.parse
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from feddifrc_app.diffusion.family import FamilyError, family_module, read_family
+from feddifrc_app.diffusion.family import FamilyError, family_module, read_family, vae_dtype
 from feddifrc_app.diffusion.tiny import MARKER, TINY_PREFIX, build_tiny_pipeline, quiet, tiny_name
 from feddifrc_app.diffusion.tiny_zoo import ZOO_FAMILIES, build_tiny_zoo, zoo_name
 from feddifrc_app.files import write_json
@@ -53,15 +56,15 @@ class Teacher:
     """A loaded, frozen teacher. Hashable by identity (one per process per key)."""
 
     unet: Any  # the denoiser: UNet2DConditionModel (sd, sdxl) or a DiT transformer (pixart, sd3)
-    vae: Any  # diffusers AutoencoderKL, decoder dropped (encode only)
-    text_encoder: Any  # the first text encoder (CLIPTextModel; T5EncoderModel for pixart)
+    vae: Any  # diffusers AutoencoderKL, decoder dropped (encode only); float32 for SDXL under fp16
+    text_encoder: Any  # the first text encoder (CLIPTextModel; T5EncoderModel for pixart); on the CPU
     tokenizer: Any  # its tokenizer
     alphas_cumprod: torch.Tensor  # (T,) float32 on CPU from the scheduler; empty for flow matching (sd3)
     model_id: str  # "tiny-seed0" / hub id / absolute folder
     weights_hash: str  # sha256 over the content of the loaded component files
     random_weights: bool  # True for the embedded tiny model: label results accordingly
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the denoiser's (and the prompt embeddings')
     text_width: int  # text encoder hidden size (width of prompt token embeddings)
     block_channels: tuple[int, ...]  # output width of each hookable layer (up_blocks / transformer_blocks)
     family: str = "sd"  # family.FAMILIES value: which module encodes, noises, denoises and pools
@@ -89,6 +92,43 @@ class Teacher:
     @property
     def latent_channels(self) -> int:
         return int(self.vae.config.latent_channels)
+
+    @property
+    def text_encoders(self) -> tuple[Any, ...]:
+        """Every text encoder the family's prompt encoding runs (``TEXT_PARTS``)."""
+        pipe = self.parts.get("pipe")
+        if pipe is None:  # sd: no pipeline kept
+            return (self.text_encoder,)
+        return tuple(m for name in self.adapter.TEXT_PARTS if (m := getattr(pipe, name, None)) is not None)
+
+
+def placement(device: torch.device) -> dict[str, torch.device]:
+    """Where a teacher's parts live between calls. The text encoders wait on the CPU: prompts are
+    encoded once per prompt list and memoised, and T5-XXL alone holds ~11 GB of GPU memory that
+    the denoiser's activations can use. They visit ``device`` for each encoding
+    (``text_encoders_on``), so a new prompt list still encodes at GPU speed."""
+    return {"denoiser": device, "vae": device, "text_encoders": torch.device("cpu")}
+
+
+@contextlib.contextmanager
+def text_encoders_on(teacher: Teacher) -> Iterator[None]:
+    """The text encoders on the teacher's device for one prompt encoding, then back home
+    (``placement``), with the GPU memory they held returned to the driver. Nests: only the
+    outermost call moves them."""
+    home = placement(teacher.device)["text_encoders"]
+    mods = teacher.text_encoders
+    if home == teacher.device or any(next(m.parameters()).device != home for m in mods):
+        yield  # nothing to move, or an outer call holds them on the device (and takes them home)
+        return
+    try:
+        for m in mods:
+            m.to(teacher.device)  # .to(device) keeps T5's float32 `wo` as loaded
+        yield
+    finally:
+        for m in mods:
+            m.to(home)
+        if teacher.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -374,12 +414,14 @@ def teacher_resolution(model: str, cache_dir: Path) -> int | None:
     return int(res) if isinstance(res, int) else None
 
 
-def _from_pretrained(folder: Path, model: str, dtype: torch.dtype):
-    """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name)."""
+def _from_pretrained(folder: Path, model: str, dtype: torch.dtype, vae: torch.dtype):
+    """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name);
+    the VAE in ``vae`` (read in that dtype from the files, never a cast of rounded weights)."""
     import diffusers
 
     name = json.loads((folder / "model_index.json").read_text())["_class_name"]
-    kw: dict[str, Any] = dict(torch_dtype=dtype, local_files_only=True)
+    torch_dtype: Any = dtype if vae == dtype else {"default": dtype, "vae": vae}
+    kw: dict[str, Any] = dict(torch_dtype=torch_dtype, local_files_only=True)
     if name == "StableDiffusionPipeline":
         kw.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     try:  # with accelerate (a dependency) the weights load in place: no random init first
@@ -394,19 +436,39 @@ def _from_pretrained(folder: Path, model: str, dtype: torch.dtype):
 
 
 def load_teacher(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Teacher:
-    """Load (once per process per (model, cache_dir, device, dtype)) the frozen teacher.
+    """Load (once per process per (model, cache_dir, device, dtype), until ``release_teacher``)
+    the frozen teacher: the denoiser and VAE on ``device``, the text encoders on the CPU
+    (``placement``); the VAE in float32 where ``family.vae_dtype`` says so.
 
     ``model``: ``"tiny"`` (or ``"tiny-seedN"``) -> ``cache_dir/models/tiny-seedN``, built on first
     use and loaded back through ``from_pretrained``; a name in ``PACKAGED_TEACHERS``; a hub id
     (HF cache first, the hub only when online); or a local diffusers folder.
     """
-    return _load(str(model).strip(), Path(cache_dir).expanduser().resolve(), torch.device(device), dtype)
+    args = _load_key(model, cache_dir, device, dtype)
+    if (hit := _LOADED.get(args)) is None:
+        hit = _LOADED[args] = _load(*args)
+    return hit
 
 
-@functools.cache
+def release_teacher(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Forget this process's teacher of these arguments (a later ``load_teacher`` loads it again);
+    its memory is freed once nothing else references it."""
+    if _LOADED.pop(_load_key(model, cache_dir, device, dtype), None) is not None:
+        gc.collect()  # diffusers modules can sit in reference cycles: free their tensors now
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
+_LOADED: dict[tuple[str, Path, torch.device, torch.dtype], Teacher] = {}
+
+
+def _load_key(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype):
+    return str(model).strip(), Path(cache_dir).expanduser().resolve(), torch.device(device), dtype
+
+
 def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Teacher:
     ident = teacher_identity(model, cache_dir)
-    pipe = _from_pretrained(ident.folder, model, dtype)
+    pipe = _from_pretrained(ident.folder, model, dtype, vae_dtype(ident.folder, ident.family, dtype))
     tok = pipe.tokenizer
     if tok is None or len(tok) < _MIN_VOCAB:
         raise TeacherLoadError(
@@ -421,8 +483,13 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
     if getattr(vae, "post_quant_conv", None) is not None:
         vae.post_quant_conv = None
     texts = [getattr(pipe, name) for name in adapter.TEXT_PARTS if getattr(pipe, name, None) is not None]
-    for mod in (denoiser, vae, *texts):
-        mod.requires_grad_(False).eval().to(device)  # already in dtype (loaded with it)
+    home = placement(device)
+    for mod, where in (
+        (denoiser, home["denoiser"]),
+        (vae, home["vae"]),
+        *((m, home["text_encoders"]) for m in texts),
+    ):
+        mod.requires_grad_(False).eval().to(where)  # dtypes as loaded (T5's fp32 `wo` kept)
     return Teacher(
         unet=denoiser,
         vae=vae,

@@ -15,6 +15,9 @@ PIPELINE = "PixArtAlphaPipeline"  # PixArtSigmaPipeline folders load with their 
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
 TEXT_PARTS = ("text_encoder",)
+# PixArt's pipelines run the VAE (SD's) in the pipeline dtype
+AUTO_BF16 = False
+VAE_FORCE_UPCAST = False
 MAX_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # the pipelines' defaults
 noise_coeffs = sd.noise_coeffs
 

@@ -12,6 +12,9 @@ PIPELINE = "StableDiffusionPipeline"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
 TEXT_PARTS = ("text_encoder",)
+# StableDiffusionPipeline never reads the VAE's force_upcast (SD 2.1's config sets it)
+AUTO_BF16 = False
+VAE_FORCE_UPCAST = False
 
 
 def default_layers(n: int) -> tuple[int, ...]:

@@ -16,6 +16,9 @@ PIPELINE = "StableDiffusion3Pipeline"
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# bf16 where native (as SD3 is commonly run); its pipelines never read force_upcast
+AUTO_BF16 = True
+VAE_FORCE_UPCAST = False
 MAX_TOKENS = 256  # the pipeline's default T5 length
 # the same layer rule and widths as PixArt's DiT (SD3-medium's 24 blocks: 11, 17, 23)
 default_layers = pixart.default_layers

@@ -13,6 +13,9 @@ PIPELINE = "StableDiffusionXLPipeline"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
 TEXT_PARTS = ("text_encoder", "text_encoder_2")
+# bf16 where native: SDXL's activations can leave fp16's range; fp32 VAE under fp16, as diffusers
+AUTO_BF16 = True
+VAE_FORCE_UPCAST = True
 noise_coeffs = sd.noise_coeffs
 layer_widths = sd.layer_widths
 pool = sd.pool
