@@ -146,13 +146,14 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     from feddifrc_app.dataset import load_dataset
     from feddifrc_app.device import DeviceError
+    from feddifrc_app.diffusion.family import FamilyError
     from feddifrc_app.diffusion.pipeline import TeacherLoadError
     from feddifrc_app.prompts import teacher_prompts
     from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
 
     try:
         spec = teacher_spec(cfg, cache_dir)  # no network is built for this
-    except (DeviceError, TeacherLoadError) as e:
+    except (DeviceError, TeacherLoadError, FamilyError) as e:  # FamilyError: a layer it lacks
         raise CLIError(str(e)) from None
     ident = spec.identity
     print(

@@ -362,3 +362,32 @@ def test_ctrl_c_says_what_each_command_keeps(monkeypatch, capsys) -> None:
         args = {"extract": [], "pretrain-teacher": ["--out", "/tmp/t"], "report": ["/tmp"]}[command]
         assert cli.main([command, *args]) == 130
         assert capsys.readouterr().err.strip().endswith(f"interrupted ({kept})")
+
+
+def test_fetch_and_extract_refuse_a_teacher_they_could_not_use_in_one_line(tmp_path, capsys) -> None:
+    """Issue 33 case 6: fetch reported a folder without unet/ as present (exit 0), and extract
+    --check raised FamilyError's traceback for a layer the model lacks."""
+    import shutil
+
+    from feddifrc_app.diffusion.pipeline import teacher_identity
+
+    cut = tmp_path / "cut"
+    shutil.copytree(teacher_identity("tiny-mnist", tmp_path).folder, cut)
+    shutil.rmtree(cut / "unet")
+    (cut / "feddifrc.json").unlink()  # a plain diffusers folder (no marker of files to verify)
+    argv = ["--app", str(ROOT), "--cache-dir", str(tmp_path), "--run-config", f"diffusion.model='{cut}'"]
+    assert cli.main(["fetch", *argv, "--split", "test"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"feddifrc fetch: error: teacher folder {cut} is incomplete: unet/")
+        and err.count("\n") == 1
+    )
+    layers = "diffusion.model='tiny-sdxl' diffusion.blocks='3' diffusion.channels='128'"
+    assert (
+        cli.main(
+            ["extract", "--check", "--app", str(ROOT), "--cache-dir", str(tmp_path), "--run-config", layers]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("feddifrc extract: error: ") and "diffusion.blocks" in err and err.count("\n") == 1

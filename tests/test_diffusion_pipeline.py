@@ -164,6 +164,33 @@ def test_empty_tokenizer_is_an_error(tmp_path: Path, cache_dir: Path) -> None:
     assert "tokenizer" in str(ei.value) and str(dst) in str(ei.value)
 
 
+@pytest.mark.parametrize(
+    ("remove", "named"),
+    [
+        ("unet", "unet/"),
+        ("unet/diffusion_pytorch_model.safetensors", "unet/ weights"),
+        ("vae/config.json", "vae/config.json"),
+        ("scheduler/scheduler_config.json", "scheduler/"),
+    ],
+)
+def test_an_incomplete_teacher_folder_is_named_before_any_work(
+    tmp_path: Path, cache_dir: Path, remove, named
+):
+    """Issue 33 case 6: a copy without unet/ (or its weights) was found only when loading."""
+    from feddifrc_app.diffusion.pipeline import teacher_identity
+
+    src = build_tiny_pipeline(cache_dir / "models" / "tiny-seed0", seed=0)
+    dst = tmp_path / "cut"
+    shutil.copytree(src, dst)
+    gone = dst / remove
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    with pytest.raises(TeacherLoadError) as ei:
+        teacher_identity(str(dst), tmp_path)
+    msg = str(ei.value)
+    assert msg.startswith(f"teacher folder {dst} is incomplete: {named}") and "\n" not in msg
+    teacher_identity(str(src), tmp_path)  # the whole folder passes
+
+
 # --------------------------------------------------------------------------- device / dtype
 
 

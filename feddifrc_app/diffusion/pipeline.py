@@ -404,8 +404,41 @@ def _identity(model: str, cache_dir: Path) -> TeacherIdentity:
         family = read_family(folder)
     except FamilyError as e:
         raise TeacherLoadError(str(e)) from None
+    check_complete(folder)
     digest = weights_hash(folder, cache_dir / "weights-digests.json")
     return TeacherIdentity(model_id, digest, random_weights, folder, family)
+
+
+# Components model_index.json may list that the teacher never loads (loaded with None).
+_NOT_LOADED = ("safety_checker", "feature_extractor", "image_encoder")
+
+
+def check_complete(folder: Path) -> None:
+    """Every component model_index.json lists and the teacher loads is there, whole enough to load:
+    a model component's config.json and weights, a scheduler's config, a tokenizer's files. A
+    TeacherLoadError names what is missing, before any work (a hub snapshot cut short, a copy
+    without unet/)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    missing = []
+    for name, spec in index.items():
+        if name.startswith("_") or name in _NOT_LOADED or not isinstance(spec, list) or spec[0] is None:
+            continue
+        d = folder / name
+        files = [p.name for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+        if not files:
+            missing.append(f"{name}/")
+        elif name.startswith("scheduler") and "scheduler_config.json" not in files:
+            missing.append(f"{name}/scheduler_config.json")
+        elif not name.startswith(("scheduler", "tokenizer")):
+            if "config.json" not in files:
+                missing.append(f"{name}/config.json")
+            if not any(f.endswith(_WEIGHT_EXTS) for f in files):
+                missing.append(f"{name}/ weights ({', '.join(e.lstrip('.') for e in _WEIGHT_EXTS[:2])})")
+    if missing:
+        raise TeacherLoadError(
+            f"teacher folder {folder} is incomplete: {', '.join(missing)} missing (model_index.json "
+            "lists them); copy the whole pipeline folder, or download it again (feddifrc fetch)"
+        )
 
 
 def teacher_resolution(model: str, cache_dir: Path) -> int | None:
