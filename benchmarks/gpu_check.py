@@ -83,8 +83,10 @@ class Row:
 class Check:
     """The run's rows, raw numbers (``data``, read by later sections), deadline and JSON file."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, t0: float | None = None) -> None:
+        """``t0``: when the deadline started (the script passes its start, T0; default: now)."""
         self.args = args
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.dry = bool(args.dry_run)
         self.device = torch.device("cpu" if self.dry else "cuda")
         self.cuda = self.device.type == "cuda"
@@ -99,7 +101,7 @@ class Check:
     # ---- time
 
     def left(self) -> float:
-        return self.args.deadline - (time.perf_counter() - T0)
+        return self.args.deadline - (time.perf_counter() - self.t0)
 
     def time_for(self, gpu_s: float, what: str) -> bool:
         """False, with a SKIP row for ``what``, when fewer than ``gpu_s`` seconds are left (any
@@ -1089,7 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"no CUDA device: {no_cuda_reason()}; --dry-run checks the script on a CPU")
         return 2
-    c = Check(args)
+    c = Check(args, t0=T0)
     print(f"GPU check{' (dry run, CPU)' if c.dry else ''}: deadline {args.deadline:.0f} s, writing {c.out}")
     for key, title, fn, need in SECTIONS:
         if key in args.sections.upper():

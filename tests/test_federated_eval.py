@@ -107,7 +107,15 @@ def test_without_federated_evaluation_no_node_is_asked_and_no_key_is_written() -
 def _loop(tmp_path, rounds: int, fail: tuple[int, ...] = (), **over):
     from feddifrc_app.rounds import RoundLoop
 
-    cfg = make_config(method="fedavg", num_server_rounds=rounds, outputs_dir=str(tmp_path), **ON, **over)
+    # FakeFederation's nodes reply with the model they were sent: not judged as a frozen run here.
+    cfg = make_config(
+        method="fedavg",
+        num_server_rounds=rounds,
+        outputs_dir=str(tmp_path),
+        max_frozen_rounds=0,
+        **ON,
+        **over,
+    )
     run = RunDir.for_config(cfg, 1)
     results, checkpoint = run.begin(cfg, 1)
     if not cfg.resume_from:  # as the ServerApp does
