@@ -258,6 +258,7 @@ class Config:
     fraction_evaluate: float = key(lo=0.0, hi=1.0)
     evaluate_holdout: float = key(lo=0.0, hi=1.0, hi_open=True)  # share of each node's data it evaluates on
     min_nodes: int = key(lo=1, resume=True)
+    min_nodes_timeout: float = key(lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S, resume=True)
     outputs_dir: str = key(path=True, empty=DEFAULT_OUTPUTS_DIR, resume=True)
     run_name: str = key(resume=True)
     resume_from: str = key(path=True, resume=True)
@@ -724,6 +725,17 @@ def _check_privacy(v: Mapping[str, Any]) -> None:
             "the C / m that Flower's noise is calibrated for; use fedavg or fedprox",
         )
     given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]
+    if dp.endswith("adaptive") and given > (
+        most := 100 * sampled_per_round(v["fraction-train"], v["min-nodes"])
+    ):
+        # The noisy clipped fraction is (count + N(0, s)) / m: at s far above m it is noise alone,
+        # and Flower's exp(-lr (fraction - target)) overflows.
+        raise _fail(
+            "strategy.dp-clipped-count-stddev",
+            given,
+            f"at most 100 x the nodes a round samples (min-nodes x fraction-train: {most // 100}), "
+            "or 0 to derive it",
+        )
     if dp.endswith("adaptive") and given and z >= 2 * given:  # 0 derives a value that works
         raise ConfigError(
             f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "

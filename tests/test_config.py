@@ -106,6 +106,11 @@ def test_casts_flower_scalars():
             "'strategy.dp-clip-norm-lr' = 1000.0 is invalid: expected a value in (0, 1]",
         ),
         ({"max-frozen-rounds": -1}, "'max-frozen-rounds' = -1"),
+        (
+            {"strategy.dp": "server-adaptive", "strategy.dp-clipped-count-stddev": 1e6},
+            "'strategy.dp-clipped-count-stddev' = 1000000.0 is invalid: at most 100 x the nodes",
+        ),
+        ({"min-nodes-timeout": 0.0}, "'min-nodes-timeout' = 0.0"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override, fragment):

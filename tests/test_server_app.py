@@ -397,3 +397,28 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
     assert (
         "best (max over rounds, the paper's endpoint)" in table and "test at the best validation" not in table
     )
+
+
+def test_fewer_nodes_than_min_nodes_go_on_after_min_nodes_timeout_not_round_timeout(
+    monkeypatch, caplog
+) -> None:
+    """A simulation of 2 SuperNodes with min-nodes = 3 waited strategy.round-timeout (an hour)."""
+    import logging
+
+    from conftest import make_config
+
+    from feddifrc_app import federation
+
+    clock = [0.0]
+    monkeypatch.setattr(federation.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(federation.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    grid = SimpleNamespace(get_node_ids=lambda: [12, 11])
+    cfg = make_config(min_nodes=3, min_nodes_timeout=30.0)
+    assert cfg.strategy.round_timeout == 3600.0
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        assert federation.Federation(grid, cfg).wait_for_nodes() == [11, 12]
+    assert clock[0] == 31.0  # 30 s and the poll that passed it, not an hour
+    assert "2 of min-nodes = 3 SuperNodes connected within min-nodes-timeout = 30s: going on" in caplog.text
+    nobody = SimpleNamespace(get_node_ids=lambda: [])
+    with pytest.raises(RuntimeError, match=r"^no SuperNode connected within min-nodes-timeout = 30s$"):
+        federation.Federation(nobody, cfg).wait_for_nodes()
