@@ -231,6 +231,46 @@ def test_interrupted_extraction_resumes(store):
         np.testing.assert_array_equal(out[b], feats_of(ids)[b].astype(np.float16).astype(np.float32))
 
 
+def test_a_second_extraction_of_the_same_ids_waits_and_reads_instead_of_computing(store):
+    """Two extractions of overlapping ids at once (two ClientApps, or `feddifrc extract` beside a
+    run): the second waits on the shards' claim, then reads what the first stored. flock locks
+    belong to an open file, so two threads contend exactly as two processes do."""
+    import threading
+
+    first_in, release = threading.Event(), threading.Event()
+    first = Counter()
+
+    def slow(ids):
+        first_in.set()
+        assert release.wait(60), "the test's guard: the first extraction was never released"
+        return first(ids)
+
+    ids = np.arange(3, 23)  # 20 ids over shards 0-2 (shard size 8)
+    result = {}
+    t = threading.Thread(
+        target=lambda: result.update(a=cached_pooled_features(store, KEY, ids, slow, chunk=5))
+    )
+    t.start()
+    assert first_in.wait(60)
+    second, seen = Counter(), {}
+    u = threading.Thread(
+        target=lambda: seen.update(b=cached_pooled_features(store, KEY, np.arange(10, 30), second, chunk=5))
+    )
+    u.start()
+    u.join(0.5)
+    assert u.is_alive() and not second.calls  # waiting on the claim, computing nothing
+    release.set()
+    t.join(60)
+    u.join(60)
+    assert first.computed.tolist() == list(range(3, 23))
+    assert second.computed.tolist() == list(range(23, 30))  # only what the first did not extract
+    out, st = seen["b"]
+    assert (st.hits, st.misses) == (13, 7)
+    for b in CH:
+        want = feats_of(np.arange(10, 30))[b].astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(out[b], want)
+
+
 def test_chunks_are_written_while_the_next_one_is_extracted(store, monkeypatch):
     """One write in flight: a save can only finish once the next chunk's extraction has started
     (with synchronous writes this would wait forever, hence the guard timeout); a failed write

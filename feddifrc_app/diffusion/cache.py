@@ -8,6 +8,8 @@ killed extraction resumes where it stopped. Layout under ``<cache_dir>/features`
     <key>/key.json              the key's fields, for people
     <key>/shard-000012.npz      cached dataset ids 12*256 .. 13*256-1
     <key>/shard-000012.lock     flock serialising the writers of that shard
+    <key>/shard-000012.claim    flock held while a process extracts ids of that shard: a
+                                second extraction of them waits, then reads instead of computing
 
 A shard is an uncompressed ``np.savez`` archive, read with ``allow_pickle=False``:
 ``header`` (uint8 utf-8 JSON: format, version, key, shard, shard_size, blocks, shapes,
@@ -313,8 +315,8 @@ class FeatureStore:
     # ---- writing
 
     @contextlib.contextmanager
-    def _locked(self, key: str, shard: int) -> Iterator[None]:
-        lock = self.key_dir(key) / f"shard-{int(shard):06d}.lock"
+    def _locked(self, key: str, shard: int, kind: str = "lock") -> Iterator[None]:
+        lock = self.key_dir(key) / f"shard-{int(shard):06d}.{kind}"
         lock.parent.mkdir(parents=True, exist_ok=True)
         with open(lock, "a+b") as f:
             if fcntl is not None:
@@ -324,6 +326,17 @@ class FeatureStore:
             finally:
                 if fcntl is not None:
                     fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def claimed(self, key: str, ids: np.ndarray) -> Iterator[None]:
+        """Hold the extraction claim of every shard ``ids`` fall in (``shard-N.claim``, taken in
+        ascending order, so two claimants never deadlock): a second process extracting any of
+        them waits, then reads what the first stored instead of computing it again. Separate
+        from the write lock, which ``save`` takes per shard while the claim is held."""
+        with contextlib.ExitStack() as stack:
+            for sh in np.unique(np.asarray(ids) // self.shard_size):
+                stack.enter_context(self._locked(key, int(sh), "claim"))
+            yield
 
     def save(self, key: str, ids: Any, feats: Mapping[int, Any]) -> None:
         """Store ``feats`` ``{block: (n, P, C_b)}`` for ``ids`` (n unique ids), as float16.
@@ -503,32 +516,73 @@ def cached_pooled_features(
     out = _Rows(key, uniq.size, out_dtype, keep)
     if found is not None:
         out.put(np.flatnonzero(~np.isin(uniq, missing)), found)
-    if missing.size:
-        from tqdm.auto import tqdm
-
-        style = dict(unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
-        log.info("%s: extracting %d of %d images (%d cached)", desc, missing.size, uniq.size, stats.hits)
-        next_note, t_ex = missing.size / 10, time.perf_counter()
-        with tqdm(total=int(uniq.size), initial=stats.hits, **style) as bar:
-            for sub, feats in _extract_missing(store, key, missing, extract, chunk, stats):
-                out.put(np.searchsorted(uniq, sub), feats)
-                bar.update(int(sub.size))
-                if stats.misses >= next_note:  # about every 10%, for `flwr log` (a ClientApp has no bar)
-                    next_note += missing.size / 10
-                    rate = stats.misses / (time.perf_counter() - t_ex)
-                    log.info(
-                        "%s: %d/%d extracted (%.0f%%), %.2f images/s, about %.0f s left",
-                        desc,
-                        stats.misses,
-                        missing.size,
-                        100 * stats.misses / missing.size,
-                        rate,
-                        (missing.size - stats.misses) / rate,
-                    )
+    with store.claimed(key, missing) if missing.size else contextlib.nullcontext():
+        if missing.size:  # another process may have extracted some while this one waited
+            missing = _read_meanwhile(store, key, uniq, missing, out, stats, keep, desc)
+        _extract_into(store, key, uniq, missing, extract, out, stats, chunk, progress, desc)
     pos = None if np.array_equal(ids, uniq) else np.searchsorted(uniq, ids)
     stats.corrupt = store.corrupt_seen - corrupt0
     stats.seconds = time.perf_counter() - t0
     return {b: a if pos is None else a[pos] for b, a in sorted(out.blocks.items())}, stats
+
+
+def _read_meanwhile(
+    store: FeatureStore,
+    key: str,
+    uniq: np.ndarray,
+    missing: np.ndarray,
+    out: _Rows,
+    stats: CacheStats,
+    keep: bool,
+    desc: str,
+) -> np.ndarray:
+    """The ids still missing once the claim is ours; rows another process stored are read."""
+    again, still = store.load(key, missing) if keep else (None, store.missing(key, missing))
+    done = np.setdiff1d(missing, still)
+    if done.size:
+        log.info("%s: %d images were extracted by another process meanwhile; read", desc, done.size)
+        if again is not None:
+            out.put(np.searchsorted(uniq, done), again)
+        stats.hits += int(done.size)
+    return still
+
+
+def _extract_into(
+    store: FeatureStore,
+    key: str,
+    uniq: np.ndarray,
+    missing: np.ndarray,
+    extract: Callable[[np.ndarray], Mapping[int, Any]],
+    out: _Rows,
+    stats: CacheStats,
+    chunk: int,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Extract ``missing`` in chunks into ``out`` and the store, logging progress every 10%."""
+    if not missing.size:
+        return
+    from tqdm.auto import tqdm
+
+    style = dict(unit="img", desc=desc, disable=not progress, dynamic_ncols=True)
+    log.info("%s: extracting %d of %d images (%d cached)", desc, missing.size, uniq.size, stats.hits)
+    next_note, t_ex = missing.size / 10, time.perf_counter()
+    with tqdm(total=int(uniq.size), initial=stats.hits, **style) as bar:
+        for sub, feats in _extract_missing(store, key, missing, extract, chunk, stats):
+            out.put(np.searchsorted(uniq, sub), feats)
+            bar.update(int(sub.size))
+            if stats.misses >= next_note:  # about every 10%, for `flwr log` (a ClientApp has no bar)
+                next_note += missing.size / 10
+                rate = stats.misses / (time.perf_counter() - t_ex)
+                log.info(
+                    "%s: %d/%d extracted (%.0f%%), %.2f images/s, about %.0f s left",
+                    desc,
+                    stats.misses,
+                    missing.size,
+                    100 * stats.misses / missing.size,
+                    rate,
+                    (missing.size - stats.misses) / rate,
+                )
 
 
 class LazyExtractor:
