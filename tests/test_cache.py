@@ -232,9 +232,10 @@ def test_interrupted_extraction_resumes(store):
 
 
 def test_a_second_extraction_of_the_same_ids_waits_and_reads_instead_of_computing(store):
-    """Two extractions of overlapping ids at once (two ClientApps, or `feddifrc extract` beside a
-    run): the second waits on the shards' claim, then reads what the first stored. flock locks
-    belong to an open file, so two threads contend exactly as two processes do."""
+    """Two extractions of one id set at once (the same partition twice, or `feddifrc extract`
+    beside a run): the second waits on the set's claim, then reads what the first stored. Another
+    id set in the same shards does not wait. flock locks belong to an open file, so threads
+    contend exactly as processes do."""
     import threading
 
     first_in, release = threading.Event(), threading.Event()
@@ -245,30 +246,31 @@ def test_a_second_extraction_of_the_same_ids_waits_and_reads_instead_of_computin
         assert release.wait(60), "the test's guard: the first extraction was never released"
         return first(ids)
 
-    ids = np.arange(3, 23)  # 20 ids over shards 0-2 (shard size 8)
+    ids = np.arange(3, 23, 2)  # 10 ids over shards 0-2 (shard size 8)
     result = {}
-    t = threading.Thread(
-        target=lambda: result.update(a=cached_pooled_features(store, KEY, ids, slow, chunk=5))
-    )
+
+    def run(name, these, extract):
+        result[name] = cached_pooled_features(store, KEY, these, extract, chunk=5)
+
+    t = threading.Thread(target=run, args=("a", ids, slow))
     t.start()
     assert first_in.wait(60)
-    second, seen = Counter(), {}
-    u = threading.Thread(
-        target=lambda: seen.update(b=cached_pooled_features(store, KEY, np.arange(10, 30), second, chunk=5))
-    )
+    other = Counter()  # the interleaved ids of another node: its own claim, no wait
+    run("c", ids + 1, other)
+    assert other.computed.tolist() == (ids + 1).tolist()
+    second = Counter()
+    u = threading.Thread(target=run, args=("b", ids, second))
     u.start()
     u.join(0.5)
     assert u.is_alive() and not second.calls  # waiting on the claim, computing nothing
     release.set()
     t.join(60)
     u.join(60)
-    assert first.computed.tolist() == list(range(3, 23))
-    assert second.computed.tolist() == list(range(23, 30))  # only what the first did not extract
-    out, st = seen["b"]
-    assert (st.hits, st.misses) == (13, 7)
+    assert first.computed.tolist() == ids.tolist() and not second.calls
+    out, st = result["b"]
+    assert (st.hits, st.misses) == (10, 0)
     for b in CH:
-        want = feats_of(np.arange(10, 30))[b].astype(np.float16).astype(np.float32)
-        np.testing.assert_array_equal(out[b], want)
+        np.testing.assert_array_equal(out[b], feats_of(ids)[b].astype(np.float16).astype(np.float32))
 
 
 def test_chunks_are_written_while_the_next_one_is_extracted(store, monkeypatch):

@@ -8,8 +8,8 @@ killed extraction resumes where it stopped. Layout under ``<cache_dir>/features`
     <key>/key.json              the key's fields, for people
     <key>/shard-000012.npz      cached dataset ids 12*256 .. 13*256-1
     <key>/shard-000012.lock     flock serialising the writers of that shard
-    <key>/shard-000012.claim    flock held while a process extracts ids of that shard: a
-                                second extraction of them waits, then reads instead of computing
+    <key>/claim-<digest>        flock held while a process extracts an id set: a second
+                                extraction of the same set waits, then reads instead of computing
 
 A shard is an uncompressed ``np.savez`` archive, read with ``allow_pickle=False``:
 ``header`` (uint8 utf-8 JSON: format, version, key, shard, shard_size, blocks, shapes,
@@ -160,6 +160,20 @@ def _as_stored(feats: Mapping[int, Any], n: int) -> dict[int, np.ndarray]:
             )
         out[int(b)] = a16
     return out
+
+
+@contextlib.contextmanager
+def _flock(lock: Path) -> Iterator[None]:
+    """An exclusive flock on ``lock`` (created) for the block's duration."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+b") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 class FeatureStore:
@@ -314,29 +328,16 @@ class FeatureStore:
 
     # ---- writing
 
-    @contextlib.contextmanager
-    def _locked(self, key: str, shard: int, kind: str = "lock") -> Iterator[None]:
-        lock = self.key_dir(key) / f"shard-{int(shard):06d}.{kind}"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "a+b") as f:
-            if fcntl is not None:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                if fcntl is not None:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    def _locked(self, key: str, shard: int) -> contextlib.AbstractContextManager[None]:
+        return _flock(self.key_dir(key) / f"shard-{int(shard):06d}.lock")
 
-    @contextlib.contextmanager
-    def claimed(self, key: str, ids: np.ndarray) -> Iterator[None]:
-        """Hold the extraction claim of every shard ``ids`` fall in (``shard-N.claim``, taken in
-        ascending order, so two claimants never deadlock): a second process extracting any of
-        them waits, then reads what the first stored instead of computing it again. Separate
-        from the write lock, which ``save`` takes per shard while the claim is held."""
-        with contextlib.ExitStack() as stack:
-            for sh in np.unique(np.asarray(ids) // self.shard_size):
-                stack.enter_context(self._locked(key, int(sh), "claim"))
-            yield
+    def claimed(self, key: str, ids: np.ndarray) -> contextlib.AbstractContextManager[None]:
+        """Hold the extraction claim of this exact id set (``claim-<sha256 of the ids>``): a second
+        extraction of the same ids (the same partition twice, `feddifrc extract` beside a run)
+        waits, then reads what the first stored. Other id sets, such as the other nodes'
+        interleaved partitions, never wait on it."""
+        digest = hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]
+        return _flock(self.key_dir(key) / f"claim-{digest}")
 
     def save(self, key: str, ids: Any, feats: Mapping[int, Any]) -> None:
         """Store ``feats`` ``{block: (n, P, C_b)}`` for ``ids`` (n unique ids), as float16.
@@ -516,7 +517,7 @@ def cached_pooled_features(
     out = _Rows(key, uniq.size, out_dtype, keep)
     if found is not None:
         out.put(np.flatnonzero(~np.isin(uniq, missing)), found)
-    with store.claimed(key, missing) if missing.size else contextlib.nullcontext():
+    with store.claimed(key, uniq) if missing.size else contextlib.nullcontext():
         if missing.size:  # another process may have extracted some while this one waited
             missing = _read_meanwhile(store, key, uniq, missing, out, stats, keep, desc)
         _extract_into(store, key, uniq, missing, extract, out, stats, chunk, progress, desc)
