@@ -25,13 +25,13 @@ Phases (each bounded by its own timeout; a PASS/FAIL table with timings at the e
                 by `flwr ls` (finished:completed) and the results.json in RUNS_DIR: every round
                 with both nodes, and the run must learn (`not_learned`: the last round's test
                 accuracy at least LEARNED_FLOOR and above round 1's).
- 6. kill        a longer run of the same; SuperNode 2's container killed (`docker kill`) in round 2;
-                the run must complete with the lost node in results.json, and learn. The node is
-                started again once the SuperLink lists it offline (a node back within ~1 min of a
-                crash is refused, SuperLink 412 / exit 305, until the SuperLink drops the old
-                session; the restart policy retries until then).
- 7. rejoin      a 1-round run with the packaged teacher (method feddifrc, tiny-mnist, 200 images,
-                TEACHER_CONFIG) that needs both nodes and gets a reply from each.
+ 6. kill        a longer run with the packaged teacher (method feddifrc, tiny-mnist, 200 images,
+                TEACHER_CONFIG); SuperNode 2's container killed (`docker kill`) in round 2; the run
+                must complete with the lost node in results.json. The node is started again once
+                the SuperLink lists it offline (a node back within ~1 min of a crash is refused,
+                SuperLink 412 / exit 305, until the SuperLink drops the old session; the restart
+                policy retries until then).
+ 7. rejoin      a 1-round run of the same that needs both nodes and gets a reply from each.
  8. down        `compose down -v` (containers and volumes; the images stay cached).
 
 Environment: FEDDIFRC_E2E_CACHE (rootfs tarball, default ~/.cache/feddifrc-e2e),
@@ -72,15 +72,16 @@ ROOTFS_PACKAGES = "python3.11,python3.11-venv,python3-distutils,ca-certificates,
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 # min-nodes=2 makes every run wait for both SuperNodes; the server scores 200 validation and 200
-# test images a round. The runs of 2 or more rounds must learn: FedAvg on all of mnist-5k's 2,500
-# training images (1,250 a node, 40 SGD steps a round). The packaged teacher runs in `rejoin`, on
-# 200 images: its extraction of 1,250 a node is minutes of CPU (docs/deploy.md section 13).
+# test images a round. `run` must learn: FedAvg on all of mnist-5k's 2,500 training images (1,250
+# a node, 40 SGD steps a round). `kill` and `rejoin` run the packaged teacher on 200 images (100 a
+# node): on all 2,500 a round takes minutes in these CPU containers (docs/deploy.md section 13).
 COMMON_CONFIG = (
     "min-nodes=2 fraction-train=1.0 dataset.eval-limit=200 train.local-epochs=1 strategy.round-timeout=300"
 )
 LEARNING_CONFIG = 'method="fedavg" dataset.train-limit=0'
 TEACHER_CONFIG = 'method="feddifrc" diffusion.model="tiny-mnist" dataset.train-limit=200'
-RUNS = {"run": (2, LEARNING_CONFIG), "kill": (4, LEARNING_CONFIG), "rejoin": (1, TEACHER_CONFIG)}
+RUNS = {"run": (2, LEARNING_CONFIG), "kill": (4, TEACHER_CONFIG), "rejoin": (1, TEACHER_CONFIG)}
+MUST_LEARN = ("run",)
 
 # Chance on mnist-5k's 10 classes is 0.10. A run that learns ends at least here, and above its
 # round 1 (LEARNING_CONFIG's measured accuracies are in docs/deploy.md section 13).
@@ -373,7 +374,7 @@ class E2E:
         bad = [r for r in res["rounds"][1:] if r["failures"] or sorted(r["nodes"]) != list(range(NODES))]
         if bad:
             raise Failed(f"run {run_id}: rounds without every node or with failures: {bad}")
-        if rounds >= 2 and (why := not_learned(res["rounds"])):
+        if phase in MUST_LEARN and (why := not_learned(res["rounds"])):
             raise Failed(f"run {run_id}: {why}")
         return f"run {run_id} {info['status']}; {self.summary(res)}"
 
@@ -399,8 +400,6 @@ class E2E:
         lost = [f for r in res["rounds"] for f in r.get("failures", [])]
         if not lost or any(f["partition-id"] != KILLED - 1 for f in lost):
             raise Failed(f"run {run_id}: failures {lost}, expected partition {KILLED - 1} only")
-        if why := not_learned(res["rounds"]):
-            raise Failed(f"run {run_id}: {why}")
         return (
             f"run {run_id} {info['status']}; node {killed_id} killed in round 2, failure recorded in "
             f"round {failed} ({lost[0]['reason'][:60]!r}), started {t_start:.0f}s after the kill, "

@@ -254,7 +254,7 @@ APP_FILES = [
 ]
 # Round 1 with both nodes, round 2 loses the killed node (~60 s), then the node is
 # restarted: the rounds in progress when it comes back online do not use it yet, a later
-# round must. Each extra round costs several seconds (a ClientApp process per node).
+# round must. Each extra round costs a ClientApp process start and 32 SGD steps per node.
 ROUNDS = 5
 KILLED = 2  # supernode index killed mid-run (partition-id 1) and later restarted
 
