@@ -88,8 +88,8 @@ MUST_LEARN = ("run",)
 LEARNED_FLOOR = 0.3
 
 # Each phase's bound, in seconds (cold caches on a 2-core machine; see docs/deploy.md).
-# Together at most 78 min; a cold run here took about 18 (docs/deploy.md). `run` took 505 s of its
-# bound with cached images on a busy 2-core machine.
+# Together at most 78 min (docs/deploy.md has the measured times). `run` trains on 1,250 images
+# a node, slow in the CPU containers.
 TIMEOUTS = {
     "preflight": 60,
     "bases": 600,
