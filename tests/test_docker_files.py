@@ -280,6 +280,11 @@ def _module(path: Path):
     return module
 
 
+def e2e_script():
+    """scripts/docker_e2e.py as a module: the home of the deployment's learning criterion."""
+    return _module(ROOT / "scripts" / "docker_e2e.py")
+
+
 def test_check_image_fails_a_build_without_the_torch_it_requires() -> None:
     """docker/check_image.py: REQUIRE_CUDA_TORCH=1 refuses a CPU torch, REQUIRE_CPU_TORCH=1 a CUDA one
     (an index that serves the CUDA wheel to a "CPU" build), and a replaced flwr fails either way."""
@@ -1094,7 +1099,7 @@ def test_the_doc_gives_uid_49999_every_private_file_a_container_reads(certs: Pat
 def test_e2e_local_base_images_follow_flowers_layout(tmp_path: Path) -> None:
     """The stand-ins for flwr/{superlink,supernode,superexec}: Flower's entry points, the pinned
     flwr, user app (uid 49999) with HOME=WORKDIR=/app, the venv first on PATH."""
-    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    e2e = e2e_script()
     assert e2e.FLWR_VERSION == FLWR_VERSION
     text = e2e.BASE_DOCKERFILE
     stages = dict(re.findall(r'^FROM base AS (\w+)\nENTRYPOINT \["([\w-]+)"\]$', text, re.M))
@@ -1106,7 +1111,7 @@ def test_e2e_local_base_images_follow_flowers_layout(tmp_path: Path) -> None:
 
 def test_e2e_copies_only_the_pip_settings_that_reach_a_registry(tmp_path: Path) -> None:
     """file:// indexes, find-links and constraint files are paths of this machine: left out."""
-    e2e = _module(ROOT / "scripts" / "docker_e2e.py")
+    e2e = e2e_script()
     listing = (
         "global.index-url='https://mirror.example.org/simple'\n"
         "global.extra-index-url='file:///opt/pypi/simple https://extra.example.org/simple'\n"
@@ -1123,3 +1128,27 @@ def test_e2e_copies_only_the_pip_settings_that_reach_a_registry(tmp_path: Path) 
     assert "timeout = 180" in conf
     assert "file://" not in conf and "constraint" not in conf and "find-links" not in conf
     assert run.registry_index() == "https://mirror.example.org/simple"
+
+
+def _rounds(*accuracies: float) -> list[dict[str, Any]]:
+    return [{"round": n, "test-accuracy": a} for n, a in enumerate(accuracies)]
+
+
+def test_e2e_learning_criterion_fails_a_flat_run_and_passes_a_rising_one() -> None:
+    """not_learned (shared with tests/test_deployment.py): the last round at least the floor and
+    above round 1. The images' run before the criterion went 0.10 -> 0.10 (no update needed)."""
+    not_learned = e2e_script().not_learned
+    assert e2e_script().LEARNED_FLOOR == 0.3
+    flat = not_learned(_rounds(0.10, 0.10, 0.10))
+    assert flat is not None and "0.100 -> 0.100 -> 0.100" in flat and ">= 0.3" in flat, flat
+    assert not_learned(_rounds(0.10, 0.10, 0.555)) is None  # the run phase as measured
+    assert not_learned(_rounds(0.10, 0.20, 0.36, 0.30, 0.31)) is None  # dips, ends on the floor
+    assert not_learned(_rounds(0.10, 0.15, 0.299)) is not None  # rising, below the floor
+    assert not_learned(_rounds(0.10, 0.60, 0.50)) is not None  # above the floor, below round 1
+    assert not_learned(_rounds(0.10, 0.45, 0.45)) is not None  # not above round 1: no update
+    assert not_learned(_rounds(0.10, 0.10, 0.25), floor=0.2) is None
+    # One trained round cannot show a rise; a round without a test accuracy is no evidence.
+    assert "round 1 and a later round" in not_learned(_rounds(0.10, 0.90))
+    assert not_learned(_rounds(0.10, 0.10) + [{"round": 2, "test-accuracy": None}]) is not None
+    # Order in results.json does not matter: rounds are read by number.
+    assert not_learned(list(reversed(_rounds(0.10, 0.10, 0.555)))) is None
