@@ -186,9 +186,8 @@ class StrategyConfig:
     dp_clipping_norm: float = key(lo=0.0, lo_open=True)  # the fixed modes
     dp_initial_clipping_norm: float = key(lo=0.0, lo_open=True)  # the adaptive modes
     dp_target_clipped_quantile: float = key(lo=0.0, hi=1.0)
-    dp_clip_norm_lr: float = key(
-        lo=0.0, lo_open=True, hi=1.0
-    )  # a round scales the norm by up to e^lr (Flower: 0.2)
+    # A round scales the clipping norm by up to e^lr (Flower: 0.2).
+    dp_clip_norm_lr: float = key(lo=0.0, lo_open=True, hi=1.0)
     dp_clipped_count_stddev: float = key(lo=0.0)  # 0 = derived: clipped_count_stddev
     # The accountant's delta: the chance the epsilon bound fails. Above 0.01 it is no guarantee (and
     # epsilon tends to 0 as delta tends to 1, so a large one reports a reassuring 0.0).

@@ -266,23 +266,18 @@ class RoundLoop:
             )
         before, previous = strategy_state(self.strategy), self.arrays
         arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
-        # Every reply is finite (a node that diverges sends none): a non-finite aggregate is the
-        # server's doing, its strategy (and DP) keys, not train.lr.
-        server_side = f"the replies were finite: check {strategy_settings(self.cfg)}"
         if arrays is not None and not _finite(arrays):
-            arrays = self._reject(before, failures, "the aggregated model", server_side)
+            self._reject(before, failures, "the aggregated model", self._server_side())
+            arrays = None
         if arrays is not None:
             self.frozen_rounds = self.frozen_rounds + 1 if _same(arrays, previous) else 0
             self.arrays = arrays
         central = self.evaluate()
         if arrays is not None and (split := _non_finite_loss(central)):
             self.arrays = previous  # finite weights that score a NaN loss: rejected the same way
-            arrays = self._reject(
-                before,
-                failures,
-                f"the aggregated model's central {split}",
-                f"{lr_remedy(self.cfg.train.lr)}, or {server_side}",
-            )
+            remedy = f"{lr_remedy(self.cfg.train.lr)}, or {self._server_side()}"
+            self._reject(before, failures, f"the aggregated model's central {split}", remedy)
+            arrays = None
             central = self.evaluate()
         diverged = [f["reason"] for f in failures if DivergedError.TAG in str(f["reason"])]
         if diverged:
@@ -305,9 +300,14 @@ class RoundLoop:
         row["seconds"] = time.perf_counter() - t0
         return row
 
+    def _server_side(self) -> str:
+        # Every reply is finite (a node that diverges sends none): a non-finite aggregate is the
+        # server's doing, its strategy (and DP) keys, not train.lr.
+        return f"the replies were finite: check {strategy_settings(self.cfg)}"
+
     def _reject(self, before: dict, failures: list[dict[str, Any]], what: str, remedy: str) -> None:
         """Record a diverged aggregate as the round's failure; a rejected update leaves no trace
-        in the strategy's state. Returns None: the round's update."""
+        in the strategy's state."""
         load_strategy_state(self.strategy, before)
         failures.append({"node": None, "partition-id": None, "reason": str(DivergedError(what, remedy))})
 

@@ -18,6 +18,7 @@ needs it every round (``TeacherSpec.resident``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +67,10 @@ class TeacherSpec:
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
 
-    @property
+    @functools.cached_property
     def vae_dtype(self) -> torch.dtype:
-        """The VAE's dtype: float32 for SDXL under float16 (``family.vae_dtype``), else ``dtype``."""
+        """The VAE's dtype: float32 for SDXL under float16 (``family.vae_dtype``), else ``dtype``
+        (read from the folder once per spec)."""
         return vae_dtype(self.identity.folder, self.identity.family, self.dtype)
 
     @property
