@@ -812,9 +812,9 @@ def section_f(c: Check) -> None:
     import torchvision  # noqa: F401  the loader's transforms: a SKIP naming it when absent
 
     from feddifrc_app.config import load_config
-    from feddifrc_app.dataset import CIFAR10_STATS, ImageData, make_loader
+    from feddifrc_app.data.dataset import CIFAR10_STATS, ImageData, make_loader
+    from feddifrc_app.methods.feddifrc.targets import TeacherTargets
     from feddifrc_app.model import build_model
-    from feddifrc_app.targets import TeacherTargets
     from feddifrc_app.train import train_local
 
     n = 64 if c.dry else 5000
@@ -1008,7 +1008,7 @@ def section_h(c: Check) -> None:
     import flwr  # noqa: F401  a SKIP naming them when absent
     import ray  # noqa: F401
 
-    from feddifrc_app import cli
+    from feddifrc_app.tools import cli
 
     out = Path(tempfile.mkdtemp(prefix="feddifrc-gpu-check-sim-"))
     conf = out / "gpu-check.toml"

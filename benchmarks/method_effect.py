@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.run_config import app_defaults, load_app_config
-from feddifrc_app.sweep import Cell, Flower, Sweep, make_cells, run_sweep
+from feddifrc_app.tools.run_config import app_defaults, load_app_config
+from feddifrc_app.tools.sweep import Cell, Flower, Sweep, make_cells, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

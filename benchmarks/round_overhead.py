@@ -63,10 +63,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from feddifrc_app.config import load_config, load_node_config
-from feddifrc_app.dataset import client_split
+from feddifrc_app.data.dataset import client_split
+from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.model import build_model
-from feddifrc_app.projection import fit_federated_basis, stats_from_arrays
-from feddifrc_app.run_config import app_defaults
+from feddifrc_app.tools.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,10 +159,10 @@ def paper_scale(tmp: Path) -> dict[str, Any]:
 
 def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
-    from feddifrc_app.dataset import load_dataset
+    from feddifrc_app.data.dataset import load_dataset
     from feddifrc_app.diffusion.cache import FeatureStore
-    from feddifrc_app.prompts import teacher_prompts
-    from feddifrc_app.teacher import feature_set, teacher_spec
+    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
 
     data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
     prompts = teacher_prompts(cfg, data.class_names)

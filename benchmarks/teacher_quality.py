@@ -54,13 +54,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
+from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset
 from feddifrc_app.files import write_json
-from feddifrc_app.losses import tdcl_paper
-from feddifrc_app.projection import client_stats, clip_widths, fit_basis, fit_federated_basis, fuse
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.run_config import load_app_config
-from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.losses import tdcl_paper
+from feddifrc_app.methods.feddifrc.projection import (
+    client_stats,
+    clip_widths,
+    fit_basis,
+    fit_federated_basis,
+    fuse,
+)
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.tools.run_config import load_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +176,7 @@ def shifted(test, seed: int = 0):
     """The split with each image shifted as ``train_transform`` does (pad 4, random crop; no flip)."""
     import torchvision.transforms.v2.functional as TF
 
-    from feddifrc_app.dataset import CROP_PADDING, ImageData, fingerprint_of
+    from feddifrc_app.data.dataset import CROP_PADDING, ImageData, fingerprint_of
 
     g, p, size = torch.Generator().manual_seed(seed), CROP_PADDING, test.image_size
     imgs = torch.stack(

@@ -4,7 +4,7 @@ Message types:
 - ``query.setup``: who am I (partition id, size, label counts, teacher identity) and, once,
   the sufficient statistics of my pooled teacher features for the federated PCA basis.
 - ``train``: CE (+ TDCL + NDCR) local training of the received global model, plus what the
-  message asks of the node for a comparison method (``baselines``: FedProx, SCAFFOLD, MOON, ...).
+  message asks of the node for a comparison method (``methods``: FedProx, SCAFFOLD, MOON, ...).
 - ``evaluate``: loss and accuracy of the received global model on my held-out examples
   (``evaluate-holdout`` of my data, never trained on; only sent when fraction-evaluate > 0).
 """
@@ -21,16 +21,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from feddifrc_app import baselines, log, privacy
+from feddifrc_app import log, methods, privacy
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
-from feddifrc_app.dataset import ImageData, client_holdout, client_split, make_loader
+from feddifrc_app.data.dataset import ImageData, client_holdout, client_split, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
+from feddifrc_app.methods.feddifrc.projection import Basis
+from feddifrc_app.methods.feddifrc.targets import node_stats, node_targets
+from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 from feddifrc_app.model import load_weights
-from feddifrc_app.projection import Basis
 from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays, record_to_state, state_to_record
-from feddifrc_app.targets import node_stats, node_targets
-from feddifrc_app.teacher import teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -104,7 +104,7 @@ def train(msg: Message, context: Context) -> Message:
     seed = _seed(cfg, int(msg.content["config"]["server-round"]), node)
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
-    model = baselines.model_for(cfg, data.num_classes)
+    model = methods.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
 
     metrics: dict[str, float] = {}
@@ -120,8 +120,8 @@ def train(msg: Message, context: Context) -> Message:
         augment=cfg.train.augment,
         pin_memory=device.type == "cuda",
     )
-    # What the message asks of this node beyond plain training (the methods in baselines/).
-    halves = baselines.node_halves(msg, baselines.Node(cfg, data, ids, device, seed, context.state))
+    # What the message asks of this node beyond plain training (the methods in methods/).
+    halves = methods.node_halves(msg, methods.Node(cfg, data, ids, device, seed, context.state))
     train_metrics, buffers = train_local(
         model, loader, cfg, device, targets=targets, momentum_state=momentum, seed=seed, halves=halves
     )
@@ -164,7 +164,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     data, ids = client_holdout(cfg, node)
     if not len(ids):  # load_config refuses fraction-evaluate > 0 with none: a hand-made message
         raise ValueError("evaluate message, but evaluate-holdout = 0: this node holds out nothing")
-    model = baselines.model_for(cfg, data.num_classes)
+    model = methods.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))

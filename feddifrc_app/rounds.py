@@ -24,9 +24,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
-from feddifrc_app import baselines, log, metric_keys, privacy, privacy_accounting, report
+from feddifrc_app import log, methods, metric_keys, privacy, privacy_accounting
 from feddifrc_app.config import Config, strategy_settings
-from feddifrc_app.dataset import ImageData, load_dataset, make_loader
+from feddifrc_app.data.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
@@ -35,6 +35,7 @@ from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import BASIS, record_to_state, state_to_record
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
+from feddifrc_app.tools import report
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
 
 # A round in which no node returns a usable update (every node failed or timed out, or nothing
@@ -156,7 +157,7 @@ class RoundLoop:
             basis,
         )
         torch.manual_seed(cfg.seed)
-        self.model = baselines.model_for(cfg, num_classes)
+        self.model = methods.model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
         self.federated = FederatedEvaluation(cfg, fed, self.strategy)
         self.first = 1
@@ -244,7 +245,7 @@ class RoundLoop:
             self.fed.wait_for_nodes()
             chosen = self.fed.sample(rnd)
         # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
-        config = ConfigRecord(baselines.train_config(self.cfg))
+        config = ConfigRecord(methods.train_config(self.cfg))
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:

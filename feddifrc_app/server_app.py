@@ -9,16 +9,17 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, privacy, privacy_accounting, report
+from feddifrc_app import log, privacy, privacy_accounting
 from feddifrc_app.config import Config, load_config
-from feddifrc_app.dataset import ImageData, load_dataset, load_validation
+from feddifrc_app.data.dataset import ImageData, load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
+from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 from feddifrc_app.rounds import CentralEvaluator, RoundLoop, record_end
+from feddifrc_app.tools import report
 
 app = ServerApp()
 

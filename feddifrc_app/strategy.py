@@ -2,7 +2,7 @@
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
 FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg) and the baselines'
-server halves that Flower lacks (``baselines/``: SCAFFOLD, FedNova; FedNH for
+server halves that Flower lacks (``methods/``: SCAFFOLD, FedNova; FedNH for
 ``method = "fednh"``); their hyper-parameters are ``strategy.*`` config keys with Flower's
 defaults. Minimum node counts are derived from the number of connected partitions so that a
 run never waits forever for nodes that do not exist. The strategy's state (server momentum,
@@ -33,11 +33,11 @@ from flwr.serverapp.strategy import (
 )
 
 from feddifrc_app import privacy
-from feddifrc_app.baselines.fednh import FedNH
-from feddifrc_app.baselines.fednova import A_KEY as FEDNOVA_A
-from feddifrc_app.baselines.fednova import FedNova
-from feddifrc_app.baselines.scaffold import Scaffold
 from feddifrc_app.config import Config, ConfigError, robust_aggregation_error, sampled_per_round
+from feddifrc_app.methods.fednh import FedNH
+from feddifrc_app.methods.fednova import A_KEY as FEDNOVA_A
+from feddifrc_app.methods.fednova import FedNova
+from feddifrc_app.methods.scaffold import Scaffold
 
 
 def nodes_per_round(cfg: Config, num_nodes: int) -> int:

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from feddifrc_app import losses
 from feddifrc_app.config import Config, LossConfig
-from feddifrc_app.dataset import clean_batch
+from feddifrc_app.data.dataset import clean_batch
+from feddifrc_app.methods.feddifrc import losses
 
 if TYPE_CHECKING:  # only the types: training never touches the teacher or Flower itself
-    from feddifrc_app.baselines import NodeHalf
-    from feddifrc_app.targets import TeacherTargets
+    from feddifrc_app.methods import NodeHalf
+    from feddifrc_app.methods.feddifrc.targets import TeacherTargets
 
 
 class DivergedError(FloatingPointError):
@@ -65,7 +65,7 @@ def train_local(
     """Run ``cfg.train.local_epochs`` epochs of SGD on ``loader`` (items: x, y, dataset index).
 
     Loss = CE (unless self-supervised) + tdcl_weight * TDCL + ndcr_weight * NDCR, plus the
-    ``term`` of every method's node half (``baselines.NodeHalf``: FedProx, MOON), whose
+    ``term`` of every method's node half (``methods.NodeHalf``: FedProx, MOON), whose
     ``before_step`` runs between backward and the optimiser step (SCAFFOLD's correction).
     Returns (metrics averaged over samples, plus ``local-steps``; SGD momentum buffers by name).
     """

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from feddifrc_app.config import Config, load_config
-from feddifrc_app.run_config import app_defaults
+from feddifrc_app.tools.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 

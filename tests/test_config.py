@@ -15,7 +15,7 @@ from feddifrc_app.config import (
     load_node_config,
     resolve_cache_dir,
 )
-from feddifrc_app.run_config import load_app_config, parse_run_config
+from feddifrc_app.tools.run_config import load_app_config, parse_run_config
 
 
 def test_defaults_load_and_round_trip():

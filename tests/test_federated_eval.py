@@ -14,9 +14,9 @@ from feddifrc_app.federated_eval import FederatedEvaluation, evaluation_row
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import state_to_record
-from feddifrc_app.report import format_nodes, format_table, plot_accuracy
 from feddifrc_app.results import Results
 from feddifrc_app.strategy import build_strategy
+from feddifrc_app.tools.report import format_nodes, format_table, plot_accuracy
 
 ON = dict(fraction_evaluate=1.0, evaluate_holdout=0.1)
 # node id -> (partition id, held-out examples, accuracy, loss)
@@ -64,7 +64,7 @@ class FakeFederation:
 
 
 def _arrays():
-    from feddifrc_app.baselines import model_for
+    from feddifrc_app.methods import model_for
 
     return state_to_record(model_for(make_config(method="fedavg"), 10).state_dict())
 

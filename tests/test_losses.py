@@ -1,4 +1,4 @@
-"""feddifrc_app.losses: hand-computed values on 1-3 samples with D = 2.
+"""feddifrc_app.methods.feddifrc.losses: hand-computed values on 1-3 samples with D = 2.
 
 Every expected number below is written out with math on python floats from
 cosines read off the chosen vectors, never by calling the formula under test.
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from feddifrc_app import losses
-from feddifrc_app.losses import (
+from feddifrc_app.methods.feddifrc import losses
+from feddifrc_app.methods.feddifrc.losses import (
     cosine_alignment,
     feddifrc_loss,
     ndcr_code,

@@ -25,12 +25,12 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
+from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.targets import TeacherTargets, build_targets, client_basis
-from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
 from feddifrc_app.train import train_local
 
 CHANCE = math.log(10)

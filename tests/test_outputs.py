@@ -12,8 +12,8 @@ from conftest import make_config
 
 from feddifrc_app.files import atomic_write, write_json
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.report import format_table, plot_accuracy, plot_label_distribution
 from feddifrc_app.results import Results, summarize
+from feddifrc_app.tools.report import format_table, plot_accuracy, plot_label_distribution
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):

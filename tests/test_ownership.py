@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, make_config
 
-from feddifrc_app import cli
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, release_folder
-from feddifrc_app.run_config import app_defaults
+from feddifrc_app.tools import cli
+from feddifrc_app.tools.run_config import app_defaults
 
 _HOLD = (
     "import sys; from pathlib import Path; from feddifrc_app.files import lock_folder; "
@@ -63,7 +63,7 @@ def test_a_folder_is_owned_by_one_live_process_and_freed_when_it_dies(tmp_path, 
 
 def test_a_live_run_directory_cannot_be_started_resumed_or_deleted(tmp_path, holder):
     from feddifrc_app.outputs import RunDir
-    from feddifrc_app.sweep import Cell, Sweep, SweepError
+    from feddifrc_app.tools.sweep import Cell, Sweep, SweepError
 
     cfg = make_config(outputs_dir=str(tmp_path / "runs"), run_name="defaults-s0")
     run_dir = tmp_path / "runs" / "defaults-s0"
@@ -109,7 +109,7 @@ def test_status_tells_a_dead_running_run_from_a_live_one(tmp_path, holder, capsy
 
 
 def test_ctrl_c_stops_the_cells_flower_run_before_the_sweep_exits(tmp_path, monkeypatch):
-    from feddifrc_app import sweep as sw
+    from feddifrc_app.tools import sweep as sw
 
     calls: list[list[str]] = []
 

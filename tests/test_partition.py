@@ -1,11 +1,11 @@
-"""feddifrc_app.partition: exact NID1 regression, coverage, determinism, long tail, NID2."""
+"""feddifrc_app.data.partition: exact NID1 regression, coverage, determinism, long tail, NID2."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from feddifrc_app import partition as P
+from feddifrc_app.data import partition as P
 
 # Regression target (the paper's published matrix): CIFAR-10 sized (10 classes x 5000), M=10,
 # alpha=0.05, seed=7, no long tail. Rows = clients, columns = classes.

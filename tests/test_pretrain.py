@@ -172,7 +172,7 @@ def test_the_training_resolution_is_recorded_and_checked_against_the_config(
     few_steps: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from feddifrc_app.diffusion.pipeline import teacher_resolution
-    from feddifrc_app.teacher import TeacherSpec, featurizer
+    from feddifrc_app.methods.feddifrc.teacher import TeacherSpec, featurizer
 
     assert teacher_resolution(str(few_steps), tmp_path) == 32
     assert teacher_resolution("tiny", tmp_path) == 16
@@ -316,7 +316,7 @@ def test_cli_pretrain_refuses_in_one_line_and_rewrites_its_own_folder(
 ) -> None:
     from conftest import ROOT
 
-    from feddifrc_app import cli
+    from feddifrc_app.tools import cli
 
     base = ["pretrain-teacher", "--app", str(ROOT), "--vae-steps", "0", "--unet-steps", "0", "--no-progress"]
     (tmp_path / "thesis").mkdir()

@@ -16,10 +16,10 @@ from feddifrc_app import privacy, privacy_accounting
 from feddifrc_app.config import ConfigError
 from feddifrc_app.privacy import Release
 from feddifrc_app.privacy_accounting import accounted_multiplier, epsilon, round_keys
-from feddifrc_app.report import privacy_line
 from feddifrc_app.results import Results
 from feddifrc_app.server_app import private_settings
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
+from feddifrc_app.tools.report import privacy_line
 
 
 class _Grid:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.decomposition import PCA
 
-from feddifrc_app.projection import (
+from feddifrc_app.methods.feddifrc.projection import (
     Basis,
     block_stats,
     client_stats,

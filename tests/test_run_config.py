@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT
 
-from feddifrc_app.run_config import RunConfigError, load_app_config, parse_run_config
+from feddifrc_app.tools.run_config import RunConfigError, load_app_config, parse_run_config
 
 
 def test_parse_run_config_pairs_exactly_like_flwr():

@@ -210,8 +210,8 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
     from conftest import make_config
     from flwr.app import ArrayRecord, Message, MetricRecord
 
-    from feddifrc_app.baselines import scaffold
     from feddifrc_app.federation import Federation
+    from feddifrc_app.methods import scaffold
     from feddifrc_app.outputs import RunDir
     from feddifrc_app.rounds import RoundLoop
 
@@ -371,11 +371,11 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
     is no validation split and every round's validation keys are None (results, reports: '-')."""
     from conftest import make_config
 
-    from feddifrc_app import baselines
-    from feddifrc_app.dataset import load_dataset, load_validation
-    from feddifrc_app.report import format_table
+    from feddifrc_app import methods
+    from feddifrc_app.data.dataset import load_dataset, load_validation
     from feddifrc_app.results import summarize
     from feddifrc_app.rounds import CentralEvaluator
+    from feddifrc_app.tools.report import format_table
 
     cfg = make_config(
         method="fedavg",
@@ -388,7 +388,7 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
     ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
     assert ev.device == torch.device("cpu") and ev.splits["val"] is None
     torch.manual_seed(0)
-    row = {"round": 1, **ev(baselines.model_for(cfg, test.num_classes))}
+    row = {"round": 1, **ev(methods.model_for(cfg, test.num_classes))}
     assert row["val-accuracy"] is None and row["val-loss"] is None
     assert row["test-accuracy"] in {k / 40 for k in range(41)} and row["test-loss"] > 0  # 40 test images
     s = summarize([row])

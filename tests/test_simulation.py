@@ -58,7 +58,7 @@ def test_feddifrc_simulation_end_to_end_and_warm_cache(flower_procs_own_ray, tmp
 
     # `feddifrc extract` with the run's config fills a cache under the same keys: a run on that
     # cache never loads the teacher and extracts nothing, in setup or in any round.
-    from feddifrc_app import cli
+    from feddifrc_app.tools import cli
 
     filled = tmp_path / "extracted"
     extract = ["extract", "--app", str(ROOT), "--cache-dir", str(filled), "--num-partitions", "2"]

@@ -9,10 +9,10 @@ import pytest
 from conftest import ROOT
 from simulation_runs import FED
 
-from feddifrc_app import cli
 from feddifrc_app.config import ConfigError
-from feddifrc_app.report import write_sweep_table
-from feddifrc_app.sweep import Cell, Sweep, SweepError, make_cells
+from feddifrc_app.tools import cli
+from feddifrc_app.tools.report import write_sweep_table
+from feddifrc_app.tools.sweep import Cell, Sweep, SweepError, make_cells
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
@@ -184,7 +184,7 @@ def test_table_of_a_sweep_with_no_finished_cell_says_so(tmp_path):
 
 
 def test_method_labels_drop_setting_tags_and_keep_other_grid_values():
-    from feddifrc_app.report import method_label
+    from feddifrc_app.tools.report import method_label
 
     assert method_label("conf/cifar10-nid1-a0.05-feddifrc-block-2-only.toml", {}) == "feddifrc-block-2-only"
     assert method_label("conf/cifar10-nid2-moon.toml", {}) == "moon"

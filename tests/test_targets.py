@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app import targets as tg
-from feddifrc_app.dataset import load_dataset
+from feddifrc_app.data.dataset import load_dataset
 from feddifrc_app.files import CorruptFile
-from feddifrc_app.projection import random_basis
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import feature_set, teacher_spec
+from feddifrc_app.methods.feddifrc import targets as tg
+from feddifrc_app.methods.feddifrc.projection import random_basis
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
 
 # ----------------------------------------------------------------------------- prepared targets on disk
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app import teacher
-from feddifrc_app.dataset import load_dataset
+from feddifrc_app.data.dataset import load_dataset
 from feddifrc_app.diffusion.cache import key_fields, key_from_fields
 from feddifrc_app.diffusion.family import vae_dtype
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import feature_set, featurizer, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc import teacher
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
 
 
 def test_cache_key_names_the_weights_never_their_folder(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.dataset import load_dataset
+from feddifrc_app.data.dataset import load_dataset
 from feddifrc_app.diffusion import pixart, sd, sd3, sdxl
 from feddifrc_app.diffusion.family import FamilyError, encode_image, read_family, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, to_unit_range
@@ -24,8 +24,8 @@ from feddifrc_app.diffusion.pipeline import (
     weights_hash,
 )
 from feddifrc_app.diffusion.tiny_zoo import build_tiny_zoo
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
 
 CPU = torch.device("cpu")
 PROMPTS = ("a photo of a zero", "a photo of a one", "")

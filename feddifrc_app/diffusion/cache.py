@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from feddifrc_app import log
+from feddifrc_app.data.partition import as_indices
 from feddifrc_app.files import CorruptFile, array_digest, atomic_write, read_archive, write_archive
-from feddifrc_app.partition import as_indices
 
 try:  # POSIX; elsewhere writers are not serialised (a lost merge only costs recomputation)
     import fcntl

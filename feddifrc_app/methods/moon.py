@@ -19,9 +19,9 @@ import torch
 from flwr.app import Message
 from torch import nn
 
-from feddifrc_app.baselines import Node, NodeHalf, model_for
 from feddifrc_app.config import Config
-from feddifrc_app.losses import moon_contrastive
+from feddifrc_app.methods import Node, NodeHalf, model_for
+from feddifrc_app.methods.feddifrc.losses import moon_contrastive
 from feddifrc_app.model import load_weights
 from feddifrc_app.records import record_to_state, state_to_record
 

@@ -38,10 +38,10 @@ from feddifrc_app.config import (
     resolve_path,
 )
 from feddifrc_app.results import Results
-from feddifrc_app.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
+from feddifrc_app.tools.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 
 if TYPE_CHECKING:  # torch-free at import: `feddifrc --help` stays fast
-    from feddifrc_app.teacher import FeatureSet
+    from feddifrc_app.methods.feddifrc.teacher import FeatureSet
 
 EXTRACT_CHUNK = 256  # images per cache write (one shard's worth): the resume granularity
 
@@ -110,7 +110,7 @@ def _split_ids(cfg: Config, data: Any, split: str, num_partitions: int, wanted: 
     n = len(data.labels)
     if split == "test":
         return np.arange(n, dtype=np.int64), "all"
-    from feddifrc_app.partition import partition_by_config
+    from feddifrc_app.data.partition import partition_by_config
 
     parts = partition_by_config(np.asarray(data.labels), num_partitions, cfg.partition, cfg.seed)
     chosen = list(range(num_partitions)) if wanted is None else wanted
@@ -144,12 +144,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
             "round; extracting the static (unconditioned) features only"
         )
 
-    from feddifrc_app.dataset import load_dataset
+    from feddifrc_app.data.dataset import load_dataset
     from feddifrc_app.device import DeviceError
     from feddifrc_app.diffusion.family import FamilyError
     from feddifrc_app.diffusion.pipeline import TeacherLoadError
-    from feddifrc_app.prompts import teacher_prompts
-    from feddifrc_app.teacher import feature_set, pooled_features, teacher_spec
+    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
 
     try:
         spec = teacher_spec(cfg, cache_dir)  # no network is built for this
@@ -220,7 +220,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    from feddifrc_app.dataset import DatasetUnavailableError, load_dataset
+    from feddifrc_app.data.dataset import DatasetUnavailableError, load_dataset
     from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
 
     try:
@@ -312,14 +312,14 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from feddifrc_app.dataset import PUBLIC_SPLIT, load_dataset
+    from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset
     from feddifrc_app.diffusion.pretrain import (
         OutFolderError,
         PretrainRecipe,
         check_out_folder,
         pretrain_teacher,
     )
-    from feddifrc_app.prompts import teacher_prompts
+    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 
     protected, out = [resolve_path(args.app, "--app")], resolve_path(args.out, "--out")
     try:  # before anything is loaded or trained
@@ -398,7 +398,7 @@ def _read_results(run_dir: Path) -> Results:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
-    from feddifrc_app.report import format_table, plot_accuracy
+    from feddifrc_app.tools.report import format_table, plot_accuracy
 
     run_dir = resolve_path(args.run_dir, "RUN_DIR")
     results = _read_results(run_dir)
@@ -585,8 +585,8 @@ def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> Non
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from feddifrc_app.report import write_sweep_table
-    from feddifrc_app.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
+    from feddifrc_app.tools.report import write_sweep_table
+    from feddifrc_app.tools.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
 
     if args.seeds < 1:
         raise CLIError(f"--seeds {args.seeds}: expected >= 1")
@@ -619,7 +619,7 @@ def _add_table(p: argparse.ArgumentParser) -> None:
 
 def cmd_table(args: argparse.Namespace) -> int:
     """table.md, table.csv and curves.png of a sweep folder; prints the markdown."""
-    from feddifrc_app.report import write_sweep_table
+    from feddifrc_app.tools.report import write_sweep_table
 
     out = resolve_path(args.sweep_dir, "SWEEP_DIR")
     if not (out / "sweep.json").is_file():

@@ -22,9 +22,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from feddifrc_app.baselines import Node, NodeHalf
 from feddifrc_app.config import Config
-from feddifrc_app.dataset import make_loader
+from feddifrc_app.data.dataset import make_loader
+from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights
 
 # server -> node config: "send your prototypes"; node -> server: {"scaled": (C, D), "counts": (C,)}

@@ -55,9 +55,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from feddifrc_app import log
 from feddifrc_app.config import Config, DatasetConfig, NodeConfig, PartitionConfig
+from feddifrc_app.data.partition import as_indices, partition_by_config
+from feddifrc_app.data.tiny_imagenet_names import TINY_IMAGENET_WORDS
 from feddifrc_app.files import atomic_write
-from feddifrc_app.partition import as_indices, partition_by_config
-from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_WORDS
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 PUBLIC_SPLIT = "public"  # mnist-5k only: the teacher's pretraining data, disjoint from train and test

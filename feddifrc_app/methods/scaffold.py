@@ -31,8 +31,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.baselines import Node, NodeHalf
-from feddifrc_app.baselines.fednova import normalising_factor
+from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.methods.fednova import normalising_factor
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic, record_to_state
 
 CONTROL = "scaffold-c"  # server -> node: the server control variate

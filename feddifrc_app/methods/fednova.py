@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.baselines import Node, NodeHalf
+from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
 A_KEY = "fednova-a"  # server -> node config: "report a_i"; node -> server metric: a_i

@@ -27,7 +27,7 @@ def teacher_prompts(
         negatives = tuple(cfg.ssl.negatives)
         if not negatives:
             if negative_pool is None:
-                from feddifrc_app.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES as negative_pool
+                from feddifrc_app.data.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES as negative_pool
             pool = tuple(negative_pool)
             if not pool:
                 raise ValueError("teacher_prompts: empty negative_pool for method 'feddifrc-ssl'")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Message
 
-from feddifrc_app.baselines import Node, NodeHalf
+from feddifrc_app.methods import Node, NodeHalf
 
 MU = "proximal-mu"  # server -> node (Flower's FedProx.configure_train): the term's weight
 

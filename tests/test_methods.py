@@ -8,8 +8,8 @@ import torch
 from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from feddifrc_app import baselines
-from feddifrc_app.baselines import fednh, fednova, scaffold
+from feddifrc_app import methods
+from feddifrc_app.methods import fednh, fednova, scaffold
 from feddifrc_app.strategy import build_strategy
 
 
@@ -71,7 +71,7 @@ def _scaffold_node_trains(s, rnd: int, state: RecordDict, step: float) -> Messag
     msg = next(
         iter(s.configure_train(rnd, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
     )
-    node = baselines.Node(
+    node = methods.Node(
         make_config(train__momentum=0.0, train__lr=0.5), None, None, torch.device("cpu"), 0, state
     )
     half = scaffold.node_half(msg, node)
@@ -165,7 +165,7 @@ def test_fednova_server_update_normalises_by_local_steps():
 
 
 def test_moon_contrastive_loss_by_hand():
-    from feddifrc_app.losses import moon_contrastive
+    from feddifrc_app.methods.feddifrc.losses import moon_contrastive
 
     z, z_glob, z_prev = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 3.0]])
     # cos = 1 (global), 0 (previous); tau = 0.5 -> logits [2, 0]; -log(e^2 / (e^2 + 1)) = log(1 + e^-2)
@@ -175,8 +175,8 @@ def test_moon_contrastive_loss_by_hand():
 
 
 def test_moon_term_is_mu_times_the_loss_of_frozen_reference_models():
-    from feddifrc_app.baselines import moon
-    from feddifrc_app.losses import moon_contrastive
+    from feddifrc_app.methods import moon
+    from feddifrc_app.methods.feddifrc.losses import moon_contrastive
     from feddifrc_app.model import build_model
 
     torch.manual_seed(0)
@@ -235,7 +235,7 @@ def test_fednh_server_smoothing_by_hand():
 def test_fednh_defaults_follow_fednh_code_for_a_resnet_head():
     """Yutong-Dai/FedNH: ResNetModNH starts ``scaling`` at 20 (its small CNN at 1) and every local
     step runs ``clip_grad_norm_(trainable parameters, max_norm=10)``."""
-    from feddifrc_app.baselines import model_for
+    from feddifrc_app.methods import model_for
 
     cfg = make_config(method="fednh", strategy__name="fedavg")
     assert (cfg.fednh.scale, cfg.fednh.max_grad_norm) == (20.0, 10.0)
@@ -247,7 +247,7 @@ def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
     model.bias.requires_grad_(False)
     model.weight.grad = torch.full((2, 2), 30.0)  # norm 60
     model.bias.grad = torch.full((2,), 7.0)  # frozen (as the prototypes are): untouched
-    node = baselines.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
+    node = methods.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
     fednh.Prototypes(node).before_step(model)
     assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
     torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
@@ -263,7 +263,7 @@ NEW_METHOD = '''
 """A method that exists only in this file: a weighted mean-square embedding term."""
 from flwr.app import ConfigRecord
 
-from feddifrc_app.baselines import NodeHalf
+from feddifrc_app.methods import NodeHalf
 
 KEY = "demo-weight"
 
@@ -293,24 +293,24 @@ def node_half(msg, node):
 
 
 def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
-    """docs/architecture.md, "Add a method": its module in baselines/ is all the server and the
+    """docs/architecture.md, "Add a method": its module in methods/ is all the server and the
     ClientApp need (a config section and defaults only for keys of its own); nothing names it."""
     import sys
 
     from conftest import default_run_config
     from flwr.app import Context
 
-    from feddifrc_app import baselines, client_app
+    from feddifrc_app import client_app, methods
     from feddifrc_app.model import build_model
     from feddifrc_app.records import state_to_record
 
     (tmp_path / "demo.py").write_text(NEW_METHOD)
-    monkeypatch.setattr(baselines, "__path__", [*baselines.__path__, str(tmp_path)])
-    monkeypatch.delitem(sys.modules, "feddifrc_app.baselines.demo", raising=False)
-    baselines.modules.cache_clear()
+    monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "feddifrc_app.methods.demo", raising=False)
+    methods.modules.cache_clear()
     try:
         rc = default_run_config(method="fedavg", dataset__train_limit=40, train__device="cpu")
-        sent = baselines.train_config(make_config(method="fedavg"))  # the server half
+        sent = methods.train_config(make_config(method="fedavg"))  # the server half
         assert sent == {"demo-weight": 0.5}
         content = RecordDict(
             {
@@ -331,5 +331,5 @@ def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
         assert m["train-demo"] > 0 and m["demo-finished"] == 1.0  # its term and its reply metric
         assert reply.content["demo-record"]["seen"] is True  # its own record in the reply
     finally:
-        baselines.modules.cache_clear()
-        sys.modules.pop("feddifrc_app.baselines.demo", None)
+        methods.modules.cache_clear()
+        sys.modules.pop("feddifrc_app.methods.demo", None)

@@ -44,11 +44,11 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.dataset import ImageData, eval_transform
+from feddifrc_app.data.dataset import ImageData, eval_transform
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
-from feddifrc_app.projection import (
+from feddifrc_app.methods.feddifrc.projection import (
     Basis,
     client_stats,
     clip_widths,
@@ -59,8 +59,8 @@ from feddifrc_app.projection import (
     random_basis,
     stats_to_arrays,
 )
-from feddifrc_app.prompts import teacher_prompts
-from feddifrc_app.teacher import (
+from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import (
     FeatureSet,
     TeacherSpec,
     feature_set,

@@ -29,7 +29,7 @@ from typing import Any
 from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summary_text
-from feddifrc_app.run_config import parse_run_config
+from feddifrc_app.tools.run_config import parse_run_config
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -296,7 +296,7 @@ class Sweep:
     def finished(self, cell: Cell, cfg: Config) -> Results | None:
         if self.stale(cell, cfg):
             return None
-        from feddifrc_app.report import completed_results
+        from feddifrc_app.tools.report import completed_results
 
         r, _ = completed_results(self.runs / cell.name, cfg.num_server_rounds)
         return r

@@ -1,0 +1,1 @@
+"""FedDifRC: the diffusion teacher's targets (TDCL + NDCR) and the federated basis."""

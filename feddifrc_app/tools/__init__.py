@@ -1,0 +1,1 @@
+"""Tools around the app: the feddifrc CLI, sweeps, reports, run-config helpers."""
