@@ -24,9 +24,9 @@ from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.data.dataset import clean_batch, client_split, eval_transform, make_loader
 from feddifrc_app.methods import fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
+from feddifrc_app.methods.feddifrc.fused import TeacherTargets
 from feddifrc_app.methods.feddifrc.projection import fuse
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.targets import TeacherTargets
 from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
 from feddifrc_app.train import linear_probe, train_local

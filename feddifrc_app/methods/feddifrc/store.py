@@ -1,0 +1,177 @@
+"""A client's prepared (fused) targets, kept so that no process re-fuses what a key can reuse.
+
+Kept twice: in this process (``PREPARED``, least recently used first out) and on disk beside the
+feature cache, so that a new process (a deployment starts one per message) loads one small
+verified file instead of re-reading and re-fusing every shard::
+
+    <cache_dir>/targets/<key>.npz     key = sha256 of everything the targets depend on
+
+A verified array file (``files.write_archive``): ``header`` (format, version, key, n,
+``members`` {name: [dtype, shape]}, sha256), ``ids`` (int64, the client's dataset ids in
+order), ``prompt_reps`` float32 (n, K, D) and/or ``ndcr`` float32 (n, D), and the basis they
+were fused with (``basis.*``, ``Basis.to_arrays``). ``sha256`` covers every member but the
+header, in name order. A file that fails any check is logged, never used, and rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from feddifrc_app import log
+from feddifrc_app.config import Config
+from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
+from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
+from feddifrc_app.methods.feddifrc.projection import Basis
+
+
+class _Prepared:
+    """A client's static targets, kept per process and keyed by everything they are computed from.
+
+    A simulation actor serves the same partitions round after round; without this it re-read
+    the client's cached features (at CIFAR-10 scale ~2.5 GB of shards) and fused them every
+    round. Least recently used entries go first once ``budget`` bytes are held. A new process
+    finds them on disk instead (``client_targets``).
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.items = budget, OrderedDict[str, tuple[TeacherTargets, Basis | None]]()
+
+    def get(self, key: str) -> tuple[TeacherTargets, Basis | None] | None:
+        if key in self.items:
+            self.items.move_to_end(key)
+        return self.items.get(key)
+
+    def put(self, key: str, value: tuple[TeacherTargets, Basis | None]) -> None:
+        self.items[key] = value
+        while len(self.items) > 1 and sum(t.nbytes for t, _ in self.items.values()) > self.budget:
+            self.items.popitem(last=False)
+
+
+PREPARED = _Prepared(budget=2 << 30)
+
+TARGETS_FORMAT = "feddifrc-targets"
+TARGETS_VERSION = 1  # bump when fusion or this layout changes: old files then stop matching any key
+# Bytes of prepared-target files kept per cache folder (a paper-scale CIFAR-10 client: ~110 MB);
+# the least recently used go first, the one just written always stays.
+TARGETS_DISK_BUDGET = 4 << 30
+
+
+def _members(targets: TeacherTargets, ids: np.ndarray, basis: Basis) -> dict[str, np.ndarray]:
+    out = {"ids": ids, **basis.to_arrays()}
+    if targets.prompt_reps is not None:
+        out["prompt_reps"] = targets.prompt_reps.numpy()
+    if targets.ndcr is not None:
+        out["ndcr"] = targets.ndcr.numpy()
+    return out
+
+
+def _digest(members: dict[str, np.ndarray]) -> str:
+    return array_digest((f"|{k}|", members[k]) for k in sorted(members))
+
+
+def save_prepared(path: Path, key: str, ids: np.ndarray, targets: TeacherTargets, basis: Basis) -> None:
+    """Write a client's prepared targets to ``path`` atomically (readers see the old file or this one)."""
+    members = _members(targets, ids, basis)
+    header = {
+        "format": TARGETS_FORMAT,
+        "version": TARGETS_VERSION,
+        "key": key,
+        "n": int(len(ids)),
+        "members": {k: [a.dtype.str, list(a.shape)] for k, a in sorted(members.items())},
+        "sha256": _digest(members),
+    }
+    write_archive(path, header, members)
+
+
+def load_prepared(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis]:
+    """The targets ``save_prepared`` wrote for ``key`` and ``ids``; ``CorruptFile`` (the reason)
+    unless every check holds, ``FileNotFoundError`` if there is none."""
+    header, members = read_archive(path)
+    if header.get("format") != TARGETS_FORMAT or header.get("version") != TARGETS_VERSION:
+        raise CorruptFile(f"format {header.get('format')!r} v{header.get('version')!r}")
+    if header.get("key") != key:
+        raise CorruptFile(f"belongs to key {str(header.get('key'))[:12]}..., not {key[:12]}...")
+    listed = header.get("members")
+    if not isinstance(listed, dict) or set(listed) != set(members):
+        raise CorruptFile(f"members {sorted(members)}, header lists {listed!r}")
+    for k, a in members.items():
+        if [a.dtype.str, list(a.shape)] != listed[k]:
+            raise CorruptFile(f"{k}: {a.dtype.str} {list(a.shape)}, header says {listed[k]}")
+    n = len(ids)
+    if header.get("n") != n or not np.array_equal(members.get("ids"), ids):
+        raise CorruptFile(f"prepared for other images (n = {header.get('n')}, this client has {n})")
+    reps, ndcr = members.get("prompt_reps"), members.get("ndcr")
+    if (reps is None and ndcr is None) or any(a is not None and a.shape[0] != n for a in (reps, ndcr)):
+        raise CorruptFile("no targets, or not one row per image")
+    if _digest(members) != header.get("sha256"):
+        raise CorruptFile("checksum mismatch")
+    try:
+        basis = Basis.from_arrays(members)
+    except ValueError as e:
+        raise CorruptFile(f"basis: {e}") from None
+    reps, ndcr = (None if a is None else torch.from_numpy(a) for a in (reps, ndcr))
+    return TeacherTargets(rows=target_rows(ids), prompt_reps=reps, ndcr=ndcr), basis
+
+
+def _evict(folder: Path, keep: Path, budget: int) -> None:
+    """Remove the least recently used target files beyond ``budget`` bytes (never ``keep``), and the
+    temp files of writers killed mid-write."""
+    for p in dead_temp_files(folder):
+        p.unlink(missing_ok=True)
+    files = []
+    for p in folder.glob("*.npz"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # another process evicted it
+            continue
+        files.append((p != keep, -st.st_mtime_ns, st.st_size, p))
+    total = 0
+    for others, _, size, p in sorted(files):  # `keep` first, then newest first
+        total += size
+        if others and total > budget:
+            p.unlink(missing_ok=True)
+            log.info("prepared targets: removed %s (least recently used; %d bytes kept at most)", p, budget)
+
+
+def _stored(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis] | None:
+    """This client's targets from disk, or None when there are none or they do not check (logged)."""
+    try:
+        t0 = time.perf_counter()
+        out = load_prepared(path, key, ids)
+    except FileNotFoundError:
+        return None
+    except CorruptFile as e:
+        log.warning(
+            "prepared targets: %s is invalid (%s); preparing them again from the feature cache", path, e
+        )
+        return None
+    with contextlib.suppress(OSError):  # a read-only cache: eviction may then pick it sooner, no more
+        os.utime(path)  # recently used: eviction keeps it
+    log.info(
+        "prepared targets: loaded %s (%d images) in %.2fs", path.name, len(ids), time.perf_counter() - t0
+    )
+    return out
+
+
+def targets_key(
+    cfg: Config, feature_key: str, ids: np.ndarray, server_basis: Basis | None, num_prompts_tdcl: int
+) -> str:
+    """sha256 of everything a client's prepared targets depend on: the feature key (teacher weights,
+    dtype, prompts, dataset, ...), the basis (the server's by fingerprint, else how it is derived),
+    the client's ids in order, the terms that are kept, the fused widths and the stored format."""
+    d, loss = cfg.diffusion, cfg.loss
+    h = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes())
+    basis_id = server_basis.fingerprint() if server_basis is not None else f"{d.projection}|{cfg.seed}"
+    h.update(
+        f"|{feature_key}|{basis_id}|{num_prompts_tdcl}|{loss.tdcl_weight > 0}|{loss.ndcr_weight > 0}".encode()
+    )
+    h.update(f"|{d.channels}|{cfg.embedding_dim}|{TARGETS_FORMAT}-v{TARGETS_VERSION}|float32".encode())
+    return h.hexdigest()
