@@ -863,3 +863,96 @@ def test_a_damaged_mnist5k_cache_is_named_and_rebuilt(
     with np.load(path, allow_pickle=False) as z:  # rewritten whole
         assert np.array_equal(z["images"], images)
     _mnist5k_arrays.cache_clear()
+
+
+# =========================================================================== pinned values
+# Computed on the code before the data package was split into modules: a refactor must not move
+# them (fingerprints key the feature cache; decoded-cache names and members are read back across
+# versions; partitions and loader order decide every training number).
+
+
+def test_pinned_digits_and_mnist5k_fingerprints() -> None:
+    want = {
+        "train": "6d061aa340d0e58f2df4abf8fe452f44",
+        "val": "9c50be9386e06ede30cc898ef3da8eb7",
+        "test": "835cc62ae014d41dbb11baff7ed1eebc",
+    }
+    assert {s: load_dataset(dcfg(), s).fingerprint for s in want} == want
+    assert (
+        load_dataset(dcfg(train_limit=100), "train", seed=1).fingerprint == "815b51ed47948ed990cf8d0bdd664081"
+    )
+    mnist = {
+        "public": "b360397527d843b80027cd9324c89998",
+        "train": "3db897e5255de5ee0557de6f5c6324f5",
+        "val": "1718c7a9103b98a352703ca66b8abe95",
+        "test": "a52c6e11036e645d7449a1a372d704c0",
+    }
+    assert {s: load_dataset(mnist_cfg(), s).fingerprint for s in mnist} == mnist
+
+
+def test_pinned_dirichlet_shares_for_seed_7() -> None:
+    import hashlib
+
+    cfg = make_config(dataset__train_limit=300, partition__name="dirichlet", partition__alpha=0.5)
+    assert cfg.seed == 7
+    got = []
+    for pid in range(3):
+        ids = client_split(cfg, load_node_config({"partition-id": pid, "num-partitions": 3}))[1]
+        got.append((len(ids), ids[:5].tolist(), hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16]))
+    assert got == [
+        (100, [0, 2, 3, 4, 6], "980f51532666eb54"),
+        (100, [1, 7, 8, 12, 13], "596462354d6914d7"),
+        (100, [5, 9, 17, 18, 21], "deb997648e7dcb6c"),
+    ]
+
+
+def test_pinned_loader_order_and_augmentation_for_seed_5(digits_train: ImageData) -> None:
+    batches = _batches(make_loader(digits_train, np.arange(0, 200, 2), train=True, batch_size=32, seed=5))
+    assert batches[0][2].tolist() == [
+        134, 8, 72, 28, 40, 136, 156, 178, 150, 4, 162, 154, 196, 74, 42, 140,
+        198, 68, 186, 104, 38, 180, 96, 36, 86, 158, 82, 44, 128, 146, 70, 48,
+    ]  # fmt: skip
+    sums = [float(x.double().sum()) for x, _, _ in batches]
+    assert sums == pytest.approx(
+        [-6215.426171598636, -8792.021453076362, -3818.483646755456, -614.3051615941222]
+    )
+
+
+def test_pinned_decoded_cache_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """File names, members, keys and digests of the decoded caches: torchvision CIFAR, the Hub, mnist-5k."""
+    from datasets import ClassLabel, Features
+    from datasets import Image as HFImage
+
+    tv, hub = tmp_path / "tv", tmp_path / "hub"
+    _write_torchvision_cifar10(tv, monkeypatch)
+    assert load_dataset(dcfg(name="cifar10", data_dir=str(tv)), "train").fingerprint == (
+        "2469e17ac0429887d287d6891045cff6"
+    )
+    feats = Features({"img": HFImage(), "label": ClassLabel(names=CIFAR10_NAMES)})
+    _write_hf_cache(
+        hub, "uoft-cs/cifar10", feats, {"test": {"img": [_solid(3), _solid(200)], "label": [9, 4]}}
+    )
+    assert load_dataset(dcfg(name="cifar10", data_dir=str(hub)), "test").fingerprint == (
+        "528f3260c5bf82b5aa5e394b81fc556a"
+    )
+    members = ["class_names", "fingerprint", "images", "key", "labels"]
+    tv_file, hub_file = "cifar10-train-32px-ee59865b.npz", "cifar10-test-32px-bc40ea07.npz"
+    for path, source, digest in (
+        (
+            tv / "feddifrc-decoded" / tv_file,
+            "torchvision:cifar-10-batches-py",
+            "ab98cd6d4a5b7a5e59f02da5e0e5ae51",
+        ),
+        (hub / "feddifrc-decoded" / hub_file, "hub:uoft-cs/cifar10:test", "528f3260c5bf82b5aa5e394b81fc556a"),
+    ):
+        split = "train" if source.startswith("torchvision") else "test"
+        with np.load(path, allow_pickle=False) as z:
+            assert sorted(z.files) == members and z["class_names"].tolist() == CIFAR10_NAMES
+            assert str(z["key"]) == (
+                f'{{"name": "cifar10", "size": 32, "source": "{source}", "split": "{split}", "v": 1}}'
+            )
+            assert str(z["fingerprint"]) == digest
+    load_dataset(mnist_cfg(), "test")
+    with np.load(Path(mnist_cfg().data_dir) / "feddifrc-decoded" / "mnist-5k-v1-seed0.npz") as z:
+        assert sorted(z.files) == ["digest", "images", "labels", "public", "test", "train"]
+        assert str(z["digest"]) == "d28eb621b6e4cf85a594b6c994c3333c561e034fa39fabbd23779e115c0f8d56"
