@@ -812,7 +812,9 @@ def section_f(c: Check) -> None:
     import torchvision  # noqa: F401  the loader's transforms: a SKIP naming it when absent
 
     from feddifrc_app.config import load_config
-    from feddifrc_app.data.dataset import CIFAR10_STATS, ImageData, make_loader
+    from feddifrc_app.data.images import ImageData
+    from feddifrc_app.data.loader import make_loader
+    from feddifrc_app.data.sources.hub import CIFAR10_STATS
     from feddifrc_app.methods.feddifrc.targets import TeacherTargets
     from feddifrc_app.model import build_model
     from feddifrc_app.train import train_local

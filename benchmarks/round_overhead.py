@@ -63,7 +63,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from feddifrc_app.config import load_config, load_node_config
-from feddifrc_app.data.dataset import client_split
+from feddifrc_app.data.shares import client_split
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.model import build_model
 from feddifrc_app.tools.run_config import app_defaults
@@ -159,7 +159,7 @@ def paper_scale(tmp: Path) -> dict[str, Any]:
 
 def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
-    from feddifrc_app.data.dataset import load_dataset
+    from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.cache import FeatureStore
     from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
     from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec

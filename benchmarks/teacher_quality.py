@@ -54,7 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset
+from feddifrc_app.data.images import PUBLIC_SPLIT
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import write_json
 from feddifrc_app.methods.feddifrc.losses import tdcl_paper
 from feddifrc_app.methods.feddifrc.projection import (
@@ -176,7 +177,8 @@ def shifted(test, seed: int = 0):
     """The split with each image shifted as ``train_transform`` does (pad 4, random crop; no flip)."""
     import torchvision.transforms.v2.functional as TF
 
-    from feddifrc_app.data.dataset import CROP_PADDING, ImageData, fingerprint_of
+    from feddifrc_app.data.images import ImageData, fingerprint_of
+    from feddifrc_app.data.transforms import CROP_PADDING
 
     g, p, size = torch.Generator().manual_seed(seed), CROP_PADDING, test.image_size
     imgs = torch.stack(

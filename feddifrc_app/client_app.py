@@ -23,7 +23,9 @@ from flwr.clientapp import ClientApp
 
 from feddifrc_app import log, methods, privacy
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
-from feddifrc_app.data.dataset import ImageData, client_holdout, client_split, make_loader
+from feddifrc_app.data.images import ImageData
+from feddifrc_app.data.loader import make_loader
+from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.methods.feddifrc.projection import Basis

@@ -26,7 +26,9 @@ from flwr.supercore.run import RunNotRunningException
 
 from feddifrc_app import log, methods, metric_keys, privacy, privacy_accounting
 from feddifrc_app.config import Config, strategy_settings
-from feddifrc_app.data.dataset import ImageData, load_dataset, make_loader
+from feddifrc_app.data.images import ImageData
+from feddifrc_app.data.loader import make_loader
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop

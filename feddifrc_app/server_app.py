@@ -11,7 +11,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from feddifrc_app import log, privacy, privacy_accounting
 from feddifrc_app.config import Config, load_config
-from feddifrc_app.data.dataset import ImageData, load_dataset, load_validation
+from feddifrc_app.data.images import ImageData
+from feddifrc_app.data.registry import load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from feddifrc_app.config import Config, LossConfig
-from feddifrc_app.data.dataset import clean_batch
+from feddifrc_app.data.loader import clean_batch
 from feddifrc_app.methods.feddifrc import losses
 
 if TYPE_CHECKING:  # only the types: training never touches the teacher or Flower itself

@@ -58,7 +58,7 @@ def test_extract_fedavg_needs_no_teacher(capsys):
 def test_fetch_names_the_teacher_weights_and_dataset_splits_and_fails_offline_in_one_line(
     tmp_path, capsys, monkeypatch
 ):
-    from feddifrc_app.data.dataset import load_dataset
+    from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.pipeline import teacher_identity
 
     assert cli.main(["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path)]) == 0
@@ -185,7 +185,7 @@ def test_status_lists_runs_with_progress_and_failures(tmp_path, capsys):
 
 
 def test_fetch_with_a_truncated_mnist5k_cache_rebuilds_it_without_a_traceback(tmp_path, capsys, caplog):
-    from feddifrc_app.data.dataset import _mnist5k_arrays
+    from feddifrc_app.data.sources.digits import _mnist5k_arrays
 
     argv = ["fetch", "--app", str(ROOT), "--split", "test"]
     argv += ["--run-config", f"method='fedavg' dataset.data-dir='{tmp_path}'"]

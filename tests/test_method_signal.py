@@ -25,7 +25,10 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
+from feddifrc_app.data.holdouts import stratified_subset
+from feddifrc_app.data.images import PUBLIC_SPLIT
+from feddifrc_app.data.loader import make_loader
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis

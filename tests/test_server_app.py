@@ -372,7 +372,7 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
     from conftest import make_config
 
     from feddifrc_app import methods
-    from feddifrc_app.data.dataset import load_dataset, load_validation
+    from feddifrc_app.data.registry import load_dataset, load_validation
     from feddifrc_app.results import summarize
     from feddifrc_app.rounds import CentralEvaluator
     from feddifrc_app.tools.report import format_table

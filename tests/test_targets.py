@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.data.dataset import load_dataset
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import CorruptFile
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.data.dataset import load_dataset
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.cache import key_fields, key_from_fields
 from feddifrc_app.diffusion.family import vae_dtype
 from feddifrc_app.diffusion.pipeline import teacher_identity

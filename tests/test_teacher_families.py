@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_config
 
-from feddifrc_app.data.dataset import load_dataset
+from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion import pixart, sd, sd3, sdxl
 from feddifrc_app.diffusion.family import FamilyError, encode_image, read_family, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, to_unit_range

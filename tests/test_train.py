@@ -21,7 +21,9 @@ from conftest import make_config
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from feddifrc_app.config import Config, load_node_config
-from feddifrc_app.data.dataset import clean_batch, client_split, eval_transform, make_loader
+from feddifrc_app.data.loader import clean_batch, make_loader
+from feddifrc_app.data.shares import client_split
+from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.methods import fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets

@@ -9,7 +9,7 @@ Each value is the FIRST lemma of the synset's line in Tiny-ImageNet's ``words.tx
 (``n01443537  goldfish, Carassius auratus`` -> ``goldfish``), unchanged, so a few are terse
 ImageNet lemmas ("teddy", "monarch", "brass" = a memorial plaque). 18 wnids are homonym synsets
 of an ImageNet-1k class with the same lemma (n07646821 "goose" is the food synset); the lemma
-is what the images show. tests/test_dataset.py checks the table against torchvision's
+is what the images show. tests/test_data_tiny_imagenet_names.py checks the table against torchvision's
 ImageNet-1k categories.
 """
 

@@ -31,7 +31,7 @@ from feddifrc_app.config import Config
 from feddifrc_app.model import build_model
 
 if TYPE_CHECKING:
-    from feddifrc_app.data.dataset import ImageData
+    from feddifrc_app.data.images import ImageData
 
 
 @dataclass(frozen=True)

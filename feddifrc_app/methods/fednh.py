@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from feddifrc_app.config import Config
-from feddifrc_app.data.dataset import make_loader
+from feddifrc_app.data.loader import make_loader
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights
 

@@ -144,7 +144,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
             "round; extracting the static (unconditioned) features only"
         )
 
-    from feddifrc_app.data.dataset import load_dataset
+    from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.device import DeviceError
     from feddifrc_app.diffusion.family import FamilyError
     from feddifrc_app.diffusion.pipeline import TeacherLoadError
@@ -220,7 +220,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    from feddifrc_app.data.dataset import DatasetUnavailableError, load_dataset
+    from feddifrc_app.data.images import DatasetUnavailableError
+    from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
 
     try:
@@ -312,7 +313,8 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset
+    from feddifrc_app.data.images import PUBLIC_SPLIT
+    from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.pretrain import (
         OutFolderError,
         PretrainRecipe,

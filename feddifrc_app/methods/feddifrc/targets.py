@@ -28,7 +28,8 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.data.dataset import ImageData, eval_transform
+from feddifrc_app.data.images import ImageData
+from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows

@@ -29,7 +29,7 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.data.dataset import ImageData
+from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import (
     CacheStats,

@@ -1,0 +1,90 @@
+"""data.sources.image_folder: class-per-folder images, with and without split folders, test-only
+folders (the server's), the federation's class list, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from data_helpers import COLOURS, _png, dcfg
+
+from feddifrc_app.data.images import DatasetUnavailableError
+from feddifrc_app.data.registry import load_dataset, load_validation
+from feddifrc_app.data.sources.image_folder import image_folder_classes
+
+
+def test_image_folder_without_split_folders(tmp_path: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(5):
+            _png(tmp_path / cls / f"{k}.png", rgb)
+    (tmp_path / "cat" / "notes.txt").write_text("not an image")
+    (tmp_path / ".hidden").mkdir()
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
+    assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
+    assert tr.class_names == ["cat", "dog house", "zebra"]
+    va = load_dataset(cfg, "val")
+    assert (len(tr), len(va), len(te)) == (11, 1, 3)  # 15 images: 3 test, then round(0.1 * 12) val
+    assert np.bincount(te.labels).tolist() == [1, 1, 1]
+    for d in (tr, te):
+        assert d.images.shape[1:] == (3, 8, 8)  # non-square 10x6 -> 8x8 (shorter side, centre crop)
+        for img, y in zip(d.images, d.labels, strict=True):
+            want = torch.tensor(COLOURS[["cat", "dog_house", "zebra"][y]], dtype=torch.uint8)
+            assert torch.equal(img[:, 4, 4], want)
+    assert load_dataset(cfg, "test").fingerprint == te.fingerprint
+
+
+def test_image_folder_with_split_folders(tmp_path: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(3):
+            _png(tmp_path / "train" / cls / f"{k}.png", rgb, (8, 8))
+    _png(tmp_path / "val" / "zebra" / "a.jpg", COLOURS["zebra"], (8, 8))
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    tr, te = load_dataset(cfg, "train"), load_dataset(cfg, "test")
+    assert (len(tr), len(load_dataset(cfg, "val")), len(te)) == (8, 1, 1)  # val: round(0.1 * 9) of train/
+    assert te.class_names == tr.class_names and te.labels.tolist() == [2]  # label from train's class list
+    assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]
+    # a node's own folder numbered by the federation's class list (here it lacks "cat" and adds "auk")
+    fed = load_dataset(dataclasses.replace(cfg, classes=("auk", "cat", "dog_house", "zebra")), "train")
+    assert fed.class_names == ["auk", "cat", "dog house", "zebra"]
+    assert sorted(set(fed.labels.tolist())) == [1, 2, 3]
+    with pytest.raises(ValueError, match="'zebra' is not one of the classes"):
+        load_dataset(dataclasses.replace(cfg, classes=("cat", "dog_house")), "train")
+    _png(tmp_path / "val" / "unicorn" / "a.png", (1, 2, 3))
+    with pytest.raises(ValueError, match="unicorn"):
+        load_dataset(cfg, "test")
+
+
+def test_a_folder_holding_only_test_is_the_servers_test_set(tmp_path: Path, caplog) -> None:
+    # The server of image-folder sites has no training images: just test/ (or val/).
+    for cls in ("cat", "zebra"):
+        _png(tmp_path / "test" / cls / "0.png", COLOURS[cls], (8, 8))
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8)
+    te = load_dataset(dataclasses.replace(cfg, classes=("cat", "dog_house", "zebra")), "test")
+    assert te.class_names == ["cat", "dog house", "zebra"] and te.labels.tolist() == [0, 2]
+    assert image_folder_classes(tmp_path) == ["cat", "zebra"]  # without dataset.classes: its folders
+    with pytest.raises(DatasetUnavailableError, match="holds only test/: a test set"):
+        load_dataset(cfg, "train")  # a node pointed at it says so instead of training on "test"
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        assert load_validation(cfg) is None  # nothing to hold out: the server evaluates test only
+    assert "no validation split" in caplog.text
+    assert len(load_validation(dcfg())) == 144  # digits: a real hold-out
+
+
+def test_image_folder_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(DatasetUnavailableError, match=str(missing)):
+        load_dataset(dcfg(name="image-folder", data_dir=str(missing)), "train")
+    with pytest.raises(DatasetUnavailableError, match="no class subfolders"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+    _png(tmp_path / "a" / "0.png", (1, 1, 1))
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="'b'.*no images"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DatasetUnavailableError, match="neither test/ nor val/"):
+        load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
