@@ -6,20 +6,20 @@ import json
 
 import pytest
 
-from feddifrc_app.results import Results, summarize, summary_text
+from feddifrc_app.results import Results, RoundRow, summarize, summary_text
 
 
 def _rows(test, val=None, first=1):
     val = val or [None] * len(test)
     return [
-        {"round": first + i, "test-accuracy": t, "val-accuracy": v}
+        RoundRow(first + i, test_accuracy=t, val_accuracy=v)
         for i, (t, v) in enumerate(zip(test, val, strict=True))
     ]
 
 
 def test_summary_final_best_mean_last5():
     accs = [0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35, 0.5, 0.45, 0.55, 0.65]
-    s = summarize([{"round": 0, "test-accuracy": 0.9}, *_rows(accs)])  # round 0 is no training result
+    s = summarize([RoundRow(0, test_accuracy=0.9), *_rows(accs)])  # round 0 is no training result
     assert s["final-accuracy"] == 0.65
     assert s["best-accuracy"] == 0.65
     assert s["mean-last-5-accuracy"] == pytest.approx((0.35 + 0.5 + 0.45 + 0.55 + 0.65) / 5)
@@ -63,7 +63,7 @@ def test_a_results_json_reads_and_writes_back_byte_for_byte():
         "label-counts": {"0": [1, 2], "1": [2, 1]},
         "status": "diverged",
         "process": {"pid": 1, "host": "h"},
-        "summary": summarize([{"round": 1, "test-accuracy": 0.5}]),
+        "summary": summarize([RoundRow(1, test_accuracy=0.5)]),
         "diverged-rounds": [2],
         "error": "DivergedError: ...",
         "from-another-version": {"kept": True},
@@ -88,7 +88,7 @@ def test_a_key_of_the_wrong_type_is_named():
 def test_the_summary_has_the_final_federated_accuracy_only_with_federated_evaluation():
     rows = _rows([0.5, 0.6])
     assert "final-federated-accuracy" not in summarize(rows)  # default runs: the summary as before
-    rows[0]["federated-accuracy"], rows[1]["federated-accuracy"] = 0.4, None  # round 2: no node replied
+    rows[0].federated_accuracy, rows[1].federated_accuracy = 0.4, None  # round 2: no node replied
     assert summarize(rows)["final-federated-accuracy"] == 0.4
-    rows[1]["federated-accuracy"] = 0.45
-    assert summarize([{"round": 0, "test-accuracy": 0.1}, *rows])["final-federated-accuracy"] == 0.45
+    rows[1].federated_accuracy = 0.45
+    assert summarize([RoundRow(0, test_accuracy=0.1), *rows])["final-federated-accuracy"] == 0.45
