@@ -41,7 +41,7 @@ from typing import Any
 
 from feddifrc_app.config import Config
 from feddifrc_app.privacy import SERVER_STEP, Release
-from feddifrc_app.results import RoundRow
+from feddifrc_app.results import RoundRow, json_key
 
 ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (REPLACE_ONE), one Gaussian release per round"
 # The release is the uniform mean of the clipped updates plus noise (or a server step on it).
@@ -130,8 +130,11 @@ def settings(cfg: Config) -> dict[str, Any]:
         "accountant": ACCOUNTANT,
         "unit": "node-level: one node's whole update, neighbouring federations replace one node",
         "sensitivity": sensitivity,
-        "epsilon": "every round composed without amplification (the sample is seeded and published)",
-        "epsilon-if-sample-secret": "with the amplification of sampling m of N without replacement",
+        # What the rows' two epsilons (results.RoundRow) are, under their keys.
+        json_key(
+            "epsilon"
+        ): "every round composed without amplification (the sample is seeded and published)",
+        json_key("epsilon_if_sample_secret"): "with the amplification of sampling m of N without replacement",
         "assumptions": [
             "client-side modes: the nodes clip as told (Flower's mods)",
             "it covers the released model (and adaptive clipping's norm); the rounds' train-metrics "

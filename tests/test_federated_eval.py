@@ -142,6 +142,22 @@ def test_a_run_writes_the_federated_numbers_per_round_and_resumes_with_them(tmp_
     on_disk = json.loads((loop.run.path / "results.json").read_text())
     rounds = on_disk["rounds"]
     assert "federated-accuracy" not in rounds[0]  # the initial model: central evaluation only
+    assert list(rounds[0]) == ["round", "val-accuracy", "val-loss", "test-accuracy", "test-loss"]
+    assert list(rounds[1]) == [  # a trained round's keys, in the order results.json has always had
+        "round",
+        "nodes",
+        "failures",
+        "train-metrics",
+        "federated-accuracy",
+        "federated-loss",
+        "evaluate-nodes",
+        "evaluate-failures",
+        "val-accuracy",
+        "val-loss",
+        "test-accuracy",
+        "test-loss",
+        "seconds",
+    ]
     for r in rounds[1:]:
         assert r["federated-accuracy"] == pytest.approx(0.8) and r["federated-loss"] == pytest.approx(0.4)
         assert [n["partition-id"] for n in r["evaluate-nodes"]] == [0, 1] and r["evaluate-failures"] == []
