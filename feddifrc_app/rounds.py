@@ -250,8 +250,8 @@ class RoundLoop:
         replies, failures = self._exchange(rnd, self._configure(rnd, chosen), chosen)
         row = RoundRow(rnd, nodes=[self.fed.partition_of[n] for n in chosen], failures=failures)
         before, previous = strategy_state(self.strategy), self.arrays
-        updated = self._aggregate(rnd, replies, row, before)
-        updated = self._score(row, updated, previous, before)
+        installed = self._aggregate(rnd, replies, row, before)
+        updated = self._score(row, installed, previous, before)  # False: none, or rolled back
         self._judge(rnd, row, updated)
         # A rejected (non-finite) noisy aggregate still counts: it was computed and logged.
         privacy_accounting.account_round(
@@ -314,21 +314,21 @@ class RoundLoop:
         self.arrays = arrays
         return True
 
-    def _score(self, row: RoundRow, updated: bool, previous: ArrayRecord, before: dict) -> bool:
-        """The global model's central scores in ``row``; an update whose central loss is
-        non-finite is rolled back to ``previous`` and rejected. Whether the model was updated."""
+    def _score(self, row: RoundRow, installed: bool, previous: ArrayRecord, before: dict) -> bool:
+        """The global model's central scores in ``row``; an installed update whose central loss
+        is non-finite is rolled back to ``previous`` and rejected. Whether the model was updated."""
         central = self.evaluate()
-        if updated and (split := _non_finite_loss(central)):
+        if installed and (split := _non_finite_loss(central)):
             self.arrays = previous  # finite weights that score a NaN loss: rejected the same way
             remedy = f"{lr_remedy(self.cfg.train.lr)}, or {self._server_side()}"
             self._reject(before, row.failures, f"the aggregated model's central {split}", remedy)
-            updated = False
+            installed = False
             central = self.evaluate()
         row.set_scores(central)
-        return updated
+        return installed
 
     def _judge(self, rnd: int, row: RoundRow, updated: bool) -> None:
-        """A round with a diverged node or aggregate is recorded as diverged (the run ends so);
+        """A round with a diverged node or aggregate is recorded as diverged (the run ends as such);
         one without a usable update otherwise counts toward MAX_EMPTY_ROUNDS."""
         diverged = [f["reason"] for f in row.failures if DivergedError.TAG in str(f["reason"])]
         if diverged:
