@@ -61,7 +61,9 @@ from typing import Any
 
 import torch
 
+from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import state_to_record
+from feddifrc_app.results import Results
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR_APP = ROOT / "benchmarks" / "floor_app"
@@ -79,10 +81,10 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} CPUs"
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def read_results(path: Path) -> Results | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return RunDir(path.parent).load_results()
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
@@ -101,10 +103,10 @@ def watch(
     """
     deadline, next_ls, snap = time.monotonic() + timeout, time.monotonic() + 30, None
     while time.monotonic() < deadline:
-        res = read_json(results)
+        res = read_results(results)
         if res is not None and snap is None:
             snap = snapshot()
-        done = res is not None and any(r["round"] == rounds for r in res.get("rounds", []))
+        done = res is not None and any(r.round == rounds for r in res.rounds)
         if done or time.monotonic() > next_ls:
             info = procs.run_info(run_id, conn)
             if str(info.get("status", "")).startswith("finished"):
@@ -136,7 +138,7 @@ def run_simulation(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
     return {
         "info": info,
         "wall": wall,
-        "results": read_json(out / "sim" / "results.json"),
+        "results": read_results(out / "sim" / "results.json"),
         "loads": total,
         "loads-at-setup": at_setup,
     }
@@ -210,7 +212,7 @@ def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]
     return {
         "info": info,
         "wall": wall,
-        "results": read_json(out / "deploy" / "results.json"),
+        "results": read_results(out / "deploy" / "results.json"),
         "loads": total,
         "loads-at-setup": at_setup,
         "floor": floor,
@@ -244,24 +246,22 @@ def run_floor(
 
 
 def report(mode: str, r: dict[str, Any]) -> float | None:
-    res = r["results"] or {}
+    res: Results | None = r["results"]
     print(f"\n== {mode}: status {r['info'].get('status')}, submit -> finished {r['wall']:.1f}s")
     if not res:
         print("   no results.json")
         return None
-    print(
-        f"   setup-seconds {res.get('setup-seconds', float('nan')):.2f}, "
-        f"setup-cache-misses {res.get('setup-cache-misses')}"
-    )
+    setup = res.setup_seconds if res.setup_seconds is not None else float("nan")
+    print(f"   setup-seconds {setup:.2f}, setup-cache-misses {res.setup_cache_misses}")
     print("   round  seconds  teacher-seconds  teacher-cache-misses  test-accuracy  failures")
     secs = {}
-    for row in res["rounds"][1:]:
-        m = row.get("train-metrics", {})
-        secs[row["round"]] = row["seconds"]
+    for row in res.rounds[1:]:
+        m = row.train_metrics or {}
+        secs[row.round] = row.seconds
         print(
-            f"   {row['round']:5d}  {row['seconds']:7.2f}  {m.get('teacher-seconds', float('nan')):15.3f}  "
-            f"{m.get('teacher-cache-misses', float('nan')):20.1f}  {row['test-accuracy']:13.4f}  "
-            f"{len(row['failures'])}"
+            f"   {row.round:5d}  {row.seconds:7.2f}  {m.get('teacher-seconds', float('nan')):15.3f}  "
+            f"{m.get('teacher-cache-misses', float('nan')):20.1f}  {row.test_accuracy:13.4f}  "
+            f"{len(row.failures)}"
         )
     later = [s for k, s in secs.items() if k >= 2]
     med = statistics.median(later) if later else None

@@ -32,11 +32,14 @@ import json
 import math
 import sys
 import threading
+from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
 from feddifrc_app.outputs import RunDir
+from feddifrc_app.results import RoundRow
 from feddifrc_app.tools.run_config import app_defaults, load_app_config
 from feddifrc_app.tools.sweep import Cell, Flower, Sweep, make_cells, run_sweep
 
@@ -157,12 +160,16 @@ def arm_of(run: dict) -> str:
     return method
 
 
-def curve(run: dict, key: str) -> np.ndarray:
-    return np.array([r[key] for r in run["results"].rounds if r["round"] >= 1], dtype=float)
+TEST, VAL = attrgetter("test_accuracy"), attrgetter("val_accuracy")  # a row's score, for curve()
+
+
+def curve(run: dict, value: Callable[[RoundRow], float | None]) -> np.ndarray:
+    """One score of every trained round, e.g. ``curve(run, TEST)``."""
+    return np.array([value(r) for r in run["results"].rounds if r.round >= 1], dtype=float)
 
 
 def endpoints(run: dict) -> dict[str, float]:
-    test, s = curve(run, "test-accuracy"), run["results"].summary
+    test, s = curve(run, TEST), run["results"].summary
     return {
         "last10": 100 * float(test[-ENDPOINT_ROUNDS:].mean()),
         "at-val-best": 100 * s["test-at-val-best-accuracy"],
@@ -300,8 +307,8 @@ def plot_curves(runs: list[dict], path: Path) -> None:
             if r["config"]["partition.alpha"] == alpha:
                 arms.setdefault(arm_of(r), []).append(r)
         for arm, rs in sorted(arms.items()):
-            test = 100 * np.mean([curve(r, "test-accuracy") for r in rs], axis=0)
-            val = 100 * np.mean([curve(r, "val-accuracy") for r in rs], axis=0)
+            test = 100 * np.mean([curve(r, TEST) for r in rs], axis=0)
+            val = 100 * np.mean([curve(r, VAL) for r in rs], axis=0)
             x = np.arange(1, len(test) + 1)
             line = ax.plot(x, test, label=f"{arm} (n={len(rs)})", color=colour[arm])[0]
             ax.plot(x, val, ls="--", lw=0.8, color=line.get_color())
@@ -318,7 +325,7 @@ def pilot_report(runs: list[dict]) -> str:
     """Validation curves (5-round moving average) and mean validation accuracy of the last 10 rounds."""
     lines = []
     for r in sorted(runs, key=lambda r: (arm_of(r), json.dumps(r["cell"]["grid"], sort_keys=True))):
-        val = 100 * curve(r, "val-accuracy")
+        val = 100 * curve(r, VAL)
         ma = np.convolve(val, np.ones(5) / 5, mode="valid")
         flat = next((i + 5 for i in range(len(ma) - 5) if ma[i + 5 :].max() - ma[i] < 1.0), None)
         lines.append(
@@ -357,8 +364,8 @@ def main() -> int:
                         "arm": arm_of(r),
                         "alpha": r["config"]["partition.alpha"],
                         "seed": r["config"]["seed"],
-                        "val": curve(r, "val-accuracy").round(4).tolist(),
-                        "test": curve(r, "test-accuracy").round(4).tolist(),
+                        "val": curve(r, VAL).round(4).tolist(),
+                        "test": curve(r, TEST).round(4).tolist(),
                     }
                     for r in runs
                 ]

@@ -8,14 +8,11 @@ the weight). Each node answers with its ``evaluate`` handler on the ``evaluate-h
 of its data, which it never trains on (``dataset.client_holdout``). Central evaluation on the
 server's validation and test splits is unchanged beside it.
 
-A round's row gains (``results.Round``)::
-
-    "federated-accuracy", "federated-loss"   example-weighted over the nodes that replied (None if none)
-    "evaluate-nodes"     [{"node", "partition-id", "num-examples", "accuracy", "loss"}] in partition order
-    "evaluate-failures"  [{"node", "partition-id", "reason"}], as a training round's "failures"
-
-and nothing at all with ``fraction-evaluate = 0`` (the default): such a results.json is unchanged.
-A node that fails evaluation is a row in ``evaluate-failures`` (logged), never a failed run.
+A round's row (``results.RoundRow``) gains ``federated_accuracy`` and ``federated_loss``
+(example-weighted over the nodes that replied; None if none), ``evaluate_nodes`` (each node's
+own numbers) and ``evaluate_failures`` (as a training round's ``failures``), and
+nothing at all with ``fraction-evaluate = 0`` (the default): such a results.json is unchanged.
+A node that fails evaluation is an entry of ``evaluate_failures`` (logged), never a failed run.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from flwr.serverapp.strategy import Strategy
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.federation import Federation
+from feddifrc_app.results import RoundRow
 
 # The evaluate handler's metric keys (client_app.evaluate) and Flower's weighting key.
 ACCURACY, LOSS, EXAMPLES = "eval-accuracy", "eval-loss", "num-examples"
@@ -52,20 +50,19 @@ def node_rows(replies: Sequence[Message], partition_of: Mapping[int, int]) -> li
     return rows
 
 
-def evaluation_row(
+def set_evaluation(
+    row: RoundRow,
     aggregate: MetricRecord | None,
     replies: Sequence[Message],
     failures: list[dict[str, Any]],
     partition_of: Mapping[int, int],
-) -> dict[str, Any]:
-    """A round's federated-evaluation keys from the strategy's aggregate of ``replies`` (None:
-    nothing was aggregated), the good replies themselves and the failure rows."""
-    return {
-        "federated-accuracy": None if aggregate is None else float(aggregate[ACCURACY]),
-        "federated-loss": None if aggregate is None else float(aggregate[LOSS]),
-        "evaluate-nodes": node_rows(replies, partition_of),
-        "evaluate-failures": failures,
-    }
+) -> None:
+    """A round's federated evaluation in its ``row``, from the strategy's aggregate of ``replies``
+    (None: nothing was aggregated), the good replies themselves and the failure rows."""
+    row.federated_accuracy = None if aggregate is None else float(aggregate[ACCURACY])
+    row.federated_loss = None if aggregate is None else float(aggregate[LOSS])
+    row.evaluate_nodes = node_rows(replies, partition_of)
+    row.evaluate_failures = failures
 
 
 class FederatedEvaluation:
@@ -74,10 +71,10 @@ class FederatedEvaluation:
     def __init__(self, cfg: Config, fed: Federation, strategy: Strategy) -> None:
         self.cfg, self.fed, self.strategy = cfg, fed, strategy
 
-    def __call__(self, rnd: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """The row keys of round ``rnd``'s federated evaluation of ``arrays`` ({} when it is off)."""
+    def __call__(self, rnd: int, arrays: ArrayRecord, row: RoundRow) -> None:
+        """Round ``rnd``'s federated evaluation of ``arrays``, in its ``row`` (nothing when it is off)."""
         if self.cfg.fraction_evaluate == 0:
-            return {}
+            return
         chosen = self.fed.sample(rnd, evaluate=True)
         msgs = list(self.strategy.configure_evaluate(rnd, arrays, ConfigRecord(), self.fed.view(chosen)))
         ok, failures = self.fed.exchange(msgs, chosen) if msgs else ([], [])
@@ -91,8 +88,8 @@ class FederatedEvaluation:
                 failures,
             )
         aggregate = self.strategy.aggregate_evaluate(rnd, ok) if ok else None
-        row = evaluation_row(aggregate, ok, failures, self.fed.partition_of)
-        if row["federated-accuracy"] is None:
+        set_evaluation(row, aggregate, ok, failures, self.fed.partition_of)
+        if row.federated_accuracy is None:
             log.warning(
                 "round %d: no federated evaluation (%d of %d sampled nodes replied, nothing aggregated)",
                 rnd,
@@ -103,9 +100,8 @@ class FederatedEvaluation:
             log.info(
                 "round %d: federated accuracy %.4f, loss %.4f (%d nodes, %d examples)",
                 rnd,
-                row["federated-accuracy"],
-                row["federated-loss"],
+                row.federated_accuracy,
+                row.federated_loss,
                 len(ok),
-                sum(n["num-examples"] for n in row["evaluate-nodes"]),
+                sum(n["num-examples"] for n in row.evaluate_nodes),
             )
-        return row

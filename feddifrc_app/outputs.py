@@ -148,7 +148,7 @@ class RunDir:
             )
         last, checkpoint = found
         results = self.resumed_results(last)
-        results.rounds = [r for r in results.rounds if r["round"] <= last]
+        results.rounds = [r for r in results.rounds if r.round <= last]
         if results.diverged_rounds is not None:
             results.diverged_rounds = [r for r in results.diverged_rounds if r <= last]
         results.resumed = [*(results.resumed or []), {"after-round": last, "run-id": run_id}]

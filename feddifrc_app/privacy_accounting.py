@@ -41,13 +41,12 @@ from typing import Any
 
 from feddifrc_app.config import Config
 from feddifrc_app.privacy import SERVER_STEP, Release
+from feddifrc_app.results import RoundRow, json_key
 
 ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (REPLACE_ONE), one Gaussian release per round"
 # The release is the uniform mean of the clipped updates plus noise (or a server step on it).
 MEAN = ("fedavg", "fedprox", *SERVER_STEP)
 SELECTION = ("krum", "multikrum")  # one clipped update, or the mean of a selection of them
-
-ROW_KEYS = ("dp-release", "epsilon", "epsilon-if-sample-secret")  # what a trained round's row adds
 
 
 def not_accounted(cfg: Config) -> str:
@@ -96,17 +95,17 @@ def epsilon(events: list[tuple[int, int, float]], delta: float, amplified: bool)
     return float(acc.get_epsilon(delta))
 
 
-def round_keys(cfg: Config, earlier: list[dict[str, Any]], release: Release | None) -> dict[str, Any]:
-    """A trained round's row keys (ROW_KEYS): its release (None: nothing was released) and the
-    epsilons over it and the ``earlier`` rows' releases. {} when the run is not accounted."""
+def account_round(cfg: Config, row: RoundRow, earlier: list[RoundRow], release: Release | None) -> None:
+    """A trained round's release (None: nothing was released) and the epsilons over it and the
+    ``earlier`` rows' releases, set in its ``row``; nothing when the run is not accounted."""
     if not_accounted(cfg):
-        return {}
-    mine = {"dp-release": None if release is None else _to_row(release)}
-    releases = [_from_row(r["dp-release"]) for r in [*earlier, mine] if r.get("dp-release")]
+        return
+    row.dp_release = None if release is None else _to_row(release)
+    releases = [_from_row(r.dp_release) for r in [*earlier, row] if r.dp_release]
     events = [(r.population, r.sampled, accounted_multiplier(cfg.strategy.name, r)) for r in releases]
     plain = epsilon(events, cfg.strategy.dp_delta, amplified=False)
     secret = min(plain, epsilon(events, cfg.strategy.dp_delta, amplified=True)) if events else 0.0
-    return mine | {"epsilon": plain if events else 0.0, "epsilon-if-sample-secret": secret}
+    row.epsilon, row.epsilon_if_sample_secret = (plain if events else 0.0), secret
 
 
 def _to_row(r: Release) -> dict[str, Any]:
@@ -131,8 +130,11 @@ def settings(cfg: Config) -> dict[str, Any]:
         "accountant": ACCOUNTANT,
         "unit": "node-level: one node's whole update, neighbouring federations replace one node",
         "sensitivity": sensitivity,
-        "epsilon": "every round composed without amplification (the sample is seeded and published)",
-        "epsilon-if-sample-secret": "with the amplification of sampling m of N without replacement",
+        # What the rows' two epsilons (results.RoundRow) are, under their keys.
+        json_key(
+            "epsilon"
+        ): "every round composed without amplification (the sample is seeded and published)",
+        json_key("epsilon_if_sample_secret"): "with the amplification of sampling m of N without replacement",
         "assumptions": [
             "client-side modes: the nodes clip as told (Flower's mods)",
             "it covers the released model (and adaptive clipping's norm); the rounds' train-metrics "

@@ -1,10 +1,11 @@
-"""results.json: one typed record, the only code that turns it into JSON and back.
+"""results.json: one typed record and its typed round rows, the only code that turns them into
+JSON and back (no other module spells a row's key).
 
 The ServerApp writes it (``RunDir.save_results``); ``feddifrc report`` / ``status``, the sweep,
 the table and resume read it (``RunDir.load_results``). A key is present on disk only once the
 run has set it (a run that fails in setup has no ``summary``; only a FedDifRC run with
 ``diffusion.projection = "federated-pca"`` has a ``basis``), so every optional field is None
-until set and None is never written.
+until set and None is never written (a round row's nulls: ``RoundRow``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,128 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# One row per evaluated round: "round", "val-accuracy", "val-loss", "test-accuracy", "test-loss"
-# and, for a trained round, "nodes" (partition ids), "failures" ({"node", "partition-id",
-# "reason"}), "train-metrics" (the strategy's aggregate) and "seconds". Round 0 is the initial model.
-# With fraction-evaluate > 0 a trained round also has the nodes' scores of the new global model on
-# their held-out data (federated_eval.py): "federated-accuracy" and "federated-loss"
-# (example-weighted; None when no node replied), "evaluate-nodes" ({"node", "partition-id",
-# "num-examples", "accuracy", "loss"}) and "evaluate-failures" (as "failures"). Under an
-# accounted strategy.dp a trained round also has "dp-release", "epsilon" and
-# "epsilon-if-sample-secret" (privacy_accounting.ROW_KEYS; an infinite epsilon is written null).
-Round = dict[str, Any]
+
+def json_key(name: str) -> str:
+    """A field's key in results.json (``test_accuracy`` -> ``"test-accuracy"``)."""
+    return name.replace("_", "-")
+
+
+def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+@dataclass
+class RoundRow:
+    """One evaluated round of results.json's ``rounds``: round 0 is the initial model.
+
+    JSON keys are the field names with ``-`` for ``_``, in field order. A row this code builds
+    writes a key once its value is set, and a null where null is a value: every row has its
+    central scores (null: the server has no validation split, the self-supervised probe has no
+    loss); a round with federated evaluation its federated scores (null: no node replied); an
+    accounted DP round its release (null: nothing was released). A row read from a file is
+    written back as it was read: its keys, their order, and keys of another version (``extra``).
+    A metric of a new kind is a field here (and, if null must be written, a line in ``_WITH``),
+    set by the module that computes it.
+    """
+
+    round: int
+    # A trained round: the partition ids sampled, their failures ({"node", "partition-id",
+    # "reason"}), the strategy's aggregate of the nodes' train metrics.
+    nodes: list[int] | None = None
+    failures: list[dict[str, Any]] | None = None
+    train_metrics: dict[str, float] | None = None
+    # Under an accounted strategy.dp (privacy_accounting.account_round): the round's release and
+    # the cumulative epsilons (an infinite epsilon is written null).
+    dp_release: dict[str, Any] | None = None
+    epsilon: float | None = None
+    epsilon_if_sample_secret: float | None = None
+    # With fraction-evaluate > 0 (federated_eval.py): the nodes' scores of the new global model on
+    # their held-out data, example-weighted; each node's {"node", "partition-id", "num-examples",
+    # "accuracy", "loss"}; its failures as ``failures``.
+    federated_accuracy: float | None = None
+    federated_loss: float | None = None
+    evaluate_nodes: list[dict[str, Any]] | None = None
+    evaluate_failures: list[dict[str, Any]] | None = None
+    # The server's central scores of the global model (rounds.CentralEvaluator).
+    val_accuracy: float | None = None
+    val_loss: float | None = None
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    seconds: float | None = None  # a trained round's wall time
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this code does not write
+    # The keys of the object this row was read from, in its order (None: a row built here).
+    read_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
+
+    def set_scores(self, scores: dict[str, float | None]) -> None:
+        """The central evaluator's scores, keyed as in results.json (``test-accuracy`` ...)."""
+        for key, value in scores.items():
+            if key not in _CENTRAL:
+                raise KeyError(f"{key!r} is not a central score ({', '.join(_CENTRAL)})")
+            setattr(self, _CENTRAL[key], value)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], where: str = "a round row") -> RoundRow:
+        """The row of a parsed results.json object; a key of the wrong type is a TypeError naming it."""
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("round"), int)
+            or isinstance(obj["round"], bool)
+        ):
+            raise TypeError(f"results.json {where} is not an object with an integer 'round' ({obj!r:.80})")
+        known = {k: v for k, v in obj.items() if k in _ROW_FIELDS}
+        for key, value in known.items():
+            want = _ROW_TYPES[_ROW_FIELDS[key]]
+            if value is not None and (not isinstance(value, want) or isinstance(value, bool)):
+                raise TypeError(
+                    f"results.json {where} key {key!r} is a {type(value).__name__}, expected "
+                    f"{' or '.join(t.__name__ for t in _as_tuple(want))}"
+                )
+        return cls(
+            **{_ROW_FIELDS[k]: v for k, v in known.items()},
+            extra={k: v for k, v in obj.items() if k not in _ROW_FIELDS},
+            read_keys=tuple(obj),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object (non-finite floats as they are: ``Results.to_json`` writes them null)."""
+        if self.read_keys is None:
+            keys = [json_key(f.name) for f in _FIELDS if self._written(f.name)] + list(self.extra)
+        else:  # as read, then what was set since
+            set_since = [json_key(f.name) for f in _FIELDS if getattr(self, f.name) is not None]
+            keys = list(dict.fromkeys([*self.read_keys, *set_since, *self.extra]))
+        return {k: getattr(self, _ROW_FIELDS[k]) if k in _ROW_FIELDS else self.extra[k] for k in keys}
+
+    def holds(self, name: str) -> bool:
+        """Whether results.json has field ``name`` in this row, null included (an epsilon of
+        None is an infinite one when the row holds it, and no accounting when it does not)."""
+        return json_key(name) in self.to_json()
+
+    def _written(self, name: str) -> bool:
+        with_ = _WITH.get(name)
+        return getattr(self, name) is not None or (
+            with_ is not None and (with_ == "round" or getattr(self, with_) is not None)
+        )
+
+
+# A field that is written even when null, and the field whose presence brings it.
+_WITH = {
+    **dict.fromkeys(("val_accuracy", "val_loss", "test_accuracy", "test_loss"), "round"),
+    **dict.fromkeys(("federated_accuracy", "federated_loss"), "evaluate_nodes"),
+    "dp_release": "epsilon",
+}
+_FIELDS = [f for f in fields(RoundRow) if f.name not in ("extra", "read_keys")]
+_ROW_FIELDS = {json_key(f.name): f.name for f in _FIELDS}  # JSON key -> field name
+_CENTRAL = {k: n for k, n in _ROW_FIELDS.items() if n.startswith(("val_", "test_"))}
+# What from_json accepts for each field besides null: the lists and objects, every other one a number.
+_ROW_TYPES: dict[str, type | tuple[type, ...]] = {n: (int, float) for n in _ROW_FIELDS.values()} | {
+    "round": int,
+    "nodes": list,
+    "failures": list,
+    "train_metrics": dict,
+    "dp_release": dict,
+    "evaluate_nodes": list,
+    "evaluate_failures": list,
+}
 
 
 @dataclass
@@ -36,7 +149,7 @@ class Results:
     strategy: str | None = None
     dataset: str | None = None
     partition: str | None = None
-    rounds: list[Round] = field(default_factory=list)
+    rounds: list[RoundRow] = field(default_factory=list)
     resumed: list[dict[str, int]] | None = None  # {"after-round", "run-id"} per resume
     basis: dict[str, Any] | None = None  # the federated PCA fit: mode, fingerprint, rows, nodes, widths
     setup_cache_misses: int | None = None  # teacher-cache misses while the nodes sent PCA statistics
@@ -55,7 +168,7 @@ class Results:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Results:
         """The record of a parsed results.json; a key of the wrong type is a TypeError naming it."""
-        known = {_key(f.name): f.name for f in fields(cls) if f.name != "extra"}
+        known = {json_key(f.name): f.name for f in fields(cls) if f.name != "extra"}
         out = cls(extra={k: v for k, v in obj.items() if k not in known})
         for key, name in known.items():
             if key in obj:
@@ -66,21 +179,15 @@ class Results:
                         f"{' or '.join(t.__name__ for t in _as_tuple(want))}"
                     )
                 setattr(out, name, obj[key])
+        out.rounds = [RoundRow.from_json(r, f"rounds[{i}]") for i, r in enumerate(out.rounds)]
         return out
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object: set keys in field order, then ``extra``; NaN and inf become null."""
-        out = {_key(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out = {json_key(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         out = {k: v for k, v in out.items() if v is not None} | self.extra
+        out["rounds"] = [r.to_json() for r in self.rounds]
         return finite_or_none(out)
-
-
-def _key(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
 
 
 # What from_json accepts for each key (JSON has one number type for int and float).
@@ -125,15 +232,15 @@ def summary_text(s: dict[str, Any]) -> str:
     )
 
 
-def summarize(rounds: list[Round]) -> dict[str, float | int | None]:
+def summarize(rounds: list[RoundRow]) -> dict[str, float | int | None]:
     """Test accuracy final, best and mean of the last 5 (and 10) trained rounds, reported together
     (the paper's code reports the max: selection on test), and the test accuracy at the round
     with the best VALIDATION accuracy (first such round), the one checkpoint choice that is not
     read off the test split; with federated evaluation, also the last federated accuracy.
     Round 0 (the initial model) counts only when no round has trained."""
-    done = [r for r in rounds if r.get("test-accuracy") is not None]
-    trained = [r for r in done if r["round"] >= 1] or done
-    accs = [r["test-accuracy"] for r in trained]
+    done = [r for r in rounds if r.test_accuracy is not None]
+    trained = [r for r in done if r.round >= 1] or done
+    accs = [r.test_accuracy for r in trained]
     out: dict[str, float | int | None] = dict.fromkeys(
         ("final-accuracy", "best-accuracy", "mean-last-5-accuracy", "mean-last-10-accuracy")
     )
@@ -141,12 +248,12 @@ def summarize(rounds: list[Round]) -> dict[str, float | int | None]:
         out["final-accuracy"], out["best-accuracy"] = accs[-1], max(accs)
         out["mean-last-5-accuracy"] = sum(accs[-5:]) / len(accs[-5:])
         out["mean-last-10-accuracy"] = sum(accs[-10:]) / len(accs[-10:])
-    val = [r for r in trained if r.get("val-accuracy") is not None]
-    best = max(val, key=lambda r: r["val-accuracy"]) if val else None  # max() keeps the first
-    out["val-best-round"] = best["round"] if best else None
-    out["val-best-accuracy"] = best["val-accuracy"] if best else None
-    out["test-at-val-best-accuracy"] = best["test-accuracy"] if best else None
-    fed = [r["federated-accuracy"] for r in trained if r.get("federated-accuracy") is not None]
+    val = [r for r in trained if r.val_accuracy is not None]
+    best = max(val, key=lambda r: r.val_accuracy) if val else None  # max() keeps the first
+    out["val-best-round"] = best.round if best else None
+    out["val-best-accuracy"] = best.val_accuracy if best else None
+    out["test-at-val-best-accuracy"] = best.test_accuracy if best else None
+    fed = [r.federated_accuracy for r in trained if r.federated_accuracy is not None]
     if fed:  # only runs with federated evaluation have the key, so other summaries are unchanged
         out["final-federated-accuracy"] = fed[-1]
     return out

@@ -35,7 +35,7 @@ from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import BASIS, record_to_state, state_to_record
-from feddifrc_app.results import Results, summary_text
+from feddifrc_app.results import Results, RoundRow, summary_text
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 from feddifrc_app.tools import report
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
@@ -79,7 +79,7 @@ def record_end(run: RunDir, results: Results, e: BaseException) -> None:
     stopped = isinstance(e, RunStopped | RunNotRunningException | KeyboardInterrupt | SystemExit)
     results.status = "stopped" if stopped else "failed"
     results.error = f"{type(e).__name__}: {e}"
-    done = [r["round"] for r in results.rounds]
+    done = [r.round for r in results.rounds]
     when = f"after round {max(done)}" if done else "before its first round"
     log.warning("run %s %s: %s", results.status, when, e)
     run.save_results(results)
@@ -143,6 +143,7 @@ class RoundLoop:
         results: Results,
         evaluator: CentralEvaluator,
         num_classes: int,
+        *,
         basis: ArrayRecord | None,
         checkpoint: dict[str, Any] | None = None,
     ) -> None:
@@ -185,7 +186,9 @@ class RoundLoop:
         self.results.process = {"pid": os.getpid(), "host": socket.gethostname()}
         try:
             if self.first == 1:
-                self.results.rounds = [{"round": 0, **self.evaluate()}]
+                initial = RoundRow(0)
+                initial.set_scores(self.evaluate())
+                self.results.rounds = [initial]
                 self.run.save_results(self.results)
             for rnd in range(self.first, self.cfg.num_server_rounds + 1):
                 check_stop()
@@ -200,9 +203,9 @@ class RoundLoop:
                 log.info(
                     "round %d: val accuracy %s, test accuracy %.4f (%.1fs)",
                     rnd,
-                    "-" if row["val-accuracy"] is None else f"{row['val-accuracy']:.4f}",
-                    row["test-accuracy"],
-                    row["seconds"],
+                    "-" if row.val_accuracy is None else f"{row.val_accuracy:.4f}",
+                    row.test_accuracy,
+                    row.seconds,
                 )
         except BaseException as e:
             record_end(self.run, self.results, e)
@@ -215,8 +218,8 @@ class RoundLoop:
             raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.diverged_cause)
         log.info("finished: %s -> %s", summary_text(self.results.summary), self.run.path)
 
-    def no_update_error(self, row: dict[str, Any]) -> NoUpdateError:
-        failures, n = row["failures"], len(row["nodes"])
+    def no_update_error(self, row: RoundRow) -> NoUpdateError:
+        failures, n = row.failures, len(row.nodes)
         why = (
             f"{len(failures)} of {n} nodes failed; first failure: {failures[0]['reason']}"
             if failures
@@ -227,7 +230,7 @@ class RoundLoop:
             "the ServerApp log says why (e.g. Bulyan with fewer than 4f + 3 replies)"
         )
         return NoUpdateError(
-            f"round {row['round']}: no node returned a usable update ({why}); a run fails after "
+            f"round {row.round}: no node returned a usable update ({why}); a run fails after "
             f"{MAX_EMPTY_ROUNDS} such round(s) in a row, since its model was not trained"
         )
 
@@ -240,18 +243,48 @@ class RoundLoop:
             f"after max-frozen-rounds = {self.cfg.max_frozen_rounds} such rounds: it learns nothing"
         )
 
-    def train_round(self, rnd: int) -> dict[str, Any]:
+    def train_round(self, rnd: int) -> RoundRow:
+        """One round, step by step: who trains, what they are sent and send back, the new global
+        model (or the last one, when the aggregate diverges), the round's verdict, its DP
+        accounting and the federated evaluation: the round's row."""
         t0 = time.perf_counter()
+        chosen = self._sample(rnd)
+        replies, failures = self._exchange(rnd, self._configure(rnd, chosen), chosen)
+        row = RoundRow(rnd, nodes=[self.fed.partition_of[n] for n in chosen], failures=failures)
+        before, previous = strategy_state(self.strategy), self.arrays
+        installed = self._aggregate(rnd, replies, row, before)
+        updated = self._score(row, installed, previous, before)  # False: none, or rolled back
+        self._judge(rnd, row, updated)
+        # A rejected (non-finite) noisy aggregate still counts: it was computed and logged.
+        privacy_accounting.account_round(
+            self.cfg, row, self.results.rounds, privacy.release_of(self.strategy)
+        )
+        self.federated(rnd, self.arrays, row)
+        row.seconds = time.perf_counter() - t0
+        return row
+
+    def _sample(self, rnd: int) -> list[int]:
         chosen = self.fed.sample(rnd)
         if not chosen:  # every node left: wait for one (or fail after round-timeout), never hang
             self.fed.wait_for_nodes()
             chosen = self.fed.sample(rnd)
+        return chosen
+
+    def _configure(self, rnd: int, chosen: list[int]) -> list[Message]:
+        """The train messages: the global model and the train config."""
         # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
         config = ConfigRecord(methods.train_config(self.cfg))
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
                 m.content[BASIS] = self.basis
+        return msgs
+
+    def _exchange(
+        self, rnd: int, msgs: list[Message], chosen: list[int]
+    ) -> tuple[list[Message], list[dict[str, Any]]]:
+        """(replies the strategy can aggregate, failure rows): a node that failed or timed out,
+        or whose reply lacks a metric key the aggregation reads (metric_keys.conform)."""
         ok, failures = self.fed.exchange(msgs, chosen)
         ok, odd = metric_keys.conform(ok, required_metrics(self.cfg), self._describe)
         failures += odd
@@ -267,41 +300,46 @@ class RoundLoop:
                 len(ok),
                 failures,
             )
-        before, previous = strategy_state(self.strategy), self.arrays
-        arrays, metrics = self.strategy.aggregate_train(rnd, ok) if ok else (None, None)
+        return ok, failures
+
+    def _aggregate(self, rnd: int, replies: list[Message], row: RoundRow, before: dict) -> bool:
+        """The strategy's aggregate of the replies (its metrics in ``row``) becomes the global
+        model; a non-finite one is rejected. Whether the model was updated."""
+        arrays, metrics = self.strategy.aggregate_train(rnd, replies) if replies else (None, None)
+        row.train_metrics = dict(metrics) if metrics is not None else {}
         if arrays is not None and not _finite(arrays):
-            self._reject(before, failures, "the aggregated model", self._server_side())
-            arrays = None
-        if arrays is not None:
-            self.frozen_rounds = self.frozen_rounds + 1 if _same(arrays, previous) else 0
-            self.arrays = arrays
+            self._reject(before, row.failures, "the aggregated model", self._server_side())
+            return False
+        if arrays is None:
+            return False
+        self.frozen_rounds = self.frozen_rounds + 1 if _same(arrays, self.arrays) else 0
+        self.arrays = arrays
+        return True
+
+    def _score(self, row: RoundRow, installed: bool, previous: ArrayRecord, before: dict) -> bool:
+        """The global model's central scores in ``row``; an installed update whose central loss
+        is non-finite is rolled back to ``previous`` and rejected. Whether the model was updated."""
         central = self.evaluate()
-        if arrays is not None and (split := _non_finite_loss(central)):
+        if installed and (split := _non_finite_loss(central)):
             self.arrays = previous  # finite weights that score a NaN loss: rejected the same way
             remedy = f"{lr_remedy(self.cfg.train.lr)}, or {self._server_side()}"
-            self._reject(before, failures, f"the aggregated model's central {split}", remedy)
-            arrays = None
+            self._reject(before, row.failures, f"the aggregated model's central {split}", remedy)
+            installed = False
             central = self.evaluate()
-        diverged = [f["reason"] for f in failures if DivergedError.TAG in str(f["reason"])]
+        row.set_scores(central)
+        return installed
+
+    def _judge(self, rnd: int, row: RoundRow, updated: bool) -> None:
+        """A round with a diverged node or aggregate is recorded as diverged (the run ends as such);
+        one without a usable update otherwise counts toward MAX_EMPTY_ROUNDS."""
+        diverged = [f["reason"] for f in row.failures if DivergedError.TAG in str(f["reason"])]
         if diverged:
             self.results.diverged_rounds = [*(self.results.diverged_rounds or []), rnd]
             self.diverged_cause = self.diverged_cause or f"round {rnd}: {diverged[0]}"
             log.error("round %d diverged (%s); the global model stays the last finite one", rnd, diverged[0])
-        if arrays is None:
+        if not updated:
             log.warning("round %d: no usable update; the global model is unchanged", rnd)
-        self.empty_rounds = self.empty_rounds + 1 if arrays is None and not diverged else 0
-        row = {
-            "round": rnd,
-            "nodes": [self.fed.partition_of[n] for n in chosen],
-            "failures": failures,
-            "train-metrics": dict(metrics) if metrics is not None else {},
-            # A rejected (non-finite) noisy aggregate still counts: it was computed and logged.
-            **privacy_accounting.round_keys(self.cfg, self.results.rounds, privacy.release_of(self.strategy)),
-            **self.federated(rnd, self.arrays),
-            **central,
-        }
-        row["seconds"] = time.perf_counter() - t0
-        return row
+        self.empty_rounds = self.empty_rounds + 1 if not updated and not diverged else 0
 
     def _server_side(self) -> str:
         # Every reply is finite (a node that diverges sends none): a non-finite aggregate is the

@@ -55,7 +55,7 @@ def prepare(
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
     evaluator = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
     fed = Federation(grid, cfg)
-    rounds = RoundLoop(cfg, fed, run, results, evaluator, test.num_classes, None, checkpoint)
+    rounds = RoundLoop(cfg, fed, run, results, evaluator, test.num_classes, basis=None, checkpoint=checkpoint)
 
     # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a
     # resumed run continues with the checkpoint's).

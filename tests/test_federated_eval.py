@@ -10,11 +10,11 @@ import pytest
 from conftest import make_config
 from flwr.app import Message, MetricRecord, RecordDict
 
-from feddifrc_app.federated_eval import FederatedEvaluation, evaluation_row
+from feddifrc_app.federated_eval import FederatedEvaluation, set_evaluation
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import state_to_record
-from feddifrc_app.results import Results
+from feddifrc_app.results import Results, RoundRow
 from feddifrc_app.strategy import build_strategy
 from feddifrc_app.tools.report import format_nodes, format_table, plot_accuracy
 
@@ -63,6 +63,13 @@ class FakeFederation:
         return ok, failures
 
 
+def _evaluate(cfg, fed, rnd: int = 1) -> dict:
+    """The keys FederatedEvaluation adds to round ``rnd``'s row, as results.json writes them."""
+    row = RoundRow(rnd)
+    FederatedEvaluation(cfg, fed, build_strategy(cfg))(rnd, _arrays(), row)
+    return {k: v for k, v in row.to_json().items() if k not in RoundRow(rnd).to_json()}
+
+
 def _arrays():
     from feddifrc_app.methods import model_for
 
@@ -72,7 +79,7 @@ def _arrays():
 def test_the_strategy_weights_the_nodes_by_their_held_out_examples() -> None:
     cfg = make_config(method="fedavg", **ON)
     fed = FakeFederation()
-    row = FederatedEvaluation(cfg, fed, build_strategy(cfg))(3, _arrays())
+    row = _evaluate(cfg, fed, 3)
     assert fed.sampled == [(3, True)] and sorted(fed.sent) == [("evaluate", 11), ("evaluate", 12)]
     # (10 * 0.5 + 30 * 0.9) / 40 and (10 * 1.0 + 30 * 0.2) / 40
     assert row["federated-accuracy"] == pytest.approx(0.8)
@@ -87,11 +94,11 @@ def test_the_strategy_weights_the_nodes_by_their_held_out_examples() -> None:
 def test_a_node_that_fails_evaluation_is_recorded_and_the_others_count(caplog) -> None:
     cfg = make_config(method="fedavg", **ON)
     with caplog.at_level("WARNING", logger="flwr.feddifrc"):
-        row = FederatedEvaluation(cfg, FakeFederation(fail=(12,)), build_strategy(cfg))(1, _arrays())
+        row = _evaluate(cfg, FakeFederation(fail=(12,)))
     assert (row["federated-accuracy"], row["federated-loss"]) == (0.5, 1.0)  # node 11 alone
     assert row["evaluate-failures"] == [{"node": 12, "partition-id": 1, "reason": "boom"}]
     assert "round 1: 1 of 2 nodes failed evaluation" in caplog.text
-    none = FederatedEvaluation(cfg, FakeFederation(fail=(11, 12)), build_strategy(cfg))(1, _arrays())
+    none = _evaluate(cfg, FakeFederation(fail=(11, 12)))
     assert none["federated-accuracy"] is None and none["federated-loss"] is None
     assert len(none["evaluate-failures"]) == 2 and none["evaluate-nodes"] == []
 
@@ -99,9 +106,11 @@ def test_a_node_that_fails_evaluation_is_recorded_and_the_others_count(caplog) -
 def test_without_federated_evaluation_no_node_is_asked_and_no_key_is_written() -> None:
     cfg = make_config(method="fedavg")
     fed = FakeFederation()
-    assert FederatedEvaluation(cfg, fed, build_strategy(cfg))(1, _arrays()) == {}
+    assert _evaluate(cfg, fed) == {}
     assert fed.sampled == [] and fed.sent == []
-    assert evaluation_row(None, [], [], {})["federated-accuracy"] is None
+    nothing = RoundRow(1)
+    set_evaluation(nothing, None, [], [], {})
+    assert nothing.federated_accuracy is None and nothing.to_json()["federated-accuracy"] is None
 
 
 def _loop(tmp_path, rounds: int, fail: tuple[int, ...] = (), **over):
@@ -124,7 +133,7 @@ def _loop(tmp_path, rounds: int, fail: tuple[int, ...] = (), **over):
     def central(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.7, "test-loss": 0.9}
 
-    return RoundLoop(cfg, FakeFederation(fail), run, results, central, 10, None, checkpoint)
+    return RoundLoop(cfg, FakeFederation(fail), run, results, central, 10, basis=None, checkpoint=checkpoint)
 
 
 def test_a_run_writes_the_federated_numbers_per_round_and_resumes_with_them(tmp_path) -> None:
@@ -133,6 +142,22 @@ def test_a_run_writes_the_federated_numbers_per_round_and_resumes_with_them(tmp_
     on_disk = json.loads((loop.run.path / "results.json").read_text())
     rounds = on_disk["rounds"]
     assert "federated-accuracy" not in rounds[0]  # the initial model: central evaluation only
+    assert list(rounds[0]) == ["round", "val-accuracy", "val-loss", "test-accuracy", "test-loss"]
+    assert list(rounds[1]) == [  # a trained round's keys, in the order results.json has always had
+        "round",
+        "nodes",
+        "failures",
+        "train-metrics",
+        "federated-accuracy",
+        "federated-loss",
+        "evaluate-nodes",
+        "evaluate-failures",
+        "val-accuracy",
+        "val-loss",
+        "test-accuracy",
+        "test-loss",
+        "seconds",
+    ]
     for r in rounds[1:]:
         assert r["federated-accuracy"] == pytest.approx(0.8) and r["federated-loss"] == pytest.approx(0.4)
         assert [n["partition-id"] for n in r["evaluate-nodes"]] == [0, 1] and r["evaluate-failures"] == []
@@ -161,23 +186,26 @@ def test_report_shows_federated_numbers_beside_central_and_per_node(tmp_path) ->
     results = Results(
         method="fedavg",
         rounds=[
-            {"round": 0, "test-accuracy": 0.1},
-            {
-                "round": 1,
-                **row,
-                "federated-accuracy": 0.8,
-                "federated-loss": 0.4,
-                "evaluate-nodes": ev,
-                "evaluate-failures": [],
-            },
-            {
-                "round": 2,
-                **row,
-                "federated-accuracy": 0.5,
-                "federated-loss": 1.0,
-                "evaluate-nodes": ev[:1],
-                "evaluate-failures": [failed],
-            },
+            RoundRow.from_json(r)
+            for r in [
+                {"round": 0, "test-accuracy": 0.1},
+                {
+                    "round": 1,
+                    **row,
+                    "federated-accuracy": 0.8,
+                    "federated-loss": 0.4,
+                    "evaluate-nodes": ev,
+                    "evaluate-failures": [],
+                },
+                {
+                    "round": 2,
+                    **row,
+                    "federated-accuracy": 0.5,
+                    "federated-loss": 1.0,
+                    "evaluate-nodes": ev[:1],
+                    "evaluate-failures": [failed],
+                },
+            ]
         ],  # fmt: skip
         summary={
             "final-accuracy": 0.7,
@@ -198,12 +226,14 @@ def test_report_shows_federated_numbers_beside_central_and_per_node(tmp_path) ->
         ["2", "50.00", "failed"],
     ]
     # a node with its own data folder (partition id -1) is told apart by its node id
-    own = Results(rounds=[{"round": 1, "evaluate-nodes": [{**ev[0], "partition-id": -1}]}])
+    own = Results(
+        rounds=[RoundRow.from_json({"round": 1, "evaluate-nodes": [{**ev[0], "partition-id": -1}]})]
+    )
     assert format_nodes(own).splitlines()[1].split() == ["round", "n11"]
     plot_accuracy(results, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # without federated evaluation the table is as before: no federated columns, no node table
-    plain = format_table(Results(rounds=[{"round": 1, **row}]))
+    plain = format_table(Results(rounds=[RoundRow.from_json({"round": 1, **row})]))
     assert "fed-accuracy" not in plain and "per node" not in plain
 
 

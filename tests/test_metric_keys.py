@@ -116,10 +116,10 @@ def test_a_node_missing_a_metric_key_cannot_fail_a_round(tmp_path) -> None:
         Results(rounds=[], resumed=[]),
         lambda m: {"test-accuracy": 0.1},
         10,
-        None,
+        basis=None,
     )
     row = loop.train_round(1)
-    assert row["failures"] == [] and loop.empty_rounds == 0
-    assert row["train-metrics"] == {"train-ce": 2.0}  # train-moon left out (num-examples: the weight)
+    assert row.failures == [] and loop.empty_rounds == 0
+    assert row.train_metrics == {"train-ce": 2.0}  # train-moon left out (num-examples: the weight)
     for a in loop.arrays.values():  # the mean of 1 and 3 everywhere
         np.testing.assert_array_equal(a.numpy(), np.full(a.numpy().shape, 2.0, dtype=np.float32))

@@ -12,7 +12,7 @@ from conftest import make_config
 
 from feddifrc_app.files import atomic_write, write_json
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.results import Results, summarize
+from feddifrc_app.results import Results, RoundRow, summarize
 from feddifrc_app.tools.report import format_table, plot_accuracy, plot_label_distribution
 
 
@@ -52,9 +52,9 @@ def test_run_dir_results_and_checkpoints(tmp_path):
     assert run.path == tmp_path / "r1"
     results = Results(
         rounds=[
-            {"round": 0, "test-accuracy": 0.1},
-            {"round": 1, "test-accuracy": 0.5},
-            {"round": 2, "test-accuracy": 0.4},
+            RoundRow(0, test_accuracy=0.1),
+            RoundRow(1, test_accuracy=0.5),
+            RoundRow(2, test_accuracy=0.4),
         ]
     )
     run.save_results(results)
@@ -82,7 +82,7 @@ def test_resume_from_missing_dir_is_clear(tmp_path):
 def test_a_run_directory_belongs_to_one_run(tmp_path):
     cfg = make_config(outputs_dir=str(tmp_path), run_name="r1")
     run = RunDir.for_config(cfg, run_id=1)
-    run.save_results(Results(rounds=[{"round": 1, "test-accuracy": 0.5}]))
+    run.save_results(Results(rounds=[RoundRow(1, test_accuracy=0.5)]))
     run.save_checkpoint(1, {"round": 1, "model": {"w": torch.zeros(1)}})
     before = {p: p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match="already holds another run.*resume-from = '.*r1'"):
@@ -215,18 +215,18 @@ def test_a_resume_without_results_json_is_refused_not_a_new_history(tmp_path) ->
     with pytest.raises(FileNotFoundError, match="rounds 0..3 would be lost"):
         run.resumed_results(3)
     run.results_path.write_text('{"status": "stopped", "rounds": [{"round": 0}], "resumed": []}')
-    assert run.resumed_results(3).rounds == [{"round": 0}]
+    assert run.resumed_results(3).rounds == [RoundRow(0)]
 
 
 def test_a_resume_continues_the_results_after_the_checkpoints_round(tmp_path):
     run = RunDir.for_config(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
-    rows = [{"round": r, "test-accuracy": 0.1 * r} for r in range(4)]  # round 3 saved, its checkpoint not
+    rows = [RoundRow(r, test_accuracy=0.1 * r) for r in range(4)]  # round 3 saved, its checkpoint not
     run.save_results(Results(rounds=rows, resumed=[], status="failed", diverged_rounds=[1, 3], error="E: x"))
     run.save_checkpoint(2, {"round": 2, "model": {"w": torch.ones(1)}})
     fresh, none = run.begin(make_config(outputs_dir=str(tmp_path), run_name="r"), 1)
     assert none is None and (fresh.rounds, fresh.resumed, fresh.method) == ([], [], "feddifrc")
     results, checkpoint = RunDir(run.path).begin(make_config(resume_from=str(run.path)), 9)
-    assert checkpoint["round"] == 2 and [r["round"] for r in results.rounds] == [0, 1, 2]
+    assert checkpoint["round"] == 2 and [r.round for r in results.rounds] == [0, 1, 2]
     assert (results.diverged_rounds, results.resumed, results.error) == (
         [1],
         [{"after-round": 2, "run-id": 9}],
@@ -251,7 +251,7 @@ def test_plots_are_png(tmp_path):
                     "train-metrics": {"train-ce": 1.5},
                 },
             ],
-            "summary": summarize([{"round": 1, "test-accuracy": 0.6}]),
+            "summary": summarize([RoundRow(1, test_accuracy=0.6)]),
         }
     )
     plot_accuracy(results, tmp_path / "acc.png")

@@ -15,8 +15,8 @@ from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 from feddifrc_app import privacy, privacy_accounting
 from feddifrc_app.config import ConfigError
 from feddifrc_app.privacy import Release
-from feddifrc_app.privacy_accounting import accounted_multiplier, epsilon, round_keys
-from feddifrc_app.results import Results
+from feddifrc_app.privacy_accounting import account_round, accounted_multiplier, epsilon
+from feddifrc_app.results import Results, RoundRow
 from feddifrc_app.server_app import private_settings
 from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
 from feddifrc_app.tools.report import privacy_line
@@ -424,26 +424,37 @@ def test_the_accounted_multiplier_of_each_mechanism():
         accounted_multiplier("fedmedian", Release(9, 4, 4, z, None))
 
 
+def _accounted(cfg, earlier: list[RoundRow], release: Release | None) -> RoundRow:
+    row = RoundRow(len(earlier))
+    account_round(cfg, row, earlier, release)
+    return row
+
+
 def test_round_keys_compose_the_earlier_rows_and_say_when_nothing_is_accounted():
     cfg = make_config(method="fedavg", strategy__dp="server-fixed", strategy__dp_noise_multiplier=2.0)
     r = Release(4, 4, 4, 2.0, None)
-    first = round_keys(cfg, [{"round": 0}], r)
-    assert tuple(first) == privacy_accounting.ROW_KEYS
-    assert first["dp-release"] == {
+    first = _accounted(cfg, [RoundRow(0)], r)
+    assert [k for k in first.to_json() if k not in RoundRow(1).to_json()] == [
+        "dp-release",
+        "epsilon",
+        "epsilon-if-sample-secret",
+    ]
+    assert first.dp_release == {
         "population": 4,
         "sampled": 4,
         "aggregated": 4,
         "update-multiplier": 2.0,
         "count-stddev": None,
     }
-    second = round_keys(cfg, [{"round": 0}, {"round": 1, **first}], r)
-    assert second["epsilon"] == pytest.approx(epsilon([(4, 4, 1.0)] * 2, 1e-5, amplified=False))
-    assert second["epsilon"] > first["epsilon"] > 0
-    assert second["epsilon-if-sample-secret"] == pytest.approx(second["epsilon"])  # m = N: no amplification
-    nothing = round_keys(cfg, [{"round": 0}, {"round": 1, **first}], None)  # a round that released nothing
-    assert nothing["dp-release"] is None and nothing["epsilon"] == first["epsilon"]
+    second = _accounted(cfg, [RoundRow(0), first], r)
+    assert second.epsilon == pytest.approx(epsilon([(4, 4, 1.0)] * 2, 1e-5, amplified=False))
+    assert second.epsilon > first.epsilon > 0
+    assert second.epsilon_if_sample_secret == pytest.approx(second.epsilon)  # m = N: no amplification
+    nothing = _accounted(cfg, [RoundRow(0), first], None)  # a round that released nothing
+    assert nothing.dp_release is None and nothing.epsilon == first.epsilon
+    assert nothing.to_json()["dp-release"] is None  # written null: the round released nothing
     median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
-    assert round_keys(median, [], r) == {}
+    assert _accounted(median, [], r) == RoundRow(0)
     assert privacy_accounting.settings(median)["accountant"] is None
     assert "fedmedian" in privacy_accounting.settings(median)["not-accounted"]
 
@@ -453,9 +464,9 @@ def test_results_and_report_carry_the_final_epsilon():
     block = privacy.settings(cfg) | privacy_accounting.settings(cfg)
     assert block["delta"] == 1e-5 and block["accountant"].startswith("dp_accounting.rdp.RdpAccountant")
     assert block["weighting"].startswith("uniform")
-    row = {"round": 1, **round_keys(cfg, [], Release(4, 4, 4, 2.0, None))}
-    line = privacy_line(Results(rounds=[{"round": 0}, row], privacy=block))
-    assert f"epsilon {row['epsilon']:.4g} at delta 1e-05 after round 1" in line
+    row = _accounted(cfg, [RoundRow(0)], Release(4, 4, 4, 2.0, None))
+    line = privacy_line(Results(rounds=[RoundRow(0), row], privacy=block))
+    assert f"epsilon {row.epsilon:.4g} at delta 1e-05 after round 1" in line
     median = make_config(method="fedavg", strategy__name="fedmedian", strategy__dp="server-fixed")
     blk = private_settings(median)  # what the ServerApp writes (and warns about)
     assert blk == privacy.settings(median) | privacy_accounting.settings(median)

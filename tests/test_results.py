@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
+import re
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from feddifrc_app.results import Results, summarize, summary_text
+from feddifrc_app.results import Results, RoundRow, json_key, summarize, summary_text
 
 
 def _rows(test, val=None, first=1):
     val = val or [None] * len(test)
     return [
-        {"round": first + i, "test-accuracy": t, "val-accuracy": v}
+        RoundRow(first + i, test_accuracy=t, val_accuracy=v)
         for i, (t, v) in enumerate(zip(test, val, strict=True))
     ]
 
 
 def test_summary_final_best_mean_last5():
     accs = [0.1, 0.5, 0.3, 0.4, 0.2, 0.6, 0.35, 0.5, 0.45, 0.55, 0.65]
-    s = summarize([{"round": 0, "test-accuracy": 0.9}, *_rows(accs)])  # round 0 is no training result
+    s = summarize([RoundRow(0, test_accuracy=0.9), *_rows(accs)])  # round 0 is no training result
     assert s["final-accuracy"] == 0.65
     assert s["best-accuracy"] == 0.65
     assert s["mean-last-5-accuracy"] == pytest.approx((0.35 + 0.5 + 0.45 + 0.55 + 0.65) / 5)
@@ -63,7 +67,7 @@ def test_a_results_json_reads_and_writes_back_byte_for_byte():
         "label-counts": {"0": [1, 2], "1": [2, 1]},
         "status": "diverged",
         "process": {"pid": 1, "host": "h"},
-        "summary": summarize([{"round": 1, "test-accuracy": 0.5}]),
+        "summary": summarize([RoundRow(1, test_accuracy=0.5)]),
         "diverged-rounds": [2],
         "error": "DivergedError: ...",
         "from-another-version": {"kept": True},
@@ -88,7 +92,80 @@ def test_a_key_of_the_wrong_type_is_named():
 def test_the_summary_has_the_final_federated_accuracy_only_with_federated_evaluation():
     rows = _rows([0.5, 0.6])
     assert "final-federated-accuracy" not in summarize(rows)  # default runs: the summary as before
-    rows[0]["federated-accuracy"], rows[1]["federated-accuracy"] = 0.4, None  # round 2: no node replied
+    rows[0].federated_accuracy, rows[1].federated_accuracy = 0.4, None  # round 2: no node replied
     assert summarize(rows)["final-federated-accuracy"] == 0.4
-    rows[1]["federated-accuracy"] = 0.45
-    assert summarize([{"round": 0, "test-accuracy": 0.1}, *rows])["final-federated-accuracy"] == 0.45
+    rows[1].federated_accuracy = 0.45
+    assert summarize([RoundRow(0, test_accuracy=0.1), *rows])["final-federated-accuracy"] == 0.45
+
+
+def test_a_built_row_writes_its_keys_in_results_jsons_order_with_null_only_where_it_is_a_value():
+    row = RoundRow(3, nodes=[0, 1], failures=[], train_metrics={"train-ce": 1.5}, seconds=2.0)
+    row.set_scores({"val-accuracy": None, "val-loss": None, "test-accuracy": 0.5, "test-loss": 1.0})
+    row.epsilon, row.epsilon_if_sample_secret = math.inf, 1.0  # dp_release None: nothing was released
+    row.evaluate_nodes, row.evaluate_failures = [], [{"node": 5, "partition-id": 0, "reason": "x"}]
+    assert list(row.to_json()) == [
+        "round",
+        "nodes",
+        "failures",
+        "train-metrics",
+        "dp-release",
+        "epsilon",
+        "epsilon-if-sample-secret",
+        "federated-accuracy",
+        "federated-loss",
+        "evaluate-nodes",
+        "evaluate-failures",
+        "val-accuracy",
+        "val-loss",
+        "test-accuracy",
+        "test-loss",
+        "seconds",
+    ]
+    on_disk = Results(rounds=[row]).to_json()["rounds"][0]
+    assert (on_disk["dp-release"], on_disk["epsilon"], on_disk["federated-accuracy"]) == (None, None, None)
+    # the initial model's row: its central scores (null included), nothing else
+    assert RoundRow(0).to_json() == {
+        "round": 0,
+        "val-accuracy": None,
+        "val-loss": None,
+        "test-accuracy": None,
+        "test-loss": None,
+    }
+    assert row.holds("epsilon") and not RoundRow(0).holds("epsilon")
+    with pytest.raises(KeyError, match="'train-ce' is not a central score"):
+        row.set_scores({"train-ce": 1.0})
+
+
+def test_a_row_read_from_a_file_is_written_back_as_read_and_a_wrong_type_is_named():
+    old = {"round": 2, "epsilon": None, "test-accuracy": 0.5, "from-another-version": [1]}
+    row = RoundRow.from_json(old)
+    assert (row.round, row.test_accuracy, row.extra) == (2, 0.5, {"from-another-version": [1]})
+    assert row.to_json() == old and list(row.to_json()) == list(old)
+    assert row.holds("epsilon") and row.epsilon is None  # written null: an infinite epsilon
+    row.seconds = 1.5  # set since it was read: after the keys as read
+    assert list(row.to_json()) == [*old, "seconds"]
+    with pytest.raises(TypeError, match=r"results.json rounds\[1\] key 'test-accuracy' is a str, expected"):
+        Results.from_json({"rounds": [{"round": 0}, {"round": 1, "test-accuracy": "high"}]})
+    with pytest.raises(TypeError, match=r"rounds\[0\] is not an object with an integer 'round'"):
+        Results.from_json({"rounds": [{"test-accuracy": 0.5}]})
+    with pytest.raises(TypeError, match="key 'nodes' is a dict, expected list"):
+        RoundRow.from_json({"round": 1, "nodes": {}})
+
+
+def test_no_module_but_results_spells_a_row_key():
+    """Rows are read and written through RoundRow's fields: a key with a '-' (one that is not
+    also a field name) appears as a string only in results.py. scripts/ read results.json on a
+    host without the package, so they are not checked."""
+    root = Path(__file__).resolve().parents[1]
+    keys = [json_key(f.name) for f in fields(RoundRow) if "_" in f.name and f.name != "read_keys"]
+    assert "test-accuracy" in keys and "train-metrics" in keys
+    found = [
+        f"{path.relative_to(root)}:{n}: {key}"
+        for folder in ("feddifrc_app", "benchmarks")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name != "results.py" or path.parent.name != "feddifrc_app"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for key in keys
+        if re.search(rf"[\"']{re.escape(key)}[\"']", line)
+    ]
+    assert found == []

@@ -79,7 +79,7 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     def evaluator(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
 
-    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10, None)
+    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10, basis=None)
     with pytest.raises(NoUpdateError) as e:
         loop.run_all()
     assert MAX_EMPTY_ROUNDS == 1
@@ -119,7 +119,7 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
         results,
         lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
         10,
-        None,
+        basis=None,
     )
     loop.strategy.aggregate_train = lambda rnd, replies: (None, None)  # as Flower's "Skipping aggregation"
     with pytest.raises(
@@ -153,7 +153,7 @@ def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replie
         Results(rounds=[], resumed=[]),
         lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
         10,
-        None,
+        basis=None,
     )
     seen = []
 
@@ -253,7 +253,9 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
     cfg = make_config(method="fedavg", strategy__name="scaffold", num_server_rounds=1)
     (tmp_path / "run").mkdir()
     results = Results(rounds=[], resumed=[])
-    loop = RoundLoop(cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10, None)
+    loop = RoundLoop(
+        cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10, basis=None
+    )
     loop.train_round(1)
     assert loop.strategy.fraction_of_nodes == 0.5
     for c in loop.strategy.control.values():  # c = 0 + |S| / N * mean(1, 3) = 0.5 * 2
@@ -373,7 +375,7 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
 
     from feddifrc_app import methods
     from feddifrc_app.data.registry import load_dataset, load_validation
-    from feddifrc_app.results import summarize
+    from feddifrc_app.results import RoundRow, summarize
     from feddifrc_app.rounds import CentralEvaluator
     from feddifrc_app.tools.report import format_table
 
@@ -388,11 +390,12 @@ def test_the_central_evaluator_runs_on_server_device_and_scores_test_only_withou
     ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
     assert ev.device == torch.device("cpu") and ev.splits["val"] is None
     torch.manual_seed(0)
-    row = {"round": 1, **ev(methods.model_for(cfg, test.num_classes))}
-    assert row["val-accuracy"] is None and row["val-loss"] is None
-    assert row["test-accuracy"] in {k / 40 for k in range(41)} and row["test-loss"] > 0  # 40 test images
+    row = RoundRow(1)
+    row.set_scores(ev(methods.model_for(cfg, test.num_classes)))
+    assert row.val_accuracy is None and row.val_loss is None
+    assert row.test_accuracy in {k / 40 for k in range(41)} and row.test_loss > 0  # 40 test images
     s = summarize([row])
-    assert s["final-accuracy"] == row["test-accuracy"] and s["val-best-round"] is None
+    assert s["final-accuracy"] == row.test_accuracy and s["val-best-round"] is None
     table = format_table(Results(rounds=[row], summary=s))
     assert (
         "best (max over rounds, the paper's endpoint)" in table and "test at the best validation" not in table

@@ -10,13 +10,15 @@ from conftest import ROOT
 from simulation_runs import FED
 
 from feddifrc_app.config import ConfigError
-from feddifrc_app.tools import cli
+from feddifrc_app.tools import cli, cmd_sweep
+from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.report import write_sweep_table
+from feddifrc_app.tools.run_config import app_defaults
 from feddifrc_app.tools.sweep import Cell, Sweep, SweepError, make_cells
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
-    return Sweep(tmp_path / "sw", ROOT, cli.app_defaults(ROOT), overrides)
+    return Sweep(tmp_path / "sw", ROOT, app_defaults(ROOT), overrides)
 
 
 def test_cells_are_confs_x_grid_x_seeds_with_the_paper_number():
@@ -275,13 +277,13 @@ def test_cells_that_would_share_a_run_folder_are_refused(tmp_path):
 
 
 def test_an_unquoted_string_in_grid_says_how_to_quote_it():
-    with pytest.raises(cli.CLIError) as e:
-        cli._grid(["method=fedavg,moon"])
+    with pytest.raises(CLIError) as e:
+        cmd_sweep._grid(["method=fedavg,moon"])
     assert str(e.value) == (
         "--grid 'method=fedavg,moon': each value must be TOML (a number, true/false, or a quoted string): "
         """e.g. --grid "method='a','b'\""""
     )
-    assert cli._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
+    assert cmd_sweep._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
 
 
 def test_a_simulation_without_enough_supernodes_is_refused_before_any_run(tmp_path, capsys):

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from feddifrc_app.files import atomic_write  # noqa: E402
-from feddifrc_app.results import BEST_LABEL, Results, summary_text  # noqa: E402
+from feddifrc_app.results import BEST_LABEL, Results, RoundRow, json_key, summary_text  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -24,11 +25,11 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
-# Accuracy series of a run's rows, as plotted and tabled: the row key -> its label.
-_CURVES = {
-    "val-accuracy": "validation",
-    "test-accuracy": "test",
-    "federated-accuracy": "federated (nodes' held-out data)",
+# Accuracy series of a run's rows, as plotted: label -> the row's value.
+_CURVES: dict[str, Callable[[RoundRow], float | None]] = {
+    "validation": lambda r: r.val_accuracy,
+    "test": lambda r: r.test_accuracy,
+    "federated (nodes' held-out data)": lambda r: r.federated_accuracy,
 }
 
 
@@ -37,10 +38,10 @@ def plot_accuracy(results: Results, path: Path) -> None:
     evaluation, the nodes' example-weighted accuracy beside them; summary in the title."""
     s = results.summary or {}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in _CURVES.items():
-        rows = [r for r in results.rounds if r.get(key) is not None]
+    for label, value in _CURVES.items():
+        rows = [r for r in results.rounds if value(r) is not None]
         if rows:
-            ax.plot([r["round"] for r in rows], [100 * r[key] for r in rows], marker="o", ms=3, label=label)
+            ax.plot([r.round for r in rows], [100 * value(r) for r in rows], marker="o", ms=3, label=label)
     ax.legend(fontsize=8)
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)")
@@ -78,22 +79,30 @@ def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Pa
 
 
 def _federated(results: Results) -> bool:
-    return any(r.get("federated-accuracy") is not None or r.get("evaluate-nodes") for r in results.rounds)
+    return any(r.federated_accuracy is not None or r.evaluate_nodes for r in results.rounds)
+
+
+# The per-round table's columns: row fields, and the train metrics shown by name (train_metrics).
+_COLUMNS = ("round", "val_accuracy", "test_accuracy", "test_loss", "train-ce", "train-tdcl", "train-ndcr")
+_COLUMNS += ("nodes", "failures", "seconds")
+_FEDERATED_COLUMNS = {"federated_accuracy": "fed-accuracy", "federated_loss": "fed-loss"}
+
+
+def _cell(r: RoundRow, column: str) -> Any:
+    return getattr(r, column) if column.isidentifier() else (r.train_metrics or {}).get(column)
 
 
 def format_table(results: Results) -> str:
     """A plain-text per-round table plus the summary line; with federated evaluation, its columns
     beside the central ones and a per-node table (``format_nodes``)."""
-    keys = "round val-accuracy test-accuracy test-loss train-ce train-tdcl train-ndcr nodes failures seconds"
-    keys = keys.split()
+    keys = list(_COLUMNS)
     if _federated(results):
-        keys[3:3] = ["federated-accuracy", "federated-loss"]
-    head = {"federated-accuracy": "fed-accuracy", "federated-loss": "fed-loss"}
-    lines = ["  ".join(f"{head.get(k, k):>13}" for k in keys)]
+        keys[3:3] = list(_FEDERATED_COLUMNS)
+    lines = ["  ".join(f"{_FEDERATED_COLUMNS.get(k, json_key(k)):>13}" for k in keys)]
     for r in results.rounds:
         row = []
         for k in keys:
-            v = r.get(k, r.get("train-metrics", {}).get(k))
+            v = _cell(r, k)
             if isinstance(v, list):
                 v = len(v)
             row.append(f"{v:>13.4f}" if isinstance(v, float) else f"{'' if v is None else v!s:>13}")
@@ -120,13 +129,13 @@ def privacy_line(results: Results) -> str:
     p = results.privacy or {}
     if p.get("accountant") is None:
         return f"privacy: strategy.dp = {p.get('mode')}, no epsilon: {p.get('not-accounted', 'not recorded')}"
-    rows = [r for r in results.rounds if "epsilon" in r]
+    rows = [r for r in results.rounds if r.holds("epsilon")]
     if not rows:
         return f"privacy: strategy.dp = {p['mode']}, no trained round yet"
-    eps, secret = (_epsilon_text(rows[-1][k]) for k in ("epsilon", "epsilon-if-sample-secret"))
+    eps, secret = (_epsilon_text(e) for e in (rows[-1].epsilon, rows[-1].epsilon_if_sample_secret))
     return (
         f"privacy: strategy.dp = {p['mode']}, epsilon {eps} at delta {p['delta']:g} after round "
-        f"{rows[-1]['round']} (node-level; {secret} if the rounds' samples were secret)"
+        f"{rows[-1].round} (node-level; {secret} if the rounds' samples were secret)"
     )
 
 
@@ -148,9 +157,9 @@ def format_nodes(results: Results) -> str:
     each node holds out (``p<partition id>``, ``n<node id>``)."""
     held: dict[tuple[int, int], Any] = {}
     for r in results.rounds:
-        for f in r.get("evaluate-failures", []):
+        for f in r.evaluate_failures or []:
             held.setdefault(_node_key(f), "?")
-        for n in r.get("evaluate-nodes", []):
+        for n in r.evaluate_nodes or []:
             held[_node_key(n)] = n["num-examples"]
     cols = sorted(held)
     names = [f"{'pn'[k]}{i}" for k, i in cols]
@@ -160,11 +169,11 @@ def format_nodes(results: Results) -> str:
         "  ".join(f"{k:>8}" for k in ["round", *names]),
     ]
     for r in results.rounds:
-        if "evaluate-nodes" not in r:
+        if r.evaluate_nodes is None:
             continue
-        cell = {_node_key(n): f"{100 * n['accuracy']:.2f}" for n in r["evaluate-nodes"]}
-        cell |= {_node_key(f): "failed" for f in r.get("evaluate-failures", [])}
-        lines.append("  ".join(f"{v:>8}" for v in [str(r["round"]), *(cell.get(c, "") for c in cols)]))
+        cell = {_node_key(n): f"{100 * n['accuracy']:.2f}" for n in r.evaluate_nodes}
+        cell |= {_node_key(f): "failed" for f in r.evaluate_failures or []}
+        lines.append("  ".join(f"{v:>8}" for v in [str(r.round), *(cell.get(c, "") for c in cols)]))
     return "\n".join(lines)
 
 
@@ -231,7 +240,7 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
     except (AttributeError, TypeError):  # valid JSON of another layout
         return None, f"{path} lacks rounds or summary"
     try:
-        last = r.rounds[-1]["round"] if r.rounds else None
+        last = r.rounds[-1].round if r.rounds else None
         summary_ok = all(isinstance(r.summary[k], (int, float)) for k in _SUMMARY)
     except (KeyError, TypeError):
         return None, f"{path} lacks rounds or summary"
@@ -242,10 +251,8 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
     if not summary_ok:
         return None, f"{path} has no final/best/mean-last-5 accuracy"
     for row in r.rounds:  # the table's curves read every row: a damaged one skips the run, named
-        acc = row.get("test-accuracy") if isinstance(row, dict) else None
-        if isinstance(acc, bool) or not isinstance(acc, (int, float)) or not math.isfinite(acc):
-            where = f"round {row.get('round')!r}" if isinstance(row, dict) else f"row {row!r}"
-            return None, f"{path} {where} has no finite test-accuracy ({acc!r})"
+        if row.test_accuracy is None or not math.isfinite(row.test_accuracy):
+            return None, f"{path} round {row.round!r} has no finite test-accuracy ({row.test_accuracy!r})"
     return r, ""
 
 
@@ -288,38 +295,26 @@ def _cell_text(runs: list[Results], key: str) -> str:
     return f"{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0:.2f}"
 
 
-def write_sweep_table(sweep_dir: Path) -> str:
-    """table.md, table.csv and curves.png in ``sweep_dir``; returns the markdown.
+_CSV_HEAD = [
+    "method",
+    "setting",
+    "seeds",
+    "final",
+    "final-std",
+    "best",
+    "best-std",
+    "last5",
+    "last5-std",
+    "paper",
+]
 
-    Rows are methods, columns settings; each entry is mean ± std over seeds of the final,
-    best (max over rounds: the paper's endpoint, beside its number where one exists) and
-    mean-of-last-5 test accuracy (%).
-    Only completed runs of the configured rounds count (:func:`completed_results`); every
-    other cell is listed after the table with why. An unreadable sweep.json is a ValueError.
-    """
-    groups, skipped = collect(sweep_dir)
-    # Every cell left out is named with why, in the printed text and in table.md.
-    skip_text = "".join(f"skipped {name}: {why}\n" for name, why in skipped)
-    if not groups:
-        return "no cell of this sweep has completed yet\n" + skip_text
-    methods = sorted({m for m, _ in groups}, key=lambda m: (m != "fedavg", m))
-    settings = sorted({s for _, s in groups})
+
+def _table_rows(
+    groups: dict[tuple[str, str], dict[str, Any]], methods: list[str], settings: list[str]
+) -> tuple[list[str], list[list[str]]]:
+    """(table.md's lines, table.csv's rows): a method per row, a setting per column."""
     head = "| method | " + " | ".join(settings) + " |"
-    lines = [head, "|" + " --- |" * (len(settings) + 1)]
-    rows = [
-        [
-            "method",
-            "setting",
-            "seeds",
-            "final",
-            "final-std",
-            "best",
-            "best-std",
-            "last5",
-            "last5-std",
-            "paper",
-        ]
-    ]
+    lines, rows = [head, "|" + " --- |" * (len(settings) + 1)], [_CSV_HEAD]
     for m in methods:
         entries = []
         for s in settings:
@@ -336,6 +331,26 @@ def write_sweep_table(sweep_dir: Path) -> str:
             ]
             rows.append([m, s, str(len(g["runs"])), *stats, "" if g["paper"] is None else str(g["paper"])])
         lines.append(f"| {m} | " + " | ".join(entries) + " |")
+    return lines, rows
+
+
+def write_sweep_table(sweep_dir: Path) -> str:
+    """table.md, table.csv and curves.png in ``sweep_dir``; returns the markdown.
+
+    Rows are methods, columns settings; each entry is mean ± std over seeds of the final,
+    best (max over rounds: the paper's endpoint, beside its number where one exists) and
+    mean-of-last-5 test accuracy (%).
+    Only completed runs of the configured rounds count (:func:`completed_results`); every
+    other cell is listed after the table with why. An unreadable sweep.json is a ValueError.
+    """
+    groups, skipped = collect(sweep_dir)
+    # Every cell left out is named with why, in the printed text and in table.md.
+    skip_text = "".join(f"skipped {name}: {why}\n" for name, why in skipped)
+    if not groups:
+        return "no cell of this sweep has completed yet\n" + skip_text
+    methods = sorted({m for m, _ in groups}, key=lambda m: (m != "fedavg", m))
+    settings = sorted({s for _, s in groups})
+    lines, rows = _table_rows(groups, methods, settings)
     text = (
         f"final / {BEST_LABEL} / mean of last 5 test accuracy (%), mean ± std over seeds; "
         "(paper X) is the paper's number, the maximum test accuracy over rounds its public code "
@@ -356,7 +371,7 @@ def _plot_curves(groups: dict[tuple[str, str], dict[str, Any]], settings: list[s
         for (m, s2), g in sorted(groups.items()):
             if s2 == s:
                 n = min(len(r.rounds) for r in g["runs"])
-                acc = np.array([[100 * row["test-accuracy"] for row in r.rounds[:n]] for r in g["runs"]])
+                acc = np.array([[100 * row.test_accuracy for row in r.rounds[:n]] for r in g["runs"]])
                 ax.plot(acc.mean(0), label=m)
         ax.set(title=f"{s} (mean over seeds)", xlabel="round", ylabel="test accuracy (%)")
         ax.grid(alpha=0.3)
