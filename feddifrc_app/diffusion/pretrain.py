@@ -39,8 +39,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from feddifrc_app.diffusion.digests import folder_digests
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
-from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND, folder_digests
+from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND
 from feddifrc_app.diffusion.tiny import MARKER, SD_SCHEDULER, quiet, save_tiny_pipeline, tiny_text_encoder
 from feddifrc_app.diffusion.tiny_zoo import PIXART_BLOCKS, tiny_t5
 from feddifrc_app.files import atomic_folder, stale_siblings
