@@ -1,6 +1,6 @@
 """The frozen text-to-image teacher: which folder a model name means, its identity, loading it.
 
-``load_teacher`` loads a diffusers pipeline of any supported family (``family.FAMILIES``: SD
+``load_teacher`` loads a diffusers pipeline of any supported family (``family.ADAPTERS``: SD
 1.x/2.x, SDXL, PixArt-alpha/Sigma, SD3/3.5; a hub id, a local diffusers folder, a teacher
 shipped in the package, ``"tiny"`` or a tiny random model of another family, ``"tiny-sdxl"``,
 ``"tiny-pixart"``, ``"tiny-sd3"``) with that family's own diffusers pipeline class, once per
@@ -64,7 +64,7 @@ class Teacher:
     dtype: torch.dtype  # the denoiser's (and the prompt embeddings')
     text_width: int  # text encoder hidden size (width of prompt token embeddings)
     block_channels: tuple[int, ...]  # output width of each hookable layer (up_blocks / transformer_blocks)
-    family: str = "sd"  # family.FAMILIES value: which module encodes, noises, denoises and pools
+    family: str = "sd"  # a family.ADAPTERS name: which module encodes, noises, denoises and pools
     parts: dict[str, Any] = field(default_factory=dict)  # the family's extras (the pipeline, sigmas)
 
     @property
@@ -136,7 +136,7 @@ class TeacherIdentity:
     weights_hash: str
     random_weights: bool
     folder: Path  # the local diffusers folder the weights are read from
-    family: str = "sd"  # from model_index.json's _class_name (family.FAMILIES)
+    family: str = "sd"  # from model_index.json's _class_name (an adapter's PIPELINES)
 
 
 # --------------------------------------------------------------------------- model name -> folder

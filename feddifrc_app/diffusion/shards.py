@@ -78,7 +78,7 @@ def key_fields(
     teacher's compute dtype (fp16 on CUDA and fp32 on CPU give slightly different features,
     so an fp32 CPU extract never serves an fp16 GPU run); pass ``str(teacher.dtype)``.
     Dataset indices are not part of the key: entries are stored per image id. ``family``
-    (``family.FAMILIES``: which layers ``blocks`` index, how the image is noised) is a field
+    (``family.ADAPTERS``: which layers ``blocks`` index, how the image is noised) is a field
     of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
     is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
     under float16, ``family.vae_dtype``): every other key is as it was before it existed.
