@@ -1,7 +1,8 @@
 """Atomic file and folder writes: readers only ever see a whole file or the previous one.
 
-Also the one format of the app's verified array files (feature shards, prepared targets):
-an uncompressed ``.npz`` with a JSON ``header`` member whose sha256 covers the arrays.
+Also the one mechanism of the app's verified array files (feature shards, prepared targets):
+an uncompressed ``.npz`` with a JSON ``header`` member (format, version, key, the kind's own
+fields, sha256) whose sha256 covers the arrays (``write_verified`` / ``read_verified``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,65 @@ def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise
     except Exception as e:  # zip/npy/json errors of a truncated or overwritten file
         raise CorruptFile(f"unreadable ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class ArchiveKind:
+    """One kind of verified archive: the header's ``format`` and ``version``, the members a header
+    promises (``members(header) -> {name: (dtype str, shape)}``; a KeyError, TypeError or
+    ValueError means a malformed header) and the digest over the members (``digest(members)``)."""
+
+    format: str
+    version: int
+    members: Callable[[Mapping[str, Any]], Mapping[str, tuple[str, tuple[int, ...]]]]
+    digest: Callable[[Mapping[str, np.ndarray]], str]
+
+
+def write_verified(
+    path: Path, kind: ArchiveKind, key: str, members: Mapping[str, np.ndarray], fields: Mapping[str, Any]
+) -> None:
+    """Atomically write ``members`` under the header ``format, version, key, *fields, sha256``
+    (in that order: the header's JSON text is part of the file)."""
+    header = {"format": kind.format, "version": kind.version, "key": key, **fields}
+    header["sha256"] = kind.digest(members)
+    write_archive(path, header, members)
+
+
+# path -> (inode, size, mtime_ns, sha256) of archives whose digest this process verified.
+_VERIFIED: dict[str, tuple[int, int, int, Any]] = {}
+
+
+def read_verified(path: Path, kind: ArchiveKind, key: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(header, members) of a :func:`write_verified` file of ``kind`` and ``key``. ``CorruptFile``
+    (the reason) unless the format, version and key match, the members are exactly the ones the
+    header promises with their dtypes and shapes, and the digest holds; ``FileNotFoundError`` if
+    there is none. The digest pass reads every byte again: a file this process verified and that
+    was not replaced since (same inode, size and mtime) is not hashed twice."""
+    header, members = read_archive(path)
+    if header.get("format") != kind.format or header.get("version") != kind.version:
+        raise CorruptFile(f"format {header.get('format')!r} v{header.get('version')!r}")
+    if header.get("key") != key:
+        raise CorruptFile(f"belongs to key {str(header.get('key'))[:12]}..., not {key[:12]}...")
+    try:
+        promised = {
+            k: (str(d), tuple(int(n) for n in shape)) for k, (d, shape) in kind.members(header).items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptFile(f"malformed header ({type(e).__name__}: {e})") from None
+    if set(promised) != set(members):
+        raise CorruptFile(f"members {sorted(members)}, header lists {sorted(promised)}")
+    for k, (dtype, shape) in promised.items():
+        if (members[k].dtype.str, members[k].shape) != (dtype, shape):
+            raise CorruptFile(
+                f"{k}: {members[k].dtype.str} {list(members[k].shape)}, header says {dtype} {list(shape)}"
+            )
+    st = path.stat()
+    tag = (st.st_ino, st.st_size, st.st_mtime_ns, header.get("sha256"))
+    if _VERIFIED.get(str(path)) != tag:
+        if kind.digest(members) != header.get("sha256"):
+            raise CorruptFile("checksum mismatch")
+        _VERIFIED[str(path)] = tag
+    return header, members
 
 
 @contextlib.contextmanager

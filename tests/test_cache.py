@@ -408,14 +408,15 @@ def test_concurrent_writers_of_one_shard_lose_nothing(tmp_cache):
 
 
 def test_verified_shards_are_not_rehashed_until_replaced(store, monkeypatch):
-    import feddifrc_app.diffusion.cache as cache_mod
+    import feddifrc_app.diffusion.shards as cache_mod
+    from feddifrc_app import files
 
     ids = np.arange(0, 8, 2)
     cached_pooled_features(store, KEY, ids, Counter())
     calls = []
     real = cache_mod._checksum
     monkeypatch.setattr(cache_mod, "_checksum", lambda *a: calls.append(1) or real(*a))
-    cache_mod._VERIFIED.clear()
+    files._VERIFIED.clear()
     store.load(KEY, ids)
     assert len(calls) == 1  # first read in this process: verified
     store.load(KEY, ids)

@@ -10,15 +10,19 @@ import os
 import numpy as np
 import pytest
 
+from feddifrc_app import files
 from feddifrc_app.files import (
+    ArchiveKind,
     CorruptFile,
     NotALockFile,
     array_digest,
     folder_holder,
     lock_folder,
     read_archive,
+    read_verified,
     release_folder,
     write_archive,
+    write_verified,
 )
 
 
@@ -65,6 +69,68 @@ def test_archive_round_trip_and_truncation_is_detected(tmp_path):
         read_archive(p)
     with pytest.raises(FileNotFoundError):
         read_archive(tmp_path / "absent.npz")
+
+
+def _listed_digest(members):
+    return array_digest((f"|{k}|", members[k]) for k in sorted(members))
+
+
+KIND = ArchiveKind("test-kind", 2, members=lambda h: h["members"], digest=lambda m: _listed_digest(m))
+
+
+def _write(path, key="k1", **members):
+    listed = {k: [a.dtype.str, list(a.shape)] for k, a in members.items()}
+    write_verified(path, KIND, key, members, {"n": 3, "members": listed})
+
+
+@pytest.mark.parametrize(
+    "damage", ["format", "version", "key", "dtype", "shape", "extra", "missing", "digest", "malformed"]
+)
+def test_a_verified_archive_round_trips_and_every_check_refuses(tmp_path, damage):
+    p = tmp_path / "a.npz"
+    ids, v = np.arange(3), np.float32([[1, 2], [3, 4], [5, 6]])
+    _write(p, ids=ids, v=v)
+    header, members = read_verified(p, KIND, "k1")
+    assert list(header) == ["format", "version", "key", "n", "members", "sha256"]
+    assert header["sha256"] == _listed_digest({"ids": ids, "v": v}) and header["format"] == "test-kind"
+    assert np.array_equal(members["v"], v)
+    kind, key = KIND, "k1"
+    if damage in ("format", "version"):
+        kind = ArchiveKind(
+            *(("other", 2) if damage == "format" else ("test-kind", 3)), KIND.members, KIND.digest
+        )
+    elif damage == "key":
+        key = "k2"
+    else:
+        h, m = read_archive(p)
+        if damage == "dtype":
+            m["v"] = v.astype(np.float64)
+        elif damage == "shape":
+            m["v"] = v.reshape(2, 3)
+        elif damage == "extra":
+            m["w"] = v
+        elif damage == "missing":
+            del m["v"]
+        elif damage == "digest":
+            m["v"] = v + 1
+        elif damage == "malformed":
+            h["members"] = "v"
+        write_archive(p, h, m)
+    with pytest.raises(CorruptFile):
+        read_verified(p, kind, key)
+
+
+def test_a_verified_archive_is_not_rehashed_until_replaced(tmp_path):
+    p, calls = tmp_path / "a.npz", []
+    counting = ArchiveKind("test-kind", 2, KIND.members, lambda m: calls.append(1) or _listed_digest(m))
+    _write(p, ids=np.arange(3))
+    files._VERIFIED.clear()
+    read_verified(p, counting, "k1")
+    read_verified(p, counting, "k1")
+    assert len(calls) == 1
+    _write(p, ids=np.arange(3) + 1)  # replaced: verified again
+    read_verified(p, counting, "k1")
+    assert len(calls) == 2
 
 
 def _plant(folder, kind, victim):

@@ -254,7 +254,7 @@ def test_pretrain_into_a_foreign_folder_is_refused_before_training(
     def no_training(*a, **k):
         raise AssertionError("trained although the folder is refused")
 
-    monkeypatch.setattr(pretrain, "_train", no_training)
+    monkeypatch.setattr(pretrain, "train_teacher", no_training)
     out = tmp_path / "thesis"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
@@ -270,14 +270,14 @@ def test_folder_edited_during_training_is_kept(tmp_path: Path, monkeypatch: pyte
 
     out = tmp_path / "t"
     out.mkdir()  # empty when the run starts
-    real = pretrain._train
+    real = pretrain.train_teacher
 
     def train_then_someone_writes(*a, **k):
         result = real(*a, **k)
         (out / "draft.md").write_text("written meanwhile")
         return result
 
-    monkeypatch.setattr(pretrain, "_train", train_then_someone_writes)
+    monkeypatch.setattr(pretrain, "train_teacher", train_then_someone_writes)
     images, labels = _data()
     with pytest.raises(pretrain.OutFolderError, match="draft.md"):
         pretrain_teacher(

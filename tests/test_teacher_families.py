@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from conftest import make_config
 
 from feddifrc_app.data.registry import load_dataset
+from feddifrc_app.diffusion import family as families
 from feddifrc_app.diffusion import pixart, sd, sd3, sdxl
 from feddifrc_app.diffusion.family import FamilyError, encode_image, read_family, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, to_unit_range
@@ -23,6 +25,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_identity,
     weights_hash,
 )
+from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.diffusion.tiny_zoo import build_tiny_zoo
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
@@ -275,3 +278,58 @@ def test_sdxl_encodes_in_float32_where_float16_overflows(tmp_path: Path, images:
         assert torch.isfinite(low).all()
         cos = torch.nn.functional.cosine_similarity(low.flatten(1), ref.flatten(1), dim=-1)
         assert float(cos.min()) > 0.98, (b, cos)
+
+
+# A family added through its two files alone: an adapter module (here SD's functions under another
+# diffusers pipeline class of the same layout) and its line in family.ADAPTERS (set at test time).
+DUMMY_ADAPTER = """from feddifrc_app.diffusion import sd
+
+PIPELINES = ("StableDiffusionImg2ImgPipeline",)
+LOAD_KWARGS = sd.LOAD_KWARGS
+DENOISER, LAYER_COUNT_KEY, LAYER_ATTR, LAYER_NAME = "unet", "up_block_types", "up_blocks", "unet.up_blocks"
+TEXT_PARTS = ("text_encoder",)
+AUTO_BF16, VAE_FORCE_UPCAST, SHORTCUTS = False, False, True
+default_layers, layer_widths, token_width = sd.default_layers, sd.layer_widths, sd.token_width
+parts = sd.parts
+encode_prompts, noise_coeffs, denoise, pool = sd.encode_prompts, sd.noise_coeffs, sd.denoise, sd.pool
+"""
+
+
+def test_a_new_family_is_its_adapter_module_and_its_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, images: torch.Tensor
+) -> None:
+    (tmp_path / "dummy_family.py").write_text(DUMMY_ADAPTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(families.ADAPTERS, "dummy", "dummy_family")
+    sd_folder = build_tiny_pipeline(tmp_path / "sd", seed=0)
+    folder = tmp_path / "dummy"
+    shutil.copytree(sd_folder, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "StableDiffusionImg2ImgPipeline"})
+    )
+    assert (read_family(folder), read_family(sd_folder)) == ("dummy", "sd")
+
+    cache = tmp_path / "cache"
+    t, ref = (load_teacher(str(f), cache, CPU, torch.float32) for f in (folder, sd_folder))
+    try:
+        assert (t.family, ref.family, type(t.unet)) == ("dummy", "sd", type(ref.unet))
+        assert (t.block_channels, t.text_width) == (ref.block_channels, ref.text_width)
+        ids = torch.arange(3)
+        args = dict(resolution=16, timestep=300, blocks=(1, 2, 3), ensemble=1, seed=0)
+        out = Featurizer(t, **args)(images, ids, PROMPTS)
+        expect = Featurizer(ref, **args)(images, ids, PROMPTS)
+        assert sorted(out) == [1, 2, 3]
+        for b in out:  # the same weights through the same functions: the same numbers
+            torch.testing.assert_close(out[b], expect[b], atol=0, rtol=0)
+
+        cfg = make_config(**FAMILY_CONFIG, **{"diffusion.model": str(folder), "diffusion.blocks": "1,2,3"})
+        data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+        fs = feature_set(teacher_spec(cfg, cache), data, PROMPTS)
+        assert fs.fields["family"] == "dummy" and fs.spec.identity.family == "dummy"
+        pooled, stats = pooled_features(fs, np.arange(4))
+        assert stats.misses == 4 and pooled[3].shape == (4, len(PROMPTS), t.block_channels[3])
+        assert np.isfinite(pooled[3]).all()
+    finally:
+        for f in (folder, sd_folder):
+            release_teacher(str(f), cache, CPU, torch.float32)

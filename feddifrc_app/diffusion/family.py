@@ -1,22 +1,31 @@
 """Teacher families: which diffusers pipeline a folder is, and the small interface each family
-module implements for the Featurizer.
+module implements for the pipeline loader and the Featurizer.
 
-A family is detected from the pipeline folder alone (``model_index.json`` ``_class_name``),
-so the feature-cache key can name it without building a network. Each family module
-(``sd``, ``sdxl``, ``pixart``, ``sd3``) provides, as plain functions over a loaded ``Teacher``:
+A family is its adapter module and its line in ``ADAPTERS`` (nothing else names it). It is
+detected from the pipeline folder alone (``model_index.json`` ``_class_name``, listed in the
+adapter's ``PIPELINES``), so the feature-cache key can name it without building a network. Each
+adapter (``sd``, ``sdxl``, ``pixart``, ``sd3``) provides, as constants and plain functions:
 
-- ``PIPELINE`` / ``LAYER_ATTR`` / ``LAYER_NAME``: the diffusers pipeline class it loads with,
-  the denoiser attribute whose entries are hooked (``up_blocks``, ``transformer_blocks``)
-  and how the docs name them;
+- ``PIPELINES``: the ``_class_name`` values it serves (each folder loads with its own class);
+  ``LOAD_KWARGS``: extra ``from_pretrained`` arguments (SD: no safety checker);
+- ``DENOISER`` / ``LAYER_COUNT_KEY``: the denoiser's component folder and pipeline attribute,
+  and its config key holding the number of hookable layers;
+- ``LAYER_ATTR`` / ``LAYER_NAME``: the denoiser attribute whose entries are hooked
+  (``up_blocks``, ``transformer_blocks``) and how the docs name them;
+- ``TEXT_PARTS``: the pipeline's text encoders that prompt encoding runs;
 - ``AUTO_BF16``: ``diffusion.dtype = "auto"`` means bfloat16 on a GPU that computes it
   natively (activations that can leave float16's range), float16 otherwise;
 - ``VAE_FORCE_UPCAST``: the family's diffusers pipelines honour ``vae.config.force_upcast``
   (the VAE encodes in float32 when the teacher runs in float16: ``vae_dtype``);
+- ``SHORTCUTS``: the exact UNet shortcuts of ``speed.py`` are checked on this denoiser;
 - ``default_layers(n)``: the documented default of ``diffusion.blocks`` for ``n`` layers;
+- ``layer_widths(denoiser)``, ``token_width(pipe, denoiser)``: each hooked layer's output
+  width; the width of the prompt tokens the denoiser reads (what ``token_offsets`` shift);
+- ``parts(pipe) -> dict``: what the teacher keeps of the pipeline (``Teacher.parts``);
 - ``encode_prompts(teacher, prompts, resolution) -> Conditioning``;
 - ``noise_coeffs(teacher, timestep) -> (a, b, model_timestep)``: ``x_t = a x0 + b eps``;
 - ``denoise(teacher, sample, step, cond)``: one denoiser call (the hooks take the features);
-- ``pool(output) -> (rows, C)``: a hooked layer's output, mean-pooled over the latent grid.
+- ``pool(output, grid) -> (rows, C)``: a hooked layer's output, mean-pooled over the latent grid.
 
 Image encoding (``encode_image``) is common: the VAE mean, shifted and scaled as the
 pipeline's VAE config says.
@@ -34,20 +43,12 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-# model_index.json _class_name -> family
-FAMILIES: dict[str, str] = {
-    "StableDiffusionPipeline": "sd",
-    "StableDiffusionXLPipeline": "sdxl",
-    "PixArtAlphaPipeline": "pixart",
-    "PixArtSigmaPipeline": "pixart",
-    "StableDiffusion3Pipeline": "sd3",
-}
-# family -> (denoiser component folder, its config key holding the number of hookable layers)
-_LAYER_COUNT = {
-    "sd": ("unet", "up_block_types"),
-    "sdxl": ("unet", "up_block_types"),
-    "pixart": ("transformer", "num_layers"),
-    "sd3": ("transformer", "num_layers"),
+# The registered families: name -> adapter module. A new family is its module and one line here.
+ADAPTERS: dict[str, str] = {
+    "sd": "feddifrc_app.diffusion.sd",
+    "sdxl": "feddifrc_app.diffusion.sdxl",
+    "pixart": "feddifrc_app.diffusion.pixart",
+    "sd3": "feddifrc_app.diffusion.sd3",
 }
 
 
@@ -80,32 +81,37 @@ class Conditioning:
         return Conditioning(tokens, extras)
 
 
+def pipeline_families() -> dict[str, str]:
+    """model_index.json ``_class_name`` -> family, from the registered adapters' ``PIPELINES``."""
+    return {name: fam for fam in ADAPTERS for name in family_module(fam).PIPELINES}
+
+
 def read_family(folder: Path) -> str:
     """The family of a diffusers pipeline folder, from its ``model_index.json``."""
     try:
         name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError):
         name = None
-    if name not in FAMILIES:
+    families = pipeline_families()
+    if name not in families:
         raise FamilyError(
             f"diffusion model folder '{folder}' is a {name or 'unreadable'} pipeline; supported teachers are "
-            f"{', '.join(sorted(FAMILIES))} (model_index.json _class_name)"
+            f"{', '.join(sorted(families))} (model_index.json _class_name)"
         )
-    return FAMILIES[name]
+    return families[name]
 
 
 def family_module(family: str) -> ModuleType:
-    """The adapter module of a family (``feddifrc_app.diffusion.<family>``)."""
-    if family not in _LAYER_COUNT:
-        raise FamilyError(f"unknown teacher family {family!r}; known: {', '.join(sorted(_LAYER_COUNT))}")
-    return importlib.import_module(f"feddifrc_app.diffusion.{family}")
+    """The adapter module of a registered family (``ADAPTERS``)."""
+    if family not in ADAPTERS:
+        raise FamilyError(f"unknown teacher family {family!r}; known: {', '.join(sorted(ADAPTERS))}")
+    return importlib.import_module(ADAPTERS[family])
 
 
 def layer_count(folder: Path, family: str) -> int:
     """How many hookable layers the folder's denoiser has, read from its config.json (no network)."""
-    comp, key = _LAYER_COUNT[family]
-    cfg = json.loads((Path(folder) / comp / "config.json").read_text())
-    value = cfg[key]
+    mod = family_module(family)
+    value = json.loads((Path(folder) / mod.DENOISER / "config.json").read_text())[mod.LAYER_COUNT_KEY]
     return len(value) if isinstance(value, list) else int(value)
 
 

@@ -34,7 +34,6 @@ from feddifrc_app.diffusion.sd import (
 from feddifrc_app.diffusion.speed import Shortcuts
 
 __all__ = ["Featurizer", "encode_prompts", "noise_seed", "to_unit_range"]
-_SHORTCUT_FAMILIES = ("sd", "sdxl")  # UNets: the shortcuts in speed.py are checked on them
 
 _PROMPT_MEMO = 64  # prompt tuples kept per Featurizer
 
@@ -114,7 +113,7 @@ class Featurizer:
         self._grid = (self.resolution // f // patch, self.resolution // f // patch)  # DiT patch grid
         self._prompts: OrderedDict[tuple[str, ...], Conditioning] = OrderedDict()
         cpu_fp32 = teacher.device.type == "cpu" and teacher.dtype == torch.float32
-        fast_ok = self.fast and teacher.family in _SHORTCUT_FAMILIES
+        fast_ok = self.fast and adapter.SHORTCUTS
         self._speed = Shortcuts(teacher.unet, enabled=fast_ok, onednn=cpu_fp32)
 
     @property

@@ -1,6 +1,6 @@
 """The frozen text-to-image teacher: which folder a model name means, its identity, loading it.
 
-``load_teacher`` loads a diffusers pipeline of any supported family (``family.FAMILIES``: SD
+``load_teacher`` loads a diffusers pipeline of any supported family (``family.ADAPTERS``: SD
 1.x/2.x, SDXL, PixArt-alpha/Sigma, SD3/3.5; a hub id, a local diffusers folder, a teacher
 shipped in the package, ``"tiny"`` or a tiny random model of another family, ``"tiny-sdxl"``,
 ``"tiny-pixart"``, ``"tiny-sd3"``) with that family's own diffusers pipeline class, once per
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
 import json
 import os
 import re
@@ -28,10 +27,16 @@ from typing import Any
 
 import torch
 
+from feddifrc_app.diffusion.digests import (
+    WEIGHT_EXTS,
+    TeacherLoadError,
+    one_line,
+    verify_folder,
+    weights_hash,
+)
 from feddifrc_app.diffusion.family import FamilyError, family_module, read_family, vae_dtype
 from feddifrc_app.diffusion.tiny import MARKER, TINY_PREFIX, build_tiny_pipeline, quiet, tiny_name
 from feddifrc_app.diffusion.tiny_zoo import ZOO_FAMILIES, build_tiny_zoo, zoo_name
-from feddifrc_app.files import write_json
 from feddifrc_app.hub import hub_offline
 
 PRETRAINED_KIND = "feddifrc-pretrained-tiny-sd"  # feddifrc.json "kind" of `feddifrc pretrain-teacher` folders
@@ -39,16 +44,8 @@ PRETRAINED_KIND = "feddifrc-pretrained-tiny-sd"  # feddifrc.json "kind" of `fedd
 # each is the output of `feddifrc pretrain-teacher` (seed 0).
 PACKAGED_TEACHERS: tuple[str, ...] = ("tiny-mnist",)
 
-# what loading reads, over all families (SD's five first: an SD folder hashes as it always did)
-_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler", "transformer")
-_COMPONENTS += ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-_WEIGHT_EXTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".onnx", ".h5", ".pb")
 _MIN_VOCAB = 100
 _ANY_MODEL = "a local diffusers folder or 'tiny-mnist'"
-
-
-class TeacherLoadError(RuntimeError):
-    """The diffusion teacher is unavailable; the message says how to provide it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +64,7 @@ class Teacher:
     dtype: torch.dtype  # the denoiser's (and the prompt embeddings')
     text_width: int  # text encoder hidden size (width of prompt token embeddings)
     block_channels: tuple[int, ...]  # output width of each hookable layer (up_blocks / transformer_blocks)
-    family: str = "sd"  # family.FAMILIES value: which module encodes, noises, denoises and pools
+    family: str = "sd"  # a family.ADAPTERS name: which module encodes, noises, denoises and pools
     parts: dict[str, Any] = field(default_factory=dict)  # the family's extras (the pipeline, sigmas)
 
     @property
@@ -139,129 +136,10 @@ class TeacherIdentity:
     weights_hash: str
     random_weights: bool
     folder: Path  # the local diffusers folder the weights are read from
-    family: str = "sd"  # from model_index.json's _class_name (family.FAMILIES)
-
-
-# --------------------------------------------------------------------------- file digests
-
-
-def _file_digest(p: Path, memo: dict[str, str] | None = None) -> str:
-    """sha256 of a file's content. Hub-cache LFS blobs are named by that sha256: reuse it.
-
-    ``memo`` maps "realpath|size|mtime_ns" to a digest computed earlier: in deployment every
-    message is a new process, and re-reading a 5 GB SD folder each time would cost more than
-    the round itself.
-    """
-    if p.is_symlink():
-        target = Path(os.path.realpath(p))
-        if re.fullmatch(r"[0-9a-f]{64}", target.name) and target.parent.name == "blobs":
-            return target.name
-    if memo is not None:
-        st = p.stat()
-        tag = f"{os.path.realpath(p)}|{st.st_size}|{st.st_mtime_ns}"
-        if tag not in memo:
-            memo[tag] = _file_digest(p)
-        return memo[tag]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _is_variant(name: str) -> bool:
-    """name.fp16.safetensors / name.fp16-00001-of-00002.safetensors are variant weights."""
-    stem = re.sub(r"-\d{5}-of-\d{5}$", "", name.rsplit(".", 1)[0])
-    return "." in stem
-
-
-def _loaded_files(folder: Path) -> list[Path]:
-    """The files of a diffusers SD folder that loading reads: model_index.json, and per component
-    its configs/tokenizer files plus its non-variant weights (safetensors preferred)."""
-    files = [folder / "model_index.json"]
-    for comp in _COMPONENTS:
-        d = folder / comp
-        if not d.is_dir():
-            continue
-        entries = sorted(p for p in d.iterdir() if p.is_file())
-        weights = [p for p in entries if p.name.endswith(_WEIGHT_EXTS)]
-        plain = [p for p in weights if not _is_variant(p.name)]
-        if any(p.name.endswith(".safetensors") for p in plain):
-            plain = [p for p in plain if p.name.endswith(".safetensors")]
-        files += [p for p in entries if p not in weights] + plain
-    return [p for p in files if p.is_file()]
-
-
-def _read_memo(memo_file: Path) -> dict[str, str]:
-    try:
-        memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
-    except (OSError, ValueError):
-        return {}  # unreadable memo: recompute (and rewrite it)
-    return memo if isinstance(memo, dict) else {}
-
-
-def weights_hash(folder: Path, memo_file: Path | None = None) -> str:
-    """sha256 over (relative path, content sha256) of every file loading reads. Content-defined:
-    a hub snapshot and a plain copy of it hash the same. ``memo_file`` (JSON) remembers file
-    digests by (path, size, mtime) across processes; it is rewritten atomically."""
-    folder = Path(folder)
-    memo = None if memo_file is None else _read_memo(memo_file)
-    before = dict(memo or {})
-    h = hashlib.sha256()
-    for p in _loaded_files(folder):
-        h.update(f"{p.relative_to(folder).as_posix()}\0{_file_digest(p, memo)}\n".encode())
-    if memo_file is not None and memo != before:
-        write_json(memo_file, memo)
-    return h.hexdigest()
-
-
-def folder_digests(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a pipeline folder but the marker and the card (relative posix paths)."""
-    folder = Path(folder)
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (MARKER, "README.md"))
-    return {p.relative_to(folder).as_posix(): _file_digest(p) for p in files}
-
-
-def verify_folder(folder: Path) -> dict[str, Any]:
-    """Check the files of a ``feddifrc pretrain-teacher`` folder against the sha256 sums in its
-    ``feddifrc.json`` and return that marker. Every file loading reads must be listed; a
-    missing, truncated or altered one is a one-line ``TeacherLoadError`` naming it, never a load."""
-    how = f"rebuild it with `feddifrc pretrain-teacher --out {folder}` or reinstall feddifrc-app"
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        files = marker["files"]
-        if not isinstance(files, dict) or not files:
-            raise ValueError("no file checksums")
-    except (OSError, ValueError, KeyError, TypeError):
-        raise TeacherLoadError(
-            f"teacher folder {folder} has no readable {MARKER} with file checksums; {how}"
-        ) from None
-    for p in _loaded_files(folder):
-        if p.relative_to(folder).as_posix() not in files:
-            raise TeacherLoadError(
-                f"teacher file {p} is not covered by the checksums in {folder / MARKER}; {how}"
-            )
-    for rel, digest in sorted(files.items()):
-        p = folder / rel
-        if not p.is_file():
-            raise TeacherLoadError(f"teacher file {p} is missing; {how}")
-        try:
-            ok = _file_digest(p) == digest
-        except OSError as e:
-            raise TeacherLoadError(f"teacher file {p} cannot be read ({_one_line(e, 120)}); {how}") from None
-        if not ok:
-            raise TeacherLoadError(f"teacher file {p} is corrupt (its sha256 does not match {MARKER}); {how}")
-    return marker
+    family: str = "sd"  # from model_index.json's _class_name (an adapter's PIPELINES)
 
 
 # --------------------------------------------------------------------------- model name -> folder
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    msg = " ".join(str(e).split())
-    if len(msg) > limit:
-        msg = msg[: limit - 3] + "..."
-    return f"{type(e).__name__}: {msg}"
 
 
 def _installed_package_dir() -> Path:
@@ -295,7 +173,7 @@ def _read_marker(folder: Path) -> dict[str, Any]:
         return m
     except (OSError, ValueError) as e:
         raise TeacherLoadError(
-            f"teacher folder {folder}: {path.name} is unreadable ({_one_line(e, 120)}); "
+            f"teacher folder {folder}: {path.name} is unreadable ({one_line(e, 120)}); "
             "restore it or rebuild the folder"
         ) from None
 
@@ -355,7 +233,7 @@ def _hub_folder(model: str) -> Path:
     except Exception as e:
         raise TeacherLoadError(
             f"diffusion model '{model}' is not in the Hugging Face cache {HF_HUB_CACHE} and could "
-            f"not be downloaded ({_one_line(e, 160)}); check the id and the network (gated models "
+            f"not be downloaded ({one_line(e, 160)}); check the id and the network (gated models "
             "need `hf auth login`), copy a cache made with `hf download` here, or set "
             f"diffusion.model to {_ANY_MODEL}"
         ) from None
@@ -432,8 +310,8 @@ def check_complete(folder: Path) -> None:
         elif not name.startswith(("scheduler", "tokenizer")):
             if "config.json" not in files:
                 missing.append(f"{name}/config.json")
-            if not any(f.endswith(_WEIGHT_EXTS) for f in files):
-                missing.append(f"{name}/ weights ({', '.join(e.lstrip('.') for e in _WEIGHT_EXTS[:2])})")
+            if not any(f.endswith(WEIGHT_EXTS) for f in files):
+                missing.append(f"{name}/ weights ({', '.join(e.lstrip('.') for e in WEIGHT_EXTS[:2])})")
     if missing:
         raise TeacherLoadError(
             f"teacher folder {folder} is incomplete: {', '.join(missing)} missing (model_index.json "
@@ -447,16 +325,16 @@ def teacher_resolution(model: str, cache_dir: Path) -> int | None:
     return int(res) if isinstance(res, int) else None
 
 
-def _from_pretrained(folder: Path, model: str, dtype: torch.dtype, vae: torch.dtype):
-    """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name);
-    the VAE in ``vae`` (read in that dtype from the files, never a cast of rounded weights)."""
+def _from_pretrained(folder: Path, model: str, family: str, dtype: torch.dtype, vae: torch.dtype):
+    """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name)
+    and its family's ``LOAD_KWARGS``; the VAE in ``vae`` (read in that dtype from the files,
+    never a cast of rounded weights)."""
     import diffusers
 
     name = json.loads((folder / "model_index.json").read_text())["_class_name"]
     torch_dtype: Any = dtype if vae == dtype else {"default": dtype, "vae": vae}
     kw: dict[str, Any] = dict(torch_dtype=torch_dtype, local_files_only=True)
-    if name == "StableDiffusionPipeline":
-        kw.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    kw.update(family_module(family).LOAD_KWARGS)
     try:  # with accelerate (a dependency) the weights load in place: no random init first
         with quiet(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch_dtype.*", category=FutureWarning)
@@ -464,7 +342,7 @@ def _from_pretrained(folder: Path, model: str, dtype: torch.dtype, vae: torch.dt
     except Exception as e:
         raise TeacherLoadError(
             f"diffusion model '{model}' found at '{folder}' but could not be loaded as a {name} "
-            f"({_one_line(e)}); re-download it or rebuild the folder with {name}.save_pretrained"
+            f"({one_line(e)}); re-download it or rebuild the folder with {name}.save_pretrained"
         ) from None
 
 
@@ -501,7 +379,9 @@ def _load_key(model: str, cache_dir: Path, device: torch.device, dtype: torch.dt
 
 def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Teacher:
     ident = teacher_identity(model, cache_dir)
-    pipe = _from_pretrained(ident.folder, model, dtype, vae_dtype(ident.folder, ident.family, dtype))
+    pipe = _from_pretrained(
+        ident.folder, model, ident.family, dtype, vae_dtype(ident.folder, ident.family, dtype)
+    )
     tok = pipe.tokenizer
     if tok is None or len(tok) < _MIN_VOCAB:
         raise TeacherLoadError(
@@ -510,7 +390,7 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
             "or empty); copy the model's tokenizer files there or re-download the model"
         )
     adapter = family_module(ident.family)
-    denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    denoiser = getattr(pipe, adapter.DENOISER)
     vae = pipe.vae
     vae.decoder = None  # encode-only teacher: drop the decoder half
     if getattr(vae, "post_quant_conv", None) is not None:
@@ -534,37 +414,13 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
         random_weights=ident.random_weights,
         device=device,
         dtype=dtype,
-        text_width=_token_width(ident.family, pipe, denoiser),
+        text_width=adapter.token_width(pipe, denoiser),
         block_channels=adapter.layer_widths(denoiser),
         family=ident.family,
-        parts=_parts(ident.family, pipe),
+        parts=adapter.parts(pipe),
     )
 
 
 def _alphas(scheduler) -> torch.Tensor:
     a = getattr(scheduler, "alphas_cumprod", None)
     return torch.empty(0) if a is None else a.detach().to("cpu", torch.float32).clone()
-
-
-def _token_width(family: str, pipe, denoiser) -> int:
-    """Width of the prompt-token embeddings the denoiser reads (what ``token_offsets`` shift)."""
-    if family == "sd":
-        return int(pipe.text_encoder.config.hidden_size)
-    if family == "sdxl":
-        return int(denoiser.config.cross_attention_dim)
-    if family == "pixart":
-        return int(denoiser.config.caption_channels)
-    return int(denoiser.config.joint_attention_dim)  # sd3
-
-
-def _parts(family: str, pipe) -> dict[str, Any]:
-    """The non-SD families encode prompts with the pipeline's own ``encode_prompt``; SD3 keeps its
-    flow-matching grid."""
-    if family == "sd":
-        return {}
-    parts: dict[str, Any] = {"pipe": pipe}
-    if family == "sd3":
-        from feddifrc_app.diffusion.sd3 import flow_sigmas
-
-        parts["sigmas"], parts["timesteps"] = flow_sigmas(pipe.scheduler)
-    return parts

@@ -5,21 +5,27 @@ states; DDPM noise (its scheduler's betas). Features: the token outputs of
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from feddifrc_app.diffusion import sd
+from feddifrc_app.diffusion import sd, sdxl
 from feddifrc_app.diffusion.family import Conditioning, pool_tokens
 
-PIPELINE = "PixArtAlphaPipeline"  # PixArtSigmaPipeline folders load with their own class
+PIPELINES = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
+LOAD_KWARGS: dict[str, Any] = {}
+DENOISER, LAYER_COUNT_KEY = "transformer", "num_layers"
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
 TEXT_PARTS = ("text_encoder",)
 # PixArt's pipelines run the VAE (SD's) in the pipeline dtype
 AUTO_BF16 = False
 VAE_FORCE_UPCAST = False
+SHORTCUTS = False  # speed.py's shortcuts are the UNet's
 MAX_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # the pipelines' defaults
 noise_coeffs = sd.noise_coeffs
+parts = sdxl.parts
 
 
 def default_layers(n: int) -> tuple[int, ...]:
@@ -31,6 +37,10 @@ def default_layers(n: int) -> tuple[int, ...]:
 def layer_widths(denoiser) -> tuple[int, ...]:
     inner = int(denoiser.config.num_attention_heads * denoiser.config.attention_head_dim)
     return (inner,) * len(denoiser.transformer_blocks)
+
+
+def token_width(pipe, denoiser) -> int:
+    return int(denoiser.config.caption_channels)
 
 
 def encode_prompts(teacher, prompts: tuple[str, ...], resolution: int) -> Conditioning:

@@ -3,18 +3,23 @@ encoder, DDPM noise. Features: the decoder blocks ``unet.up_blocks[i]``, mean-po
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from feddifrc_app.diffusion.family import Conditioning, ddpm_coeffs
 
-PIPELINE = "StableDiffusionPipeline"
+PIPELINES = ("StableDiffusionPipeline",)
+LOAD_KWARGS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+DENOISER, LAYER_COUNT_KEY = "unet", "up_block_types"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
 TEXT_PARTS = ("text_encoder",)
 # StableDiffusionPipeline never reads the VAE's force_upcast (SD 2.1's config sets it)
 AUTO_BF16 = False
 VAE_FORCE_UPCAST = False
+SHORTCUTS = True  # a UNet: the shortcuts in speed.py are checked on it
 
 
 def default_layers(n: int) -> tuple[int, ...]:
@@ -24,6 +29,15 @@ def default_layers(n: int) -> tuple[int, ...]:
 
 def layer_widths(denoiser) -> tuple[int, ...]:
     return tuple(int(b.resnets[-1].out_channels) for b in denoiser.up_blocks)
+
+
+def token_width(pipe, denoiser) -> int:
+    return int(pipe.text_encoder.config.hidden_size)
+
+
+def parts(pipe) -> dict[str, Any]:
+    """Nothing of the pipeline: SD encodes its prompts with the CLIP encoder itself (``encode_clip``)."""
+    return {}
 
 
 def encode_clip(tokenizer, text_encoder, prompts: tuple[str, ...]) -> Tensor:

@@ -6,19 +6,24 @@ image-token outputs of ``transformer.transformer_blocks[i]``, on the patch grid,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from feddifrc_app.diffusion import pixart
 from feddifrc_app.diffusion.family import Conditioning, pool_tokens
 
-PIPELINE = "StableDiffusion3Pipeline"
+PIPELINES = ("StableDiffusion3Pipeline",)
+LOAD_KWARGS: dict[str, Any] = {}
+DENOISER, LAYER_COUNT_KEY = "transformer", "num_layers"
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 # bf16 where native (as SD3 is commonly run); its pipelines never read force_upcast
 AUTO_BF16 = True
 VAE_FORCE_UPCAST = False
+SHORTCUTS = False
 MAX_TOKENS = 256  # the pipeline's default T5 length
 # the same layer rule and widths as PixArt's DiT (SD3-medium's 24 blocks: 11, 17, 23)
 default_layers = pixart.default_layers
@@ -31,6 +36,16 @@ def flow_sigmas(scheduler) -> tuple[Tensor, Tensor]:
     sig = scheduler.sigmas[: scheduler.config.num_train_timesteps].flip(0)
     ts = scheduler.timesteps[: scheduler.config.num_train_timesteps].flip(0)
     return sig.to("cpu", torch.float64), ts.to("cpu", torch.float32)
+
+
+def token_width(pipe, denoiser) -> int:
+    return int(denoiser.config.joint_attention_dim)
+
+
+def parts(pipe) -> dict[str, Any]:
+    """The pipeline (its ``encode_prompt``) and the flow-matching grid."""
+    sigmas, timesteps = flow_sigmas(pipe.scheduler)
+    return {"pipe": pipe, "sigmas": sigmas, "timesteps": timesteps}
 
 
 def noise_coeffs(teacher, timestep: int) -> tuple[float, float, Tensor]:

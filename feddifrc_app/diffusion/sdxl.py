@@ -4,18 +4,23 @@ time ids as ``added_cond_kwargs``; DDPM noise. Features: ``unet.up_blocks[i]``, 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from feddifrc_app.diffusion import sd
 from feddifrc_app.diffusion.family import Conditioning
 
-PIPELINE = "StableDiffusionXLPipeline"
+PIPELINES = ("StableDiffusionXLPipeline",)
+LOAD_KWARGS: dict[str, Any] = {}
+DENOISER, LAYER_COUNT_KEY = "unet", "up_block_types"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
 TEXT_PARTS = ("text_encoder", "text_encoder_2")
 # bf16 where native: SDXL's activations can leave fp16's range; fp32 VAE under fp16, as diffusers
 AUTO_BF16 = True
 VAE_FORCE_UPCAST = True
+SHORTCUTS = True
 noise_coeffs = sd.noise_coeffs
 layer_widths = sd.layer_widths
 pool = sd.pool
@@ -24,6 +29,15 @@ pool = sd.pool
 def default_layers(n: int) -> tuple[int, ...]:
     """All of SDXL's three decoder blocks (1280, 640, 320 channels)."""
     return tuple(range(n))[-3:]
+
+
+def token_width(pipe, denoiser) -> int:
+    return int(denoiser.config.cross_attention_dim)
+
+
+def parts(pipe) -> dict[str, Any]:
+    """The pipeline: prompts are encoded with its own ``encode_prompt``."""
+    return {"pipe": pipe}
 
 
 def encode_prompts(teacher, prompts: tuple[str, ...], resolution: int) -> Conditioning:

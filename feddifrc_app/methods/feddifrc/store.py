@@ -6,7 +6,8 @@ verified file instead of re-reading and re-fusing every shard::
 
     <cache_dir>/targets/<key>.npz     key = sha256 of everything the targets depend on
 
-A verified array file (``files.write_archive``): ``header`` (format, version, key, n,
+A verified archive (``files.write_verified`` / ``files.read_verified``, the mechanism the
+feature shards use too): ``header`` (format, version, key, n,
 ``members`` {name: [dtype, shape]}, sha256), ``ids`` (int64, the client's dataset ids in
 order), ``prompt_reps`` float32 (n, K, D) and/or ``ndcr`` float32 (n, D), and the basis they
 were fused with (``basis.*``, ``Basis.to_arrays``). ``sha256`` covers every member but the
@@ -20,6 +21,8 @@ import hashlib
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +30,14 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.files import CorruptFile, array_digest, dead_temp_files, read_archive, write_archive
+from feddifrc_app.files import (
+    ArchiveKind,
+    CorruptFile,
+    array_digest,
+    dead_temp_files,
+    read_verified,
+    write_verified,
+)
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.projection import Basis
 
@@ -73,46 +83,31 @@ def _members(targets: TeacherTargets, ids: np.ndarray, basis: Basis) -> dict[str
     return out
 
 
-def _digest(members: dict[str, np.ndarray]) -> str:
+def _digest(members: Mapping[str, np.ndarray]) -> str:
     return array_digest((f"|{k}|", members[k]) for k in sorted(members))
+
+
+# the header lists every member as {name: [dtype str, shape]}
+TARGETS = ArchiveKind(TARGETS_FORMAT, TARGETS_VERSION, members=itemgetter("members"), digest=_digest)
 
 
 def save_prepared(path: Path, key: str, ids: np.ndarray, targets: TeacherTargets, basis: Basis) -> None:
     """Write a client's prepared targets to ``path`` atomically (readers see the old file or this one)."""
     members = _members(targets, ids, basis)
-    header = {
-        "format": TARGETS_FORMAT,
-        "version": TARGETS_VERSION,
-        "key": key,
-        "n": int(len(ids)),
-        "members": {k: [a.dtype.str, list(a.shape)] for k, a in sorted(members.items())},
-        "sha256": _digest(members),
-    }
-    write_archive(path, header, members)
+    listed = {k: [a.dtype.str, list(a.shape)] for k, a in sorted(members.items())}
+    write_verified(path, TARGETS, key, members, {"n": int(len(ids)), "members": listed})
 
 
 def load_prepared(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis]:
     """The targets ``save_prepared`` wrote for ``key`` and ``ids``; ``CorruptFile`` (the reason)
     unless every check holds, ``FileNotFoundError`` if there is none."""
-    header, members = read_archive(path)
-    if header.get("format") != TARGETS_FORMAT or header.get("version") != TARGETS_VERSION:
-        raise CorruptFile(f"format {header.get('format')!r} v{header.get('version')!r}")
-    if header.get("key") != key:
-        raise CorruptFile(f"belongs to key {str(header.get('key'))[:12]}..., not {key[:12]}...")
-    listed = header.get("members")
-    if not isinstance(listed, dict) or set(listed) != set(members):
-        raise CorruptFile(f"members {sorted(members)}, header lists {listed!r}")
-    for k, a in members.items():
-        if [a.dtype.str, list(a.shape)] != listed[k]:
-            raise CorruptFile(f"{k}: {a.dtype.str} {list(a.shape)}, header says {listed[k]}")
+    header, members = read_verified(path, TARGETS, key)
     n = len(ids)
     if header.get("n") != n or not np.array_equal(members.get("ids"), ids):
         raise CorruptFile(f"prepared for other images (n = {header.get('n')}, this client has {n})")
     reps, ndcr = members.get("prompt_reps"), members.get("ndcr")
     if (reps is None and ndcr is None) or any(a is not None and a.shape[0] != n for a in (reps, ndcr)):
         raise CorruptFile("no targets, or not one row per image")
-    if _digest(members) != header.get("sha256"):
-        raise CorruptFile("checksum mismatch")
     try:
         basis = Basis.from_arrays(members)
     except ValueError as e:
