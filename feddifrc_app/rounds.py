@@ -245,7 +245,7 @@ class RoundLoop:
             self.fed.wait_for_nodes()
             chosen = self.fed.sample(rnd)
         # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
-        config = ConfigRecord(methods.train_config(self.cfg))
+        config = ConfigRecord(methods.train_config(self.cfg) | self.fed.round_config())
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:
