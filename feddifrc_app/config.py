@@ -3,40 +3,28 @@
 Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml; every key,
 its type and its range live once, in the dataclasses below (a key is its section and
 field name, ``_`` spelled ``-``). Flower does not type-check overrides (``2.5`` can
-arrive in an int key, ``"1"`` in a float key), so every key is cast and validated
-before any data or model is touched. Stdlib only.
+arrive in an int key, ``"1"`` in a float key), so every key is cast (casting.py) and validated
+before any data or model is touched; a rule of one strategy, DP or method lives in its module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+
+from feddifrc_app import casting
+from feddifrc_app.casting import ConfigError, invalid, resolve_path
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
 STRATEGIES = (
-    "fedavg",
-    "fedavgm",
-    "fedprox",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedmedian",
-    "fedtrimmedavg",
-    "krum",
-    "multikrum",
-    "bulyan",
-    "qfedavg",
-    "scaffold",
-    "fednova",
+    *("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"),
+    *("krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova"),
 )
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
@@ -84,10 +72,6 @@ DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 # Keys that change what a run computes, added after runs were written, with the value those runs
 # computed with: resuming such a run compares against it (outputs.RunDir.check_resume_config).
 KEYS_ADDED_SINCE = {"dataset.val-fraction": 0.1}
-
-
-class ConfigError(ValueError):
-    """A config key is missing, unknown, of the wrong type or out of range."""
 
 
 def key(
@@ -345,144 +329,30 @@ KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_
 RESUME_MAY_CHANGE = frozenset(k for k, (_, rule) in KEYS.items() if rule["resume"])
 
 
-# --------------------------------------------------------------------------- casting
-
-
-def invalid(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
-
-
-def _as_int(key: str, v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
-        return int(v.strip())
-    raise invalid(key, v, "expected an integer")
-
-
-def _as_float(key: str, v: Any) -> float:
-    try:
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise ValueError
-        out = float(v.strip() if isinstance(v, str) else v)
-    except ValueError:
-        raise invalid(key, v, "expected a number") from None
-    if not math.isfinite(out):
-        raise invalid(key, v, "expected a finite number")
-    return out
-
-
-def _as_bool(key: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        return v.strip().lower() in ("true", "1", "yes")
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    raise invalid(key, v, "expected true or false")
-
-
-def _as_str(key: str, v: Any) -> str:
-    if not isinstance(v, str):
-        raise invalid(key, v, "expected a string")
-    if "\0" in v:  # no path, name or prompt holds one; os calls would raise a bare ValueError
-        raise invalid(key, v, "contains a NUL byte (\\x00); remove it")
-    return v
-
-
-def _int_list(key: str, v: Any) -> tuple[int, ...]:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return (v,)
-    try:
-        out = tuple(int(p) for p in _as_str(key, v).split(",") if p.strip())
-    except ValueError:
-        raise invalid(key, v, "expected comma-separated integers, e.g. '1,2,3'") from None
-    if not out:
-        raise invalid(key, v, "expected at least one integer")
-    return out
-
-
-def _bound(x: float) -> str:
-    """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-def _check_range(
-    key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool
-) -> None:
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (
-        hi is not None and (v >= hi if hi_open else v > hi)
-    ):
-        lo_s = "-inf" if lo is None else _bound(lo)
-        hi_s = "inf" if hi is None else _bound(hi)
-        raise invalid(
-            key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
-        )
-
-
-class PathError(ValueError):
-    """A path given by the user that cannot be resolved (a symlink loop, a name too long): one
-    line naming the key or argument it came from; ``why`` is the reason alone."""
-
-    def __init__(self, name: str, value: str, why: str) -> None:
-        self.why = f"cannot be resolved ({why}); pass a path to a real folder or file"
-        super().__init__(f"{name} = {value!r} {self.why}")
-
-
-def resolve_path(value: str, name: str) -> Path:
-    """``value`` made absolute, ``~`` expanded and symlinks followed: the one place a path the user
-    gave (a config key, a node key, a CLI argument ``name``) is resolved. A path that does not
-    exist is fine (it may be created); one that cannot be resolved is a ``PathError``."""
-    try:
-        path = Path(os.path.expanduser(value)).resolve()
-    except RuntimeError:  # Python < 3.13: resolve() on a symlink loop
-        raise PathError(name, value, "a symlink loop") from None
-    try:
-        os.stat(path)  # Python >= 3.13 resolves a loop without raising; stat still meets it
-    except OSError as e:
-        if e.errno == errno.ELOOP or e.errno == errno.ENAMETOOLONG:
-            why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
-            raise PathError(name, value, why) from None
-        # absent (created later), or refused later, naming it, by what uses it
-    return path
-
-
-def _path(key: str, v: str) -> str:
-    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be)."""
-    try:
-        return str(resolve_path(v, key)) if v else ""
-    except PathError as e:
-        raise invalid(key, v, e.why) from None
+# --------------------------------------------------------------------------- building
 
 
 def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
     if typ is bool:
-        return _as_bool(key, raw)
+        return casting.as_bool(key, raw)
     if typ in (int, float):
-        v = _as_int(key, raw) if typ is int else _as_float(key, raw)
+        v = casting.as_int(key, raw) if typ is int else casting.as_float(key, raw)
         lo, hi, lo_open, hi_open = rule["range"]
         if hi is None:
             hi = MAX_INT if typ is int else MAX_FLOAT
-        _check_range(key, v, lo, hi, lo_open, hi_open)
+        casting.check_range(key, v, lo, hi, lo_open, hi_open)
         return v
     if typ == tuple[int, ...]:
-        return _int_list(key, raw)
-    s = _as_str(key, raw)
+        return casting.int_list(key, raw)
+    s = casting.as_str(key, raw)
     if typ == tuple[str, ...]:
         return tuple(p.strip() for p in s.split(",") if p.strip())
     if rule["choices"]:
         if s.strip().lower() not in rule["choices"]:
             raise invalid(key, raw, f"expected one of {', '.join(rule['choices'])}")
         return s.strip().lower()
-    if rule["path"]:
-        path = _path(key, s.strip() or rule["empty"])
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            # Every path key is a folder (written into, or a run directory): a file or a device
-            # here would fail later in someone else's words.
-            raise invalid(key, raw, f"{path} exists and is not a folder; expected a folder path")
-        return path
+    if rule["path"]:  # every path key is a folder (written into, or a run directory)
+        return casting.as_folder(key, raw, s.strip() or rule["empty"])
     return s
 
 
@@ -516,7 +386,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     values["run-name"] = values["run-name"].strip()
     model = values["diffusion.model"].strip()
     if model.startswith(("~", "/", ".")):  # a local folder, not a hub id
-        model = _path("diffusion.model", model)
+        model = casting.as_path("diffusion.model", model)
     values["diffusion.model"] = model
     _check_rules(values, run_config)
     return _build(Config, values)
@@ -567,44 +437,6 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         )
 
 
-# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
-# error names when the server's aggregate (not a node's training) went wrong.
-STRATEGY_KEYS = {
-    "fedavgm": ("server-learning-rate", "server-momentum"),
-    "fedprox": ("proximal-mu",),
-    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedadagrad": ("eta", "eta-l", "tau"),
-    "fedtrimmedavg": ("trim-beta",),
-    "krum": ("num-malicious-nodes",),
-    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
-    "bulyan": ("num-malicious-nodes",),
-    "qfedavg": ("q",),
-    "scaffold": ("server-learning-rate",),
-}
-DP_KEYS = {
-    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
-    "adaptive": (
-        "dp-noise-multiplier",
-        "dp-initial-clipping-norm",
-        "dp-target-clipped-quantile",
-        "dp-clip-norm-lr",
-        "dp-clipped-count-stddev",
-    ),
-}
-
-
-def strategy_settings(cfg: Config) -> str:
-    """The keys behind the server's aggregate, with their values:
-    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
-    s = cfg.strategy
-    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
-    if s.dp != "none":
-        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
-    flat = cfg.to_flat()
-    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
-
-
 def _check_evaluation(v: Mapping[str, Any]) -> None:
     """Federated evaluation needs held-out data on the nodes, and held-out data needs evaluation."""
     fraction, holdout = v["fraction-evaluate"], v["evaluate-holdout"]
@@ -643,10 +475,14 @@ def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:
     if unknown := sorted(set(node_config) - known):
         raise ConfigError(f"unknown node config key(s) {unknown}; recognised: {sorted(known)}")
     pid, n = node_config.get("partition-id"), node_config.get("num-partitions")
-    pid = None if pid is None else _as_int("node partition-id", pid)
-    n = None if n is None else _as_int("node num-partitions", n)
-    data_dir = _path("node data-dir", _as_str("node data-dir", node_config.get("data-dir", "")).strip())
-    cache_dir = _path("node cache-dir", _as_str("node cache-dir", node_config.get("cache-dir", "")).strip())
+    pid = None if pid is None else casting.as_int("node partition-id", pid)
+    n = None if n is None else casting.as_int("node num-partitions", n)
+    data_dir = casting.as_path(
+        "node data-dir", casting.as_str("node data-dir", node_config.get("data-dir", "")).strip()
+    )
+    cache_dir = casting.as_path(
+        "node cache-dir", casting.as_str("node cache-dir", node_config.get("cache-dir", "")).strip()
+    )
     if n is not None and n < 1:
         raise invalid("node num-partitions", n, "expected an integer >= 1")
     if (pid is None) != (n is None):

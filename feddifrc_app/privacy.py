@@ -51,7 +51,8 @@ from flwr.supercore.differential_privacy import (
 )
 
 from feddifrc_app import log, methods
-from feddifrc_app.config import Config, ConfigError, invalid, load_config, strategy_settings
+from feddifrc_app.casting import invalid
+from feddifrc_app.config import Config, ConfigError, load_config
 from feddifrc_app.federation import POPULATION, sampled_per_round
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import BASIS
@@ -117,6 +118,8 @@ def _flower_dp_failure(e: BaseException, where: str, cfg: Config) -> DPError | N
     # flwr/supercore/differential_privacy.py (clipping), flwr/serverapp/strategy/dp_*.py (norm steps)
     if "flwr" not in last.parts or not (last.stem == "differential_privacy" or last.stem.startswith("dp_")):
         return None
+    from feddifrc_app.strategy import strategy_settings  # (strategy imports this module)
+
     return DPError(
         f"{where}: Flower's differential privacy failed ({type(e).__name__}: {e}), e.g. an update of "
         f"norm 0 or a clipping norm out of float range; check {strategy_settings(cfg)}"

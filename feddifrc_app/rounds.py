@@ -25,7 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
 from feddifrc_app import log, methods, metric_keys, privacy, privacy_accounting
-from feddifrc_app.config import Config, strategy_settings
+from feddifrc_app.config import Config
 from feddifrc_app.data.dataset import ImageData, load_dataset, make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
@@ -34,7 +34,13 @@ from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import BASIS, record_to_state, state_to_record
 from feddifrc_app.results import Results, summary_text
-from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
+from feddifrc_app.strategy import (
+    build_strategy,
+    load_strategy_state,
+    required_metrics,
+    strategy_settings,
+    strategy_state,
+)
 from feddifrc_app.tools import report
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
 

@@ -22,7 +22,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 from torch import nn
 
-from feddifrc_app.config import Config, invalid
+from feddifrc_app.casting import invalid
+from feddifrc_app.config import Config
 from feddifrc_app.data.dataset import make_loader
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.privacy import TWO_RECORDS

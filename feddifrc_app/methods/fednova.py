@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.config import invalid
+from feddifrc_app.casting import invalid
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 

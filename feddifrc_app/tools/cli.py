@@ -28,15 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.config import (
-    DEFAULT_CACHE_DIR,
-    DEFAULT_OUTPUTS_DIR,
-    Config,
-    ConfigError,
-    PathError,
-    resolve_cache_dir,
-    resolve_path,
-)
+from feddifrc_app.casting import PathError, resolve_path
+from feddifrc_app.config import DEFAULT_CACHE_DIR, DEFAULT_OUTPUTS_DIR, Config, ConfigError, resolve_cache_dir
 from feddifrc_app.results import Results
 from feddifrc_app.tools.run_config import RunConfigError, app_defaults, load_app_config, parse_run_config
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from feddifrc_app.config import ConfigError, invalid
+from feddifrc_app.casting import ConfigError, invalid
 
 
 def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
