@@ -10,16 +10,29 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
 from test_server_app import RecordingGrid
 
-from feddifrc_app.config import STRATEGIES, ConfigError
+from feddifrc_app.config import KEYS, STRATEGIES, ConfigError
 from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import scaffold
-from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
+from feddifrc_app.strategy import (
+    FACTORIES,
+    STRATEGY_KEYS,
+    build_strategy,
+    load_strategy_state,
+    nodes_per_round,
+    strategy_state,
+)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_name_builds(name):
     s = build_strategy(make_config(strategy__name=name, min_nodes=3))  # bulyan needs 3 nodes
     assert type(s).__name__.lower() == name
+
+
+def test_every_strategy_name_has_one_factory_and_its_keys_are_strategy_keys():
+    assert set(FACTORIES) == set(STRATEGIES)
+    assert set(STRATEGY_KEYS) <= set(STRATEGIES)
+    assert all(f"strategy.{k}" in KEYS for keys in STRATEGY_KEYS.values() for k in keys)
 
 
 def test_parameters_reach_the_strategy():
