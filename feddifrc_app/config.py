@@ -3,40 +3,28 @@
 Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml; every key,
 its type and its range live once, in the dataclasses below (a key is its section and
 field name, ``_`` spelled ``-``). Flower does not type-check overrides (``2.5`` can
-arrive in an int key, ``"1"`` in a float key), so every key is cast and validated
-before any data or model is touched. Stdlib only.
+arrive in an int key, ``"1"`` in a float key), so every key is cast (casting.py) and validated
+before any data or model is touched; a rule of one strategy, DP or method lives in its module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+
+from feddifrc_app import casting
+from feddifrc_app.casting import ConfigError, invalid, resolve_path
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
 STRATEGIES = (
-    "fedavg",
-    "fedavgm",
-    "fedprox",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedmedian",
-    "fedtrimmedavg",
-    "krum",
-    "multikrum",
-    "bulyan",
-    "qfedavg",
-    "scaffold",
-    "fednova",
+    *("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"),
+    *("krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova"),
 )
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
@@ -84,10 +72,6 @@ DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 # Keys that change what a run computes, added after runs were written, with the value those runs
 # computed with: resuming such a run compares against it (outputs.RunDir.check_resume_config).
 KEYS_ADDED_SINCE = {"dataset.val-fraction": 0.1}
-
-
-class ConfigError(ValueError):
-    """A config key is missing, unknown, of the wrong type or out of range."""
 
 
 def key(
@@ -345,144 +329,30 @@ KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_
 RESUME_MAY_CHANGE = frozenset(k for k, (_, rule) in KEYS.items() if rule["resume"])
 
 
-# --------------------------------------------------------------------------- casting
-
-
-def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
-
-
-def _as_int(key: str, v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
-        return int(v.strip())
-    raise _fail(key, v, "expected an integer")
-
-
-def _as_float(key: str, v: Any) -> float:
-    try:
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise ValueError
-        out = float(v.strip() if isinstance(v, str) else v)
-    except ValueError:
-        raise _fail(key, v, "expected a number") from None
-    if not math.isfinite(out):
-        raise _fail(key, v, "expected a finite number")
-    return out
-
-
-def _as_bool(key: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        return v.strip().lower() in ("true", "1", "yes")
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    raise _fail(key, v, "expected true or false")
-
-
-def _as_str(key: str, v: Any) -> str:
-    if not isinstance(v, str):
-        raise _fail(key, v, "expected a string")
-    if "\0" in v:  # no path, name or prompt holds one; os calls would raise a bare ValueError
-        raise _fail(key, v, "contains a NUL byte (\\x00); remove it")
-    return v
-
-
-def _int_list(key: str, v: Any) -> tuple[int, ...]:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return (v,)
-    try:
-        out = tuple(int(p) for p in _as_str(key, v).split(",") if p.strip())
-    except ValueError:
-        raise _fail(key, v, "expected comma-separated integers, e.g. '1,2,3'") from None
-    if not out:
-        raise _fail(key, v, "expected at least one integer")
-    return out
-
-
-def _bound(x: float) -> str:
-    """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-def _check_range(
-    key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool
-) -> None:
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (
-        hi is not None and (v >= hi if hi_open else v > hi)
-    ):
-        lo_s = "-inf" if lo is None else _bound(lo)
-        hi_s = "inf" if hi is None else _bound(hi)
-        raise _fail(
-            key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
-        )
-
-
-class PathError(ValueError):
-    """A path given by the user that cannot be resolved (a symlink loop, a name too long): one
-    line naming the key or argument it came from; ``why`` is the reason alone."""
-
-    def __init__(self, name: str, value: str, why: str) -> None:
-        self.why = f"cannot be resolved ({why}); pass a path to a real folder or file"
-        super().__init__(f"{name} = {value!r} {self.why}")
-
-
-def resolve_path(value: str, name: str) -> Path:
-    """``value`` made absolute, ``~`` expanded and symlinks followed: the one place a path the user
-    gave (a config key, a node key, a CLI argument ``name``) is resolved. A path that does not
-    exist is fine (it may be created); one that cannot be resolved is a ``PathError``."""
-    try:
-        path = Path(os.path.expanduser(value)).resolve()
-    except RuntimeError:  # Python < 3.13: resolve() on a symlink loop
-        raise PathError(name, value, "a symlink loop") from None
-    try:
-        os.stat(path)  # Python >= 3.13 resolves a loop without raising; stat still meets it
-    except OSError as e:
-        if e.errno == errno.ELOOP or e.errno == errno.ENAMETOOLONG:
-            why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
-            raise PathError(name, value, why) from None
-        # absent (created later), or refused later, naming it, by what uses it
-    return path
-
-
-def _path(key: str, v: str) -> str:
-    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be)."""
-    try:
-        return str(resolve_path(v, key)) if v else ""
-    except PathError as e:
-        raise _fail(key, v, e.why) from None
+# --------------------------------------------------------------------------- building
 
 
 def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
     if typ is bool:
-        return _as_bool(key, raw)
+        return casting.as_bool(key, raw)
     if typ in (int, float):
-        v = _as_int(key, raw) if typ is int else _as_float(key, raw)
+        v = casting.as_int(key, raw) if typ is int else casting.as_float(key, raw)
         lo, hi, lo_open, hi_open = rule["range"]
         if hi is None:
             hi = MAX_INT if typ is int else MAX_FLOAT
-        _check_range(key, v, lo, hi, lo_open, hi_open)
+        casting.check_range(key, v, lo, hi, lo_open, hi_open)
         return v
     if typ == tuple[int, ...]:
-        return _int_list(key, raw)
-    s = _as_str(key, raw)
+        return casting.int_list(key, raw)
+    s = casting.as_str(key, raw)
     if typ == tuple[str, ...]:
         return tuple(p.strip() for p in s.split(",") if p.strip())
     if rule["choices"]:
         if s.strip().lower() not in rule["choices"]:
-            raise _fail(key, raw, f"expected one of {', '.join(rule['choices'])}")
+            raise invalid(key, raw, f"expected one of {', '.join(rule['choices'])}")
         return s.strip().lower()
-    if rule["path"]:
-        path = _path(key, s.strip() or rule["empty"])
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            # Every path key is a folder (written into, or a run directory): a file or a device
-            # here would fail later in someone else's words.
-            raise _fail(key, raw, f"{path} exists and is not a folder; expected a folder path")
-        return path
+    if rule["path"]:  # every path key is a folder (written into, or a run directory)
+        return casting.as_folder(key, raw, s.strip() or rule["empty"])
     return s
 
 
@@ -516,69 +386,27 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     values["run-name"] = values["run-name"].strip()
     model = values["diffusion.model"].strip()
     if model.startswith(("~", "/", ".")):  # a local folder, not a hub id
-        model = _path("diffusion.model", model)
+        model = casting.as_path("diffusion.model", model)
     values["diffusion.model"] = model
     _check_rules(values, run_config)
     return _build(Config, values)
 
 
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """Rules that span keys: the teacher's, the data's, the methods'."""
-    _check_teacher(v, raw)
+    """Rules that span keys: the data's and evaluation's here; the strategies', DP's and each
+    method's (``methods.hooks``) in their own modules, imported here since they import this one."""
+    from feddifrc_app import methods, privacy, strategy
+
     _check_data(v, raw)
-    _check_methods(v)
+    strategy.check_config(v)
+    privacy.check_config(v)
     _check_evaluation(v)
-
-
-def _check_teacher(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """diffusion.*: blocks and widths that fuse into the student's embedding, a model, a prompt."""
-    blocks, channels, width = v["diffusion.blocks"], v["diffusion.channels"], v["model.width"]
-    if len(blocks) != len(channels):
-        raise ConfigError(
-            f"config keys 'diffusion.blocks' = {raw['diffusion.blocks']!r} and "
-            f"'diffusion.channels' = {raw['diffusion.channels']!r} must have the same length"
-        )
-    if len(set(blocks)) != len(blocks) or any(b < 0 for b in blocks):
-        # the upper bound is the model's (4 up_blocks for SD 1.x/2.x, 3 for SDXL, the number of
-        # transformer blocks for PixArt/SD3): checked against its config when the teacher is resolved
-        raise _fail(
-            "diffusion.blocks",
-            raw["diffusion.blocks"],
-            "expected distinct non-negative layer indices (SD: unet.up_blocks 0..3; SDXL: 0..2; "
-            "PixArt/SD3: transformer_blocks 0..num_layers-1)",
-        )
-    if any(c < 1 for c in channels):
-        raise _fail("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
-    if v["method"] in ("feddifrc", "feddifrc-ssl") and sum(channels) != 8 * width:
-        # (the methods without a teacher never read diffusion.*)
-        # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
-        raise _fail(
-            "diffusion.channels",
-            raw["diffusion.channels"],
-            f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
-        )
-    if not v["diffusion.model"]:
-        raise _fail("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
-    if "{}" not in v["diffusion.prompt-template"]:
-        raise _fail(
-            "diffusion.prompt-template",
-            v["diffusion.prompt-template"],
-            "must contain '{}' where the class name goes",
-        )
-    try:  # what teacher_prompts does with it on every node
-        v["diffusion.prompt-template"].format("class name")
-    except (IndexError, KeyError, ValueError) as e:
-        raise _fail(
-            "diffusion.prompt-template",
-            v["diffusion.prompt-template"],
-            f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
-            "and write a literal brace as '{{' or '}}'",
-        ) from None
-    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
-        raise _fail(
-            "diffusion.condition",
-            "global-model",
-            "needs a shared basis (not diffusion.projection = 'per-batch')",
+    for check in methods.hooks("check_config"):
+        check(v, raw)
+    if v["resume-from"] and (node_state := _node_state(v)):
+        # Context.state lives in the SuperNode of one Flower run; a resumed run starts without it.
+        raise invalid(
+            "resume-from", v["resume-from"], f"{node_state} keeps per-node state that a new run lacks"
         )
 
 
@@ -596,174 +424,16 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     name = v["run-name"]
     if name.startswith(".") or any(c in name for c in "/\\"):
         # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
-        raise _fail(
+        raise invalid(
             "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
         )
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
-        raise _fail("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
+        raise invalid("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
-        raise _fail(
+        raise invalid(
             "dataset.classes",
             raw["dataset.classes"],
             "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
-        )
-
-
-# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
-# error names when the server's aggregate (not a node's training) went wrong.
-STRATEGY_KEYS = {
-    "fedavgm": ("server-learning-rate", "server-momentum"),
-    "fedprox": ("proximal-mu",),
-    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedadagrad": ("eta", "eta-l", "tau"),
-    "fedtrimmedavg": ("trim-beta",),
-    "krum": ("num-malicious-nodes",),
-    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
-    "bulyan": ("num-malicious-nodes",),
-    "qfedavg": ("q",),
-    "scaffold": ("server-learning-rate",),
-}
-DP_KEYS = {
-    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
-    "adaptive": (
-        "dp-noise-multiplier",
-        "dp-initial-clipping-norm",
-        "dp-target-clipped-quantile",
-        "dp-clip-norm-lr",
-        "dp-clipped-count-stddev",
-    ),
-}
-
-
-def strategy_settings(cfg: Config) -> str:
-    """The keys behind the server's aggregate, with their values:
-    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
-    s = cfg.strategy
-    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
-    if s.dp != "none":
-        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
-    flat = cfg.to_flat()
-    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
-
-
-def clipped_count_stddev(given: float, noise_multiplier: float, sampled: int) -> float:
-    """strategy.dp-clipped-count-stddev as used: the value given, or for 0 Flower's default (sampled
-    nodes / 20) raised to the noise multiplier where it is below it. Flower needs the multiplier
-    below twice the count noise; at equal values the update keeps z x 1.15 (z_u = (z^-2 -
-    (2 s)^-2)^-1/2), where Flower's default refused every adaptive run of fewer than 40 nodes at z = 1.
-    Without noise (z = 0) the count is not noised either, as in Flower."""
-    if given or noise_multiplier == 0:
-        return given
-    return max(sampled / 20, noise_multiplier)
-
-
-def sampled_per_round(fraction: float, num_nodes: int) -> int:
-    """Nodes sampled per round: ``fraction`` (``fraction-train``, or ``fraction-evaluate``) of the
-    connected nodes, at least 1."""
-    return max(1, int(math.floor(num_nodes * fraction + 1e-9)))
-
-
-def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
-    """Why ``sampled`` nodes per round are too few for Krum / MultiKrum / Bulyan with ``f`` =
-    strategy.num-malicious-nodes and ``m`` = strategy.num-nodes-to-select ("" = enough).
-
-    Krum and MultiKrum tolerate f Byzantine nodes among n when n > 2f + 2 (Blanchard et al.,
-    2017; with f = 0 they are a selection rule, any n); MultiKrum averages m <= n - f of them.
-    Bulyan needs n >= 4f + 3 (El Mhamdi et al., 2018): Flower's Bulyan skips aggregation below.
-    """
-    tolerate = f"strategy '{name}' with strategy.num-malicious-nodes = {f} needs at least"
-    if name in ("krum", "multikrum") and f > 0 and sampled < 2 * f + 3:
-        return f"{tolerate} 2 * {f} + 3 = {2 * f + 3} nodes per round"
-    if name == "multikrum" and m > sampled - f:
-        return (
-            f"strategy 'multikrum' averages strategy.num-nodes-to-select = {m} updates, at most the "
-            f"sampled nodes minus strategy.num-malicious-nodes ({sampled} - {f} = {sampled - f})"
-        )
-    if name == "bulyan" and sampled < 4 * f + 3:
-        return f"{tolerate} 4 * {f} + 3 = {4 * f + 3} nodes per round"
-    return ""
-
-
-def _check_robust(v: Mapping[str, Any]) -> None:
-    """Krum / MultiKrum / Bulyan against the nodes a round samples once min-nodes are connected
-    (the ServerApp waits for them); the nodes really sampled are checked again every round
-    (``strategy.RobustBound``)."""
-    sampled = sampled_per_round(v["fraction-train"], v["min-nodes"])
-    why = robust_aggregation_error(
-        v["strategy.name"], v["strategy.num-malicious-nodes"], v["strategy.num-nodes-to-select"], sampled
-    )
-    if why:
-        raise ConfigError(
-            f"config keys 'strategy.num-malicious-nodes' / 'strategy.num-nodes-to-select': {why}, but "
-            f"min-nodes = {v['min-nodes']} with fraction-train = {v['fraction-train']:g} samples {sampled}; "
-            "lower them, or raise min-nodes (the SuperNodes you start) and fraction-train"
-        )
-
-
-def _check_privacy(v: Mapping[str, Any]) -> None:
-    """strategy.dp with what Flower's wrappers and client mods can handle."""
-    dp = v["strategy.dp"]
-    if dp == "none":
-        return
-    two = "strategy.name = 'scaffold'" if v["strategy.name"] == "scaffold" else ""
-    two = "method = 'fednh'" if v["method"] == "fednh" else two
-    if two:
-        # Server-side clipping would clip delta c / the prototypes against the model; the mods refuse them.
-        raise _fail(
-            "strategy.dp", dp, f"{two} replies with a second ArrayRecord, which Flower's DP cannot clip"
-        )
-    if v["strategy.name"] == "fednova":
-        # x <- x - tau_eff sum_i p_i (x - y_i) / a_i: a node with fewer local steps than tau_eff
-        # moves the model by more than its clipped update, so the noise (z C / m) is too small.
-        raise _fail(
-            "strategy.dp",
-            dp,
-            "strategy.name = 'fednova' scales each clipped update by tau_eff / a_i (above 1 for a node "
-            "with fewer local steps) and weighs it by its examples, so one node's influence exceeds "
-            "the C / m that Flower's noise is calibrated for; use fedavg or fedprox",
-        )
-    given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]
-    if dp.endswith("adaptive") and given > (
-        most := 100 * sampled_per_round(v["fraction-train"], v["min-nodes"])
-    ):
-        # The noisy clipped fraction is (count + N(0, s)) / m: at s far above m it is noise alone,
-        # and Flower's exp(-lr (fraction - target)) overflows.
-        raise _fail(
-            "strategy.dp-clipped-count-stddev",
-            given,
-            f"at most 100 x the nodes a round samples (min-nodes x fraction-train: {most // 100}), "
-            "or 0 to derive it",
-        )
-    if dp.endswith("adaptive") and given and z >= 2 * given:  # 0 derives a value that works
-        raise ConfigError(
-            f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
-            f"'strategy.dp-clipped-count-stddev' = {given:g}: adaptive clipping needs the noise "
-            f"multiplier below 2 x that count noise ({2 * given:g}); raise "
-            "strategy.dp-clipped-count-stddev (0 derives one) or lower strategy.dp-noise-multiplier"
-        )
-
-
-def _check_methods(v: Mapping[str, Any]) -> None:
-    """Method x strategy pairs that cannot work, and what resume cannot restore."""
-    _check_robust(v)
-    _check_privacy(v)
-    if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
-        raise _fail(
-            "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
-        )
-    if v["train.keep-momentum"] and v["strategy.name"] in ("scaffold", "fednova"):
-        # Their step-count factors assume momentum buffers that start at zero every round.
-        raise _fail("train.keep-momentum", True, f"not with strategy.name = '{v['strategy.name']}'")
-    if v["resume-from"] and (node_state := _node_state(v)):
-        # Context.state lives in the SuperNode of one Flower run; a resumed run starts without it.
-        raise _fail(
-            "resume-from", v["resume-from"], f"{node_state} keeps per-node state that a new run lacks"
-        )
-    if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
-        raise ConfigError(
-            "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
-            "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
         )
 
 
@@ -771,35 +441,28 @@ def _check_evaluation(v: Mapping[str, Any]) -> None:
     """Federated evaluation needs held-out data on the nodes, and held-out data needs evaluation."""
     fraction, holdout = v["fraction-evaluate"], v["evaluate-holdout"]
     if fraction > 0 and holdout == 0:
-        raise _fail(
+        raise invalid(
             "evaluate-holdout",
             holdout,
             f"fraction-evaluate = {fraction:g} asks nodes to evaluate on a held-out part of their data: "
             "set evaluate-holdout to its share, e.g. 0.1",
         )
     if holdout > 0 and fraction == 0:
-        raise _fail(
+        raise invalid(
             "evaluate-holdout",
             holdout,
             "holds out training data that no node evaluates on (fraction-evaluate = 0); set "
             "fraction-evaluate > 0 or evaluate-holdout = 0",
         )
-    if fraction > 0 and v["method"] == "feddifrc-ssl":
-        raise _fail(
-            "fraction-evaluate",
-            fraction,
-            "method 'feddifrc-ssl' trains no classifier for the nodes to score (the server evaluates "
-            "it with a linear probe): use fraction-evaluate = 0",
-        )
 
 
 def _node_state(v: Mapping[str, Any]) -> str:
     """Which setting keeps state on the nodes across rounds ("" = none): resume cannot restore it."""
-    if v["strategy.name"] == "scaffold":
-        return "strategy.name = 'scaffold'"
-    if v["method"] == "moon":
-        return "method = 'moon'"
-    return "train.keep-momentum = true" if v["train.keep-momentum"] else ""
+    from feddifrc_app import methods  # (as in _check_rules)
+
+    kept = [s for node_state in methods.hooks("node_state") if (s := node_state(v))]
+    kept += ["train.keep-momentum = true"] if v["train.keep-momentum"] else []
+    return kept[0] if kept else ""
 
 
 def resumable(cfg: Config) -> bool:
@@ -812,16 +475,20 @@ def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:
     if unknown := sorted(set(node_config) - known):
         raise ConfigError(f"unknown node config key(s) {unknown}; recognised: {sorted(known)}")
     pid, n = node_config.get("partition-id"), node_config.get("num-partitions")
-    pid = None if pid is None else _as_int("node partition-id", pid)
-    n = None if n is None else _as_int("node num-partitions", n)
-    data_dir = _path("node data-dir", _as_str("node data-dir", node_config.get("data-dir", "")).strip())
-    cache_dir = _path("node cache-dir", _as_str("node cache-dir", node_config.get("cache-dir", "")).strip())
+    pid = None if pid is None else casting.as_int("node partition-id", pid)
+    n = None if n is None else casting.as_int("node num-partitions", n)
+    data_dir = casting.as_path(
+        "node data-dir", casting.as_str("node data-dir", node_config.get("data-dir", "")).strip()
+    )
+    cache_dir = casting.as_path(
+        "node cache-dir", casting.as_str("node cache-dir", node_config.get("cache-dir", "")).strip()
+    )
     if n is not None and n < 1:
-        raise _fail("node num-partitions", n, "expected an integer >= 1")
+        raise invalid("node num-partitions", n, "expected an integer >= 1")
     if (pid is None) != (n is None):
         raise ConfigError("node config needs both 'partition-id' and 'num-partitions' (or neither)")
     if pid is not None and not 0 <= pid < n:
-        raise _fail("node partition-id", pid, f"expected 0 <= partition-id < num-partitions ({n})")
+        raise invalid("node partition-id", pid, f"expected 0 <= partition-id < num-partitions ({n})")
     if pid is None and not data_dir:
         raise ConfigError(
             "node config needs 'partition-id' and 'num-partitions' (benchmark split) or 'data-dir' "

@@ -7,6 +7,7 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import threading
@@ -19,9 +20,14 @@ from flwr.serverapp import Grid
 from flwr.supercore.exit import add_exit_handler
 
 from feddifrc_app import log
-from feddifrc_app.config import Config, sampled_per_round
+from feddifrc_app.config import Config
 
 SETUP = f"{MessageType.QUERY}.setup"
+# What a strategy knows of the federation beyond the nodes a round shows it (its Grid's
+# get_node_ids): keys of the train config the round loop hands to configure_train (round_config).
+# Under Flower's own Strategy.start a strategy goes without them: it samples from every node.
+NUM_NODES = "num-nodes"  # N: the distinct nodes the federation has met (SCAFFOLD's |S| / N)
+POPULATION = "population"  # the nodes this round's sample was drawn from (the DP accountant's N)
 # How long a reply may wait for the ServerApp to notice it. Flower's Grid.send_and_receive sleeps
 # 3 s between pulls of the SuperLink's HTTP Grid; one pull is one small request, so 0.1 s costs
 # the SuperLink ~10 requests a second while a round waits.
@@ -81,13 +87,17 @@ def check_stop() -> None:
         raise RunStopped("the run was stopped (flwr stop, or the ServerApp process was signalled)")
 
 
-class _Chosen:
-    """A view of the Grid that shows the strategy only the nodes our seeded sampler chose, and
-    how many distinct nodes the federation has (``num_nodes``: SCAFFOLD's N) and how many the
-    sample was drawn from (``population``: the DP accountant's N)."""
+def sampled_per_round(fraction: float, num_nodes: int) -> int:
+    """Nodes sampled per round: ``fraction`` (``fraction-train``, or ``fraction-evaluate``) of the
+    connected nodes, at least 1."""
+    return max(1, int(math.floor(num_nodes * fraction + 1e-9)))
 
-    def __init__(self, grid: Grid, node_ids: list[int], num_nodes: int, population: int) -> None:
-        self._grid, self._ids, self.num_nodes, self.population = grid, node_ids, num_nodes, population
+
+class _Chosen:
+    """A view of the Grid that shows the strategy only the nodes our seeded sampler chose."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
+        self._grid, self._ids = grid, node_ids
 
     def get_node_ids(self) -> list[int]:
         return list(self._ids)
@@ -176,12 +186,16 @@ class Federation:
         fraction = self.cfg.fraction_evaluate if evaluate else self.cfg.fraction_train
         k = min(sampled_per_round(fraction, len(known)), len(known))
         if not evaluate:
-            self.population = len(known)  # the DP accountant's N for this round (view)
+            self.population = len(known)  # the DP accountant's N for this round (round_config)
         seed = f"evaluate {self.cfg.seed} {rnd}" if evaluate else self.cfg.seed * 1_000_003 + rnd
         return sorted(random.Random(seed).sample(known, k), key=self._order)
 
     def view(self, chosen: list[int]) -> _Chosen:
-        return _Chosen(self.grid, chosen, self.distinct_nodes(), self.population)
+        return _Chosen(self.grid, chosen)
+
+    def round_config(self) -> dict[str, int]:
+        """The training round's NUM_NODES and POPULATION, for its train config."""
+        return {NUM_NODES: self.distinct_nodes(), POPULATION: self.population}
 
     def _send_and_receive(self, msgs: list[Message], timeout: float) -> list[Message]:
         """Grid.send_and_receive (same push, pull and timeout) that also ends on a stop."""

@@ -14,7 +14,7 @@ number of sampled nodes; here it is set every round to the nodes really sampled
 (``fraction-train`` of the connected ones). Flower's noise is calibrated to the plain mean of
 the clipped updates, so under DP every reply weighs the same: the wrapper stamps
 ``WEIGHT = 1`` on each train reply (the server's, not a node's, word) and the named strategy
-weighs by that key instead of ``num-examples`` (strategy._named). Each round's release (N, m,
+weighs by that key instead of ``num-examples`` (strategy._common). Each round's release (N, m,
 replies, noise) is kept for the accountant (privacy_accounting.py). Two of Flower's choices are
 changed so that the release is what the accountant assumes: the server optimisers (FedAvgM,
 FedOpt) step on the noisy mean (NoisyMean) instead of having the noise added after their step,
@@ -24,7 +24,7 @@ and the adaptive modes scale the noise by the norm the round clipped to (_Adapti
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,15 +50,10 @@ from flwr.supercore.differential_privacy import (
     compute_stdv,
 )
 
-from feddifrc_app import log
-from feddifrc_app.config import (
-    Config,
-    ConfigError,
-    clipped_count_stddev,
-    load_config,
-    sampled_per_round,
-    strategy_settings,
-)
+from feddifrc_app import log, methods
+from feddifrc_app.casting import invalid
+from feddifrc_app.config import Config, ConfigError, load_config
+from feddifrc_app.federation import POPULATION, sampled_per_round
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import BASIS
 
@@ -66,6 +61,49 @@ from feddifrc_app.records import BASIS
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
 # to; an evaluate reply's num-examples, so the federated accuracy stays example-weighted.
 WEIGHT = "dp-aggregation-weight"
+# Why a method whose replies carry more than the model cannot run under DP (its dp_refusal).
+TWO_RECORDS = "replies with a second ArrayRecord, which Flower's DP cannot clip"
+
+
+def check_config(v: Mapping[str, Any]) -> None:
+    """strategy.dp with what Flower's wrappers and client mods can handle: each method's
+    ``dp_refusal`` (methods.hooks), then adaptive clipping's count noise."""
+    dp = v["strategy.dp"]
+    if dp == "none":
+        return
+    for refusal in methods.hooks("dp_refusal"):
+        if why := refusal(v):
+            raise invalid("strategy.dp", dp, why)
+    given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]
+    if dp.endswith("adaptive") and given > (
+        most := 100 * sampled_per_round(v["fraction-train"], v["min-nodes"])
+    ):
+        # The noisy clipped fraction is (count + N(0, s)) / m: at s far above m it is noise alone,
+        # and Flower's exp(-lr (fraction - target)) overflows.
+        raise invalid(
+            "strategy.dp-clipped-count-stddev",
+            given,
+            f"at most 100 x the nodes a round samples (min-nodes x fraction-train: {most // 100}), "
+            "or 0 to derive it",
+        )
+    if dp.endswith("adaptive") and given and z >= 2 * given:  # 0 derives a value that works
+        raise ConfigError(
+            f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
+            f"'strategy.dp-clipped-count-stddev' = {given:g}: adaptive clipping needs the noise "
+            f"multiplier below 2 x that count noise ({2 * given:g}); raise "
+            "strategy.dp-clipped-count-stddev (0 derives one) or lower strategy.dp-noise-multiplier"
+        )
+
+
+def clipped_count_stddev(given: float, noise_multiplier: float, sampled: int) -> float:
+    """strategy.dp-clipped-count-stddev as used: the value given, or for 0 Flower's default (sampled
+    nodes / 20) raised to the noise multiplier where it is below it. Flower needs the multiplier
+    below twice the count noise; at equal values the update keeps z x 1.15 (z_u = (z^-2 -
+    (2 s)^-2)^-1/2), where Flower's default refused every adaptive run of fewer than 40 nodes at z = 1.
+    Without noise (z = 0) the count is not noised either, as in Flower."""
+    if given or noise_multiplier == 0:
+        return given
+    return max(sampled / 20, noise_multiplier)
 
 
 class DPError(ArithmeticError):
@@ -80,6 +118,8 @@ def _flower_dp_failure(e: BaseException, where: str, cfg: Config) -> DPError | N
     # flwr/supercore/differential_privacy.py (clipping), flwr/serverapp/strategy/dp_*.py (norm steps)
     if "flwr" not in last.parts or not (last.stem == "differential_privacy" or last.stem.startswith("dp_")):
         return None
+    from feddifrc_app.strategy import strategy_settings  # (strategy imports this module)
+
     return DPError(
         f"{where}: Flower's differential privacy failed ({type(e).__name__}: {e}), e.g. an update of "
         f"norm 0 or a clipping norm out of float range; check {strategy_settings(cfg)}"
@@ -97,7 +137,7 @@ class Release:
     count_stddev: float | None  # adaptive: std of the clipped-count noise; None for fixed clipping
 
 
-# Strategies that take a server optimiser step on the mean (strategy._named builds them with
+# Strategies that take a server optimiser step on the mean (strategy._stepping builds them with
 # NoisyMean under DP, so the noise lands on the mean, before the step).
 SERVER_STEP = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
@@ -109,7 +149,7 @@ class NoisyMean(FedAvg):
     momentum and FedOpt's moments keep the noiseless mean and every later release depends on it.
     With the noise here they only ever see the noisy mean, and the released model is
     post-processing of it (DP-FedAvg with a server optimiser). ``noise_std``: set every round by
-    the wrapper (_Accounted), which then adds none itself."""
+    the wrapper (Accounted), which then adds none itself."""
 
     noise_std: float | None = None
 
@@ -134,7 +174,7 @@ def with_noisy_mean(cls: type[FedAvg]) -> type[FedAvg]:
     return type(cls.__name__, (cls, NoisyMean), {"__doc__": doc, "__module__": __name__})
 
 
-class _Accounted:
+class Accounted:
     """Equal weights for every reply, and a record of what the round released (``release``)."""
 
     cfg: Config  # set by wrap: what a DPError names
@@ -145,8 +185,9 @@ class _Accounted:
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.release = None
-        # N, the nodes the sample was drawn from (federation._Chosen); the grid itself otherwise.
-        self.population = getattr(grid, "population", None) or len(grid.get_node_ids())
+        # N, the nodes the round loop drew its sample from; without one, the strategy samples
+        # from the nodes it is shown (Flower's own Strategy.start).
+        self.population = int(config.get(POPULATION, 0)) or len(grid.get_node_ids())
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Any:
@@ -184,10 +225,10 @@ class _Accounted:
 
 def release_of(strategy: Strategy) -> Release | None:
     """What the DP wrapper released in the round just aggregated (None: no DP, or no release)."""
-    return strategy.release if isinstance(strategy, _Accounted) else None
+    return strategy.release if isinstance(strategy, Accounted) else None
 
 
-class _FixedPerRound(_Accounted):
+class _FixedPerRound(Accounted):
     """Noise calibrated to the nodes this round samples (Flower fixes one number at start)."""
 
     def configure_train(
@@ -197,7 +238,7 @@ class _FixedPerRound(_Accounted):
         return super().configure_train(server_round, arrays, config, grid)
 
 
-class _AdaptivePerRound(_Accounted):
+class _AdaptivePerRound(Accounted):
     """As _FixedPerRound, with the adaptive noise split (count noise vs update noise) redone, and
     the noise scaled by the clipping norm this round's updates were clipped to: Flower moves the
     norm before it adds the noise, so its std is z C_{t+1} / m for updates clipped to C_t (too

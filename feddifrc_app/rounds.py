@@ -25,7 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.supercore.run import RunNotRunningException
 
 from feddifrc_app import log, methods, metric_keys, privacy, privacy_accounting
-from feddifrc_app.config import Config, strategy_settings
+from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset
@@ -36,7 +36,13 @@ from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import BASIS, record_to_state, state_to_record
 from feddifrc_app.results import Results, RoundRow, summary_text
-from feddifrc_app.strategy import build_strategy, load_strategy_state, required_metrics, strategy_state
+from feddifrc_app.strategy import (
+    build_strategy,
+    load_strategy_state,
+    required_metrics,
+    strategy_settings,
+    strategy_state,
+)
 from feddifrc_app.tools import report
 from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
 
@@ -273,7 +279,7 @@ class RoundLoop:
     def _configure(self, rnd: int, chosen: list[int]) -> list[Message]:
         """The train messages: the global model and the train config."""
         # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
-        config = ConfigRecord(methods.train_config(self.cfg))
+        config = ConfigRecord(methods.train_config(self.cfg) | self.fed.round_config())
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
         if self.basis is not None:
             for m in msgs:

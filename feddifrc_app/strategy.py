@@ -2,16 +2,15 @@
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
 FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg) and the baselines'
-server halves that Flower lacks (``methods/``: SCAFFOLD, FedNova; FedNH for
-``method = "fednh"``); their hyper-parameters are ``strategy.*`` config keys with Flower's
-defaults. Minimum node counts are derived from the number of connected partitions so that a
-run never waits forever for nodes that do not exist. The strategy's state (server momentum,
-control variates, prototypes) is what a checkpoint keeps of it.
+server halves that Flower lacks (``methods/``: SCAFFOLD, FedNova), one entry each in
+``FACTORIES``; a method may bring its own (``own_strategy``: FedNH). Their hyper-parameters are
+``strategy.*`` config keys with Flower's defaults. The strategy's state (server momentum,
+control variates, a DP wrapper's clipping norm) is what a checkpoint keeps of it (``STATE``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,12 +31,49 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from feddifrc_app import privacy
-from feddifrc_app.config import Config, ConfigError, robust_aggregation_error, sampled_per_round
-from feddifrc_app.methods.fednh import FedNH
+from feddifrc_app import methods, privacy
+from feddifrc_app.config import Config, ConfigError
+from feddifrc_app.federation import sampled_per_round
 from feddifrc_app.methods.fednova import A_KEY as FEDNOVA_A
 from feddifrc_app.methods.fednova import FedNova
 from feddifrc_app.methods.scaffold import Scaffold
+
+# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
+# error names when the server's aggregate (not a node's training) went wrong.
+STRATEGY_KEYS = {
+    "fedavgm": ("server-learning-rate", "server-momentum"),
+    "fedprox": ("proximal-mu",),
+    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedadagrad": ("eta", "eta-l", "tau"),
+    "fedtrimmedavg": ("trim-beta",),
+    "krum": ("num-malicious-nodes",),
+    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
+    "bulyan": ("num-malicious-nodes",),
+    "qfedavg": ("q",),
+    "scaffold": ("server-learning-rate",),
+}
+DP_KEYS = {
+    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
+    "adaptive": (
+        "dp-noise-multiplier",
+        "dp-initial-clipping-norm",
+        "dp-target-clipped-quantile",
+        "dp-clip-norm-lr",
+        "dp-clipped-count-stddev",
+    ),
+}
+
+
+def strategy_settings(cfg: Config) -> str:
+    """The keys behind the server's aggregate, with their values:
+    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
+    s = cfg.strategy
+    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
+    if s.dp != "none":
+        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
+    flat = cfg.to_flat()
+    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
 
 
 def nodes_per_round(cfg: Config, num_nodes: int) -> int:
@@ -45,9 +81,46 @@ def nodes_per_round(cfg: Config, num_nodes: int) -> int:
     return sampled_per_round(cfg.fraction_train, num_nodes)
 
 
+def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
+    """Why ``sampled`` nodes per round are too few for Krum / MultiKrum / Bulyan with ``f`` =
+    strategy.num-malicious-nodes and ``m`` = strategy.num-nodes-to-select ("" = enough).
+
+    Krum and MultiKrum tolerate f Byzantine nodes among n when n > 2f + 2 (Blanchard et al.,
+    2017; with f = 0 they are a selection rule, any n); MultiKrum averages m <= n - f of them.
+    Bulyan needs n >= 4f + 3 (El Mhamdi et al., 2018): Flower's Bulyan skips aggregation below.
+    """
+    tolerate = f"strategy '{name}' with strategy.num-malicious-nodes = {f} needs at least"
+    if name in ("krum", "multikrum") and f > 0 and sampled < 2 * f + 3:
+        return f"{tolerate} 2 * {f} + 3 = {2 * f + 3} nodes per round"
+    if name == "multikrum" and m > sampled - f:
+        return (
+            f"strategy 'multikrum' averages strategy.num-nodes-to-select = {m} updates, at most the "
+            f"sampled nodes minus strategy.num-malicious-nodes ({sampled} - {f} = {sampled - f})"
+        )
+    if name == "bulyan" and sampled < 4 * f + 3:
+        return f"{tolerate} 4 * {f} + 3 = {4 * f + 3} nodes per round"
+    return ""
+
+
+def check_config(v: Mapping[str, Any]) -> None:
+    """config.load_config's rule for Krum / MultiKrum / Bulyan, against the nodes a round samples
+    once min-nodes are connected (the ServerApp waits for them); the nodes really sampled are
+    checked again every round (RobustBound)."""
+    sampled = sampled_per_round(v["fraction-train"], v["min-nodes"])
+    why = robust_aggregation_error(
+        v["strategy.name"], v["strategy.num-malicious-nodes"], v["strategy.num-nodes-to-select"], sampled
+    )
+    if why:
+        raise ConfigError(
+            f"config keys 'strategy.num-malicious-nodes' / 'strategy.num-nodes-to-select': {why}, but "
+            f"min-nodes = {v['min-nodes']} with fraction-train = {v['fraction-train']:g} samples {sampled}; "
+            "lower them, or raise min-nodes (the SuperNodes you start) and fraction-train"
+        )
+
+
 class RobustBound:
     """Krum / MultiKrum / Bulyan that refuse a round with too few sampled nodes for
-    strategy.num-malicious-nodes (config.robust_aggregation_error), naming the keys, rather than
+    strategy.num-malicious-nodes (robust_aggregation_error), naming the keys, rather than
     Flower's silent skip (Bulyan) or a selection with no Byzantine tolerance (Krum)."""
 
     def configure_train(
@@ -81,90 +154,118 @@ class Bulyan(RobustBound, flwr_strategy.Bulyan):
 
 # The metric a strategy reads off every train reply, beyond ``num-examples`` (metric_keys.conform).
 QFEDAVG_LOSS = "train-total"
+REPLY_METRICS = {"fednova": {FEDNOVA_A}, "qfedavg": {QFEDAVG_LOSS}}
 
 
 def required_metrics(cfg: Config) -> frozenset[str]:
     """The reply metrics this run's aggregation reads: a reply without one cannot be aggregated."""
-    own = {"fednova": {FEDNOVA_A}, "qfedavg": {QFEDAVG_LOSS}}.get(cfg.strategy.name, set())
+    own = REPLY_METRICS.get(cfg.strategy.name, set())
     return frozenset({"num-examples", *own}) | privacy.required_metrics(cfg)
 
 
 def build_strategy(cfg: Config) -> Strategy:
-    """The strategy named by ``strategy.name``, under the DP wrapper ``strategy.dp`` names."""
-    return privacy.wrap(_named(cfg), cfg)
+    """The strategy named by ``strategy.name`` (or the method's own), under the DP wrapper
+    ``strategy.dp`` names."""
+    common = _common(cfg)
+    for own in methods.hooks("own_strategy"):
+        if (strategy := own(cfg, common)) is not None:
+            return privacy.wrap(strategy, cfg)
+    return privacy.wrap(FACTORIES[cfg.strategy.name](cfg, common), cfg)
 
 
-def _named(cfg: Config) -> Strategy:
-    s = cfg.strategy
-    # The ServerApp samples ``fraction-train`` of the nodes itself (seeded, by partition id) and
-    # shows the strategy only the chosen ones, so the strategy takes all it is shown and never
-    # waits for a minimum: a node that died mid-run cannot stall the next round. The same for
-    # ``fraction-evaluate`` (federated_eval.py): 1.0 of the nodes sampled for evaluation, or none.
-    common = dict(
+def _common(cfg: Config) -> dict[str, Any]:
+    """The arguments every strategy takes. The ServerApp samples ``fraction-train`` of the nodes
+    itself (seeded, by partition id) and shows the strategy only the chosen ones, so the strategy
+    takes all it is shown and never waits for a minimum: a node that died mid-run cannot stall
+    the next round. The same for ``fraction-evaluate`` (federated_eval.py): 1.0 of the nodes
+    sampled for evaluation, or none."""
+    common: dict[str, Any] = dict(
         fraction_train=1.0,
         fraction_evaluate=1.0 if cfg.fraction_evaluate > 0 else 0.0,
         min_train_nodes=1,
         min_evaluate_nodes=1 if cfg.fraction_evaluate > 0 else 0,
         min_available_nodes=1,
     )
-    if s.dp != "none":
+    if cfg.strategy.dp != "none":
         # Flower's noise is calibrated to the plain mean of the clipped updates: weigh every reply
         # by the 1.0 the DP wrapper stamps on it, not by its examples (privacy.WEIGHT).
         # SCAFFOLD, FedNova and FedNH, which weigh by examples themselves, are refused under DP.
         common["weighted_by_key"] = privacy.WEIGHT
-    name = s.name
-    if cfg.method == "fednh":  # FedAvg for the network, FedNH for the prototypes
-        return FedNH(**common, rho=cfg.fednh.rho)
-    if name == "fedavg":
-        return FedAvg(**common)
-    if name == "fedprox":
-        return FedProx(**common, proximal_mu=s.proximal_mu)
-    # Under DP the server optimisers step on the noisy mean (privacy.NoisyMean).
-    step = privacy.with_noisy_mean if s.dp != "none" else lambda cls: cls
-    if name == "fedavgm":
-        return step(FedAvgM)(
-            **common, server_learning_rate=s.server_learning_rate, server_momentum=s.server_momentum
-        )
-    fedopt = dict(eta=s.eta, eta_l=s.eta_l, tau=s.tau)
-    if name == "fedadam":
-        return step(FedAdam)(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
-    if name == "fedyogi":
-        return step(FedYogi)(**common, **fedopt, beta_1=s.beta_1, beta_2=s.beta_2)
-    if name == "fedadagrad":
-        return step(FedAdagrad)(**common, **fedopt)
-    if name == "fedmedian":
-        return FedMedian(**common)
-    if name == "fedtrimmedavg":
-        return FedTrimmedAvg(**common, beta=s.trim_beta)
-    if name in ("krum", "multikrum", "bulyan"):
-        robust = {"krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}[name]
-        extra = {"num_nodes_to_select": s.num_nodes_to_select} if name == "multikrum" else {}
-        return robust(**common, num_malicious_nodes=s.num_malicious_nodes, **extra)
-    if name == "qfedavg":
-        # L = 1 / client_learning_rate: the nodes' own step size; q-FFL's F_k is the node's mean
-        # training loss (the loss each method optimises, with its teacher terms).
-        return QFedAvg(client_learning_rate=cfg.train.lr, q=s.q, train_loss_key=QFEDAVG_LOSS, **common)
-    if name == "scaffold":
-        return Scaffold(**common, server_learning_rate=s.server_learning_rate)
-    if name == "fednova":
-        return FedNova(**common)
-    raise ValueError(f"unknown strategy {name!r}")  # unreachable: load_config validated it
+    return common
 
 
-# Server-side optimiser state that must survive a resume for the numbers to match.
-_STATE_ATTRS = ("current_arrays", "m_t", "v_t", "momentum_vector", "control", "accepted")
+def _stepping(cfg: Config, cls: type[FedAvg]) -> type[FedAvg]:
+    """A server optimiser's class; under DP it steps on the noisy mean (privacy.NoisyMean)."""
+    return privacy.with_noisy_mean(cls) if cfg.strategy.dp != "none" else cls
 
 
-# A DP wrapper's own state: the adaptive modes move the clipping norm every round.
-_DP_ATTRS = ("clipping_norm",)
+def _fedopt(
+    c: Config, k: dict[str, Any], cls: type[FedAdam | FedYogi | FedAdagrad], **extra: float
+) -> Strategy:
+    return _stepping(c, cls)(**k, eta=c.strategy.eta, eta_l=c.strategy.eta_l, tau=c.strategy.tau, **extra)
+
+
+def _adaptive(c: Config) -> dict[str, float]:
+    return {"beta_1": c.strategy.beta_1, "beta_2": c.strategy.beta_2}
+
+
+# strategy.name -> (the run config, the arguments every strategy takes) -> the strategy.
+FACTORIES: dict[str, Callable[[Config, dict[str, Any]], Strategy]] = {
+    "fedavg": lambda c, k: FedAvg(**k),
+    "fedprox": lambda c, k: FedProx(**k, proximal_mu=c.strategy.proximal_mu),
+    "fedavgm": lambda c, k: _stepping(c, FedAvgM)(
+        **k, server_learning_rate=c.strategy.server_learning_rate, server_momentum=c.strategy.server_momentum
+    ),
+    "fedadam": lambda c, k: _fedopt(c, k, FedAdam, **_adaptive(c)),
+    "fedyogi": lambda c, k: _fedopt(c, k, FedYogi, **_adaptive(c)),
+    "fedadagrad": lambda c, k: _fedopt(c, k, FedAdagrad),
+    "fedmedian": lambda c, k: FedMedian(**k),
+    "fedtrimmedavg": lambda c, k: FedTrimmedAvg(**k, beta=c.strategy.trim_beta),
+    "krum": lambda c, k: Krum(**k, num_malicious_nodes=c.strategy.num_malicious_nodes),
+    "multikrum": lambda c, k: MultiKrum(
+        **k,
+        num_malicious_nodes=c.strategy.num_malicious_nodes,
+        num_nodes_to_select=c.strategy.num_nodes_to_select,
+    ),
+    "bulyan": lambda c, k: Bulyan(**k, num_malicious_nodes=c.strategy.num_malicious_nodes),
+    # L = 1 / client_learning_rate: the nodes' own step size; q-FFL's F_k is the node's mean
+    # training loss (the loss each method optimises, with its teacher terms).
+    "qfedavg": lambda c, k: QFedAvg(
+        **k, client_learning_rate=c.train.lr, q=c.strategy.q, train_loss_key=QFEDAVG_LOSS
+    ),
+    "scaffold": lambda c, k: Scaffold(**k, server_learning_rate=c.strategy.server_learning_rate),
+    "fednova": lambda c, k: FedNova(**k),
+}
+
+
+# The server state each strategy keeps between rounds, by the attribute it lives in: Flower's
+# own for FedAvgM, FedAdam, FedYogi, FedAdagrad and QFedAvg (pinned by
+# tests/test_flower_internals.py), ours for SCAFFOLD and FedNova; a DP wrapper's clipping norm
+# (the adaptive modes move it every round). A checkpoint keeps each under that name.
+STATE: dict[type, tuple[str, ...]] = {
+    FedAvgM: ("current_arrays", "momentum_vector"),
+    FedAdam: ("current_arrays", "m_t", "v_t"),  # FedOpt's
+    FedYogi: ("current_arrays", "m_t", "v_t"),
+    FedAdagrad: ("current_arrays", "m_t", "v_t"),
+    QFedAvg: ("current_arrays",),
+    Scaffold: ("current_arrays", "control", "accepted"),
+    FedNova: ("current_arrays",),
+    privacy.Accounted: ("clipping_norm",),
+}
 
 
 def _holders(strategy: Strategy) -> dict[str, Any]:
-    """Where each piece of state lives: the named strategy, inside the DP wrapper if there is one."""
-    inner = getattr(strategy, "strategy", None)
-    if inner is None:
-        return {a: strategy for a in _STATE_ATTRS}
-    return {a: inner for a in _STATE_ATTRS} | {a: strategy for a in _DP_ATTRS}
+    """Each piece of state's name -> the object it lives on: the named strategy, and the DP
+    wrapper around it if there is one."""
+    inner = strategy.strategy if isinstance(strategy, privacy.Accounted) else None
+    return {
+        a: s
+        for s in (inner, strategy)
+        if s is not None
+        for cls, attrs in STATE.items()
+        if isinstance(s, cls)
+        for a in attrs
+    }
 
 
 def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:

@@ -46,6 +46,9 @@ class FakeFederation:
     def view(self, chosen: list[int]) -> SimpleNamespace:
         return SimpleNamespace(get_node_ids=lambda: list(chosen))
 
+    def round_config(self) -> dict[str, int]:
+        return {}  # no N: the strategies count the nodes they are shown
+
     def exchange(self, msgs, chosen):
         self.sent += [(m.metadata.message_type, m.metadata.dst_node_id) for m in msgs]
         ok, failures = [], []

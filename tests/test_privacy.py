@@ -11,9 +11,11 @@ from conftest import default_run_config, make_config
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+from test_server_app import RecordingGrid
 
 from feddifrc_app import privacy, privacy_accounting
 from feddifrc_app.config import ConfigError
+from feddifrc_app.federation import POPULATION
 from feddifrc_app.privacy import Release
 from feddifrc_app.privacy_accounting import account_round, accounted_multiplier, epsilon
 from feddifrc_app.results import Results, RoundRow
@@ -22,12 +24,9 @@ from feddifrc_app.strategy import build_strategy, load_strategy_state, required_
 from feddifrc_app.tools.report import privacy_line
 
 
-class _Grid:
-    def __init__(self, n: int, population: int | None = None) -> None:
-        self.n, self.population = n, population
-
-    def get_node_ids(self):
-        return list(range(1, self.n + 1))
+def _nodes(n: int) -> RecordingGrid:
+    """Flower's public Grid with nodes 1..n (the strategies read only get_node_ids)."""
+    return RecordingGrid(list(range(1, n + 1)))
 
 
 def _reply(msg: Message, w: np.ndarray, examples: float = 1.0) -> Message:
@@ -44,7 +43,7 @@ def _round(cfg_overrides: dict, x: np.ndarray, ys: list[np.ndarray], n_grid: int
     """One server-side round: (the aggregate, the replies as the wrapped strategy saw them)."""
     s = build_strategy(make_config(**cfg_overrides))
     msgs = list(
-        s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(n_grid))
+        s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _nodes(n_grid))
     )
     seen = []
     inner = s.strategy.aggregate_train
@@ -103,7 +102,7 @@ def test_adaptive_clipping_moves_the_norm_and_it_survives_a_checkpoint():
     x = np.zeros(2, dtype=np.float32)
     s = build_strategy(make_config(**dp))
     assert s.clipping_norm == 0.1  # Flower's initial-clipping-norm
-    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(2)))
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _nodes(2)))
     s.aggregate_train(1, [_reply(m, np.array([3.0, 4.0], dtype=np.float32)) for m in msgs])  # both clipped
     # Flower's rule, C <- C exp(-lr (clipped fraction - target)): both clipped (noise-free count),
     # so C = 0.1 exp(-0.2 x 0.5). It SHRINKS: Andrew et al. count the unclipped updates there (README).
@@ -129,7 +128,7 @@ def test_adaptive_noise_is_scaled_by_the_norm_the_round_clipped_to(mode):
     }
     s = build_strategy(make_config(**dp))
     x = np.zeros(200_000, dtype=np.float32)
-    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _nodes(4)))
     tiny = x.copy()
     tiny[0] = 1e-6  # not clipped (norm bit 0); not exactly zero (Flower divides by the norm)
     replies = [_reply(m, tiny.copy()) for m in msgs]
@@ -161,7 +160,7 @@ def test_server_optimisers_step_on_the_noisy_mean(name):
     np.random.seed(0)
     s = build_strategy(make_config(**dp))
     assert isinstance(s.strategy, privacy.NoisyMean) and type(s.strategy).__name__.lower() == name
-    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(4)))
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _nodes(4)))
     out = s.aggregate_train(1, [_reply(m, tiny.copy()) for m in msgs])[0]["w"].numpy()
     if name == "fedavgm":  # first round: momentum = x - noisy mean; x <- x - 1.0 x momentum
         noise = -s.strategy.momentum_vector[0]
@@ -240,7 +239,7 @@ def test_client_wrappers_ask_for_clipping_and_the_adaptive_one_reads_the_norm_bi
     for mode in ("client-fixed", "client-adaptive"):
         cfg = make_config(method="fedavg", strategy__dp=mode, strategy__dp_noise_multiplier=0.0)
         s = build_strategy(cfg)
-        (msg,) = s.configure_train(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _Grid(1))
+        (msg,) = s.configure_train(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _nodes(1))
         assert msg.content["config"]["clipping_norm"] == (10.0 if mode == "client-fixed" else 0.1)
     assert required_metrics(
         make_config(method="fedavg", strategy__dp="client-adaptive", strategy__dp_noise_multiplier=0.0)
@@ -276,7 +275,7 @@ def test_every_dp_mode_loads_with_the_other_keys_at_their_defaults(mode):
     s = build_strategy(cfg)
     if mode.endswith("adaptive"):  # 0 derives max(m / 20, z) = 1: Flower's z_u = (1 - 1/4)^-1/2
         assert s.clipped_count_stddev == 1.0 and s.noise_multiplier == pytest.approx((4 / 3) ** 0.5)
-        s.configure_train(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _Grid(40))
+        s.configure_train(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _nodes(40))
         assert s.clipped_count_stddev == 2.0  # 40 / 20, above z: Flower's own default
         assert s.noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5)
 
@@ -344,9 +343,9 @@ def test_under_dp_replies_weigh_the_same_whatever_their_examples(name):
             method="fedavg", strategy__name=name, strategy__dp=dp, strategy__dp_noise_multiplier=0.0, **extra
         )
         s = build_strategy(cfg)
-        msgs = list(
-            s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _Grid(2, 7))
-        )
+        # The round loop drew the 2 from 7 nodes: N travels in the train config (federation.round_config).
+        config = ConfigRecord({POPULATION: 7})
+        msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), config, _nodes(2)))
         replies = [_reply(m, y, n) for m, y, n in zip(msgs, ys, (1.0, 3.0), strict=True)]
         arrays, metrics = s.aggregate_train(1, replies)
         if name == "fedavg":
@@ -356,7 +355,7 @@ def test_under_dp_replies_weigh_the_same_whatever_their_examples(name):
         if name == "multikrum":  # both selected: their mean, uniform under DP
             np.testing.assert_allclose(arrays["w"].numpy(), [0.25, 0.75] if dp == "none" else [0.5, 0.5])
         if dp != "none":
-            assert privacy.release_of(s) == Release(7, 2, 2, 0.0, None)  # N from the view, m, m', z
+            assert privacy.release_of(s) == Release(7, 2, 2, 0.0, None)  # N from the config, m, m', z
 
 
 def test_under_dp_federated_evaluation_stays_example_weighted():
@@ -364,7 +363,7 @@ def test_under_dp_federated_evaluation_stays_example_weighted():
         method="fedavg", strategy__dp="server-fixed", fraction_evaluate=1.0, evaluate_holdout=0.1
     )
     s = build_strategy(cfg)
-    (msg,) = s.configure_evaluate(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _Grid(1))
+    (msg,) = s.configure_evaluate(1, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), _nodes(1))
     replies = [
         Message(RecordDict({"metrics": MetricRecord({"num-examples": n, "eval-accuracy": a})}), reply_to=msg)
         for n, a in ((1.0, 0.0), (3.0, 1.0))

@@ -58,6 +58,9 @@ class _FailingFederation:
     def view(self, chosen: list[int]) -> SimpleNamespace:
         return SimpleNamespace(get_node_ids=lambda: list(chosen))
 
+    def round_config(self) -> dict[str, int]:
+        return {}  # no N: the strategies count the nodes they are shown
+
     def exchange(self, msgs, chosen):
         reason = "ValueError: Expected more than 1 value per channel when training"
         return [], [{"node": n, "partition-id": self.partition_of[n], "reason": reason} for n in chosen]

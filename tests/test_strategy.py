@@ -8,15 +8,31 @@ import torch
 from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
+from test_server_app import RecordingGrid
 
-from feddifrc_app.config import STRATEGIES, ConfigError
-from feddifrc_app.strategy import build_strategy, load_strategy_state, nodes_per_round, strategy_state
+from feddifrc_app.config import KEYS, STRATEGIES, ConfigError
+from feddifrc_app.federation import NUM_NODES
+from feddifrc_app.methods import scaffold
+from feddifrc_app.strategy import (
+    FACTORIES,
+    STRATEGY_KEYS,
+    build_strategy,
+    load_strategy_state,
+    nodes_per_round,
+    strategy_state,
+)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_name_builds(name):
     s = build_strategy(make_config(strategy__name=name, min_nodes=3))  # bulyan needs 3 nodes
     assert type(s).__name__.lower() == name
+
+
+def test_every_strategy_name_has_one_factory_and_its_keys_are_strategy_keys():
+    assert set(FACTORIES) == set(STRATEGIES)
+    assert set(STRATEGY_KEYS) <= set(STRATEGIES)
+    assert all(f"strategy.{k}" in KEYS for keys in STRATEGY_KEYS.values() for k in keys)
 
 
 def test_parameters_reach_the_strategy():
@@ -262,3 +278,104 @@ def test_byzantine_bound_is_checked_again_against_the_nodes_really_sampled():
     with pytest.raises(ConfigError, match=r"round 1: .*needs at least 4 \* 1 \+ 3 = 7 .*but 5 were sampled"):
         list(s.configure_train(1, w0, ConfigRecord({}), _Grid(5)))
     assert len(list(s.configure_train(1, w0, ConfigRecord({}), _Grid(7)))) == 7
+
+
+# --------------------------------------------------------------------------- Flower's public Grid
+
+
+def _scaffold_replies(msgs, ys: list[list[float]], deltas: list[list[float]], examples: list[float]):
+    out = []
+    for m, y, d, n in zip(msgs, ys, deltas, examples, strict=True):
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({"w": torch.tensor(y)}),
+                "metrics": MetricRecord({"num-examples": n}),
+                scaffold.DELTA: ArrayRecord({"w": torch.tensor(d)}),
+            }
+        )
+        out.append(Message(content, reply_to=m))
+    return out
+
+
+@pytest.mark.parametrize(("config", "n"), [({NUM_NODES: 4}, 4), ({}, 2)])
+def test_scaffold_takes_n_from_the_train_config_on_flowers_public_grid(config, n):
+    """N travels in the train config (federation.round_config); without it, N is the nodes the
+    Grid has, as under Flower's own loop. The Grid is used through get_node_ids alone."""
+    s = build_strategy(make_config(method="fedavg", strategy__name="scaffold"))
+    grid = RecordingGrid([1, 2])
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.ones(2)}), ConfigRecord(config), grid))
+    replies = _scaffold_replies(msgs, [[0.0, 1.0], [2.0, 3.0]], [[0.4, 0.0], [0.0, 0.8]], [1.0, 3.0])
+    arrays, _ = s.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [1.5, 2.5])  # x + 1/4 (y1 - x) + 3/4 (y2 - x)
+    np.testing.assert_allclose(s.control["w"], np.array([0.2, 0.4]) * 2 / n, rtol=1e-6)  # |S| / N mean
+    assert set(grid.calls) == {"get_node_ids"}
+
+
+def test_scaffold_runs_under_flowers_own_strategy_start():
+    """Flower's Strategy.start with a Grid that answers as four SCAFFOLD nodes would (each moves
+    the model by +1 and its control variate by +1): N = 4 = |S|, so c grows by 1 a round."""
+
+    class Nodes(RecordingGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            self.calls.append("send_and_receive")
+            msgs = list(messages)
+            ys = [(m.content["arrays"]["w"].numpy() + 1).tolist() for m in msgs]
+            return _scaffold_replies(msgs, ys, [[1.0]] * len(msgs), [1.0] * len(msgs))
+
+    s = build_strategy(make_config(method="fedavg", strategy__name="scaffold"))
+    grid = Nodes([1, 2, 3, 4])
+    result = s.start(grid, ArrayRecord({"w": torch.zeros(1)}), num_rounds=2)
+    np.testing.assert_allclose(result.arrays["w"].numpy(), [2.0])
+    np.testing.assert_allclose(s.control["w"], [2.0])
+    assert s.accepted == {1: 2, 2: 2, 3: 2, 4: 2} and s.num_nodes == 4
+    assert set(grid.calls) == {"get_node_ids", "send_and_receive"}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_keeps_the_names_checkpoints_always_had():
+    """strategy.STATE decides what is saved; the names are those of checkpoints written before it
+    (Flower's attribute names: the same sets, measured over every strategy and DP mode), so those
+    still load: here one as the old code wrote it."""
+    want = {
+        "fedavgm": {"current_arrays", "momentum_vector"},
+        "fedadam": {"current_arrays", "m_t", "v_t"},
+        "fedadagrad": {"current_arrays", "m_t", "v_t"},
+        "qfedavg": {"current_arrays"},
+        "scaffold": {"current_arrays", "control", "accepted"},
+        "fednova": {"current_arrays"},
+        "fedavg": set(),
+        "krum": set(),
+    }
+
+    for name, keys in want.items():
+        s = build_strategy(make_config(method="fedavg", strategy__name=name, min_nodes=2))
+        for rnd in (1, 2):  # FedAvgM keeps a momentum from its second round
+            msgs = list(
+                s.configure_train(
+                    rnd, ArrayRecord({"w": torch.zeros(2)}), ConfigRecord({}), RecordingGrid([1, 2])
+                )
+            )
+            replies = _scaffold_replies(msgs, [[1.0, 1.0], [3.0, 3.0]], [[0.1, 0.1]] * 2, [1.0, 1.0])
+            for r in replies:
+                r.content["metrics"] = MetricRecord(
+                    {"num-examples": 1.0, "train-total": 1.0, "fednova-a": 1.0}
+                )
+                if name != "scaffold":
+                    del r.content[scaffold.DELTA]  # FedAvg refuses a second ArrayRecord
+            s.aggregate_train(rnd, replies)
+        assert set(strategy_state(s)) == keys, name
+    old = {  # an adaptive-DP FedAdam checkpoint's strategy state, as the old code saved it
+        "current_arrays": {"dict": {"w": torch.tensor([1.0, 2.0])}},
+        "m_t": {"dict": {"w": torch.tensor([0.1, 0.2])}},
+        "v_t": {"dict": {"w": torch.tensor([0.01, 0.04])}},
+        "clipping_norm": {"float": torch.tensor(0.25, dtype=torch.float64)},
+    }
+    t = build_strategy(make_config(method="fedavg", strategy__name="fedadam", strategy__dp="server-adaptive"))
+    load_strategy_state(t, old)
+    assert t.clipping_norm == 0.25 and isinstance(t.clipping_norm, float)
+    np.testing.assert_allclose(t.strategy.m_t["w"], [0.1, 0.2])
+    np.testing.assert_allclose(t.strategy.v_t["w"], [0.01, 0.04])
+    np.testing.assert_allclose(t.strategy.current_arrays["w"], [1.0, 2.0])
+    assert set(strategy_state(t)) == set(old)

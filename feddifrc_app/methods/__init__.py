@@ -9,7 +9,15 @@ node adds the proximal term. A module in this package is picked up by being here
 - ``node_half(msg, node) -> NodeHalf | None``: what this node does with a train message,
   ``None`` when the message does not ask for the method;
 - ``model_options(cfg) -> dict``: keyword arguments of ``model.build_model`` the method sets
-  for this run (FedNH's prototype head).
+  for this run (FedNH's prototype head);
+- ``own_strategy(cfg, common) -> Strategy | None``: the strategy the method brings in place of
+  ``strategy.name``'s (FedNH), built with ``common``, the arguments every strategy takes;
+- its config rules, on the cast values by dotted key (``load_config`` runs them, through
+  ``hooks``): ``check_config(values, raw)`` raises ``ConfigError`` for keys that cannot work
+  together; ``node_state(values) -> str`` names the setting that keeps per-node state across
+  rounds ("" = none: a resumed run can repeat it); ``dp_refusal(values) -> str`` says why
+  ``strategy.dp`` cannot wrap it ("" = it can). A method package keeps them in its ``rules``
+  module (``feddifrc/rules.py``).
 
 The ClientApp and ``train.train_local`` name no method: they run every ``NodeHalf`` returned.
 """
@@ -18,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -78,6 +88,18 @@ def modules() -> tuple[ModuleType, ...]:
     """Every method module of this package, in name order (the order their terms are added)."""
     names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
     return tuple(importlib.import_module(f"{__name__}.{n}") for n in names)
+
+
+def hooks(name: str) -> list[Callable[..., Any]]:
+    """Every method's hook ``name`` (above), in module order: a method package's come from
+    the package and its ``rules`` module."""
+    found = []
+    for m in modules():
+        parts, rules = [m], f"{m.__name__}.rules"
+        if hasattr(m, "__path__") and importlib.util.find_spec(rules) is not None:
+            parts.append(importlib.import_module(rules))
+        found += [getattr(p, name) for p in parts if hasattr(p, name)]
+    return found
 
 
 def train_config(cfg: Config) -> dict[str, Any]:

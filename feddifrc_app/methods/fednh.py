@@ -11,7 +11,7 @@ after every backward), and the head's scale starts at ``fednh.scale`` (FedNH's R
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,17 +19,36 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Strategy
 from torch import nn
 
+from feddifrc_app.casting import invalid
 from feddifrc_app.config import Config
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.privacy import TWO_RECORDS
 from feddifrc_app.records import arrays_to_record, example_weights
 
 # server -> node config: "send your prototypes"; node -> server: {"scaled": (C, D), "counts": (C,)}
 PROTOTYPES = "fednh-prototypes"
 KEY = "fc.prototype"  # the prototypes in the model's state dict
+
+
+def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
+        raise invalid(
+            "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
+        )
+
+
+def dp_refusal(v: Mapping[str, Any]) -> str:
+    # Server-side clipping would clip the prototypes against the model; the client mods refuse them.
+    return f"method = 'fednh' {TWO_RECORDS}" if v["method"] == "fednh" else ""
+
+
+def own_strategy(cfg: Config, common: dict[str, Any]) -> Strategy | None:
+    """FedAvg for the network, FedNH for the prototypes (in place of strategy.name's FedAvg)."""
+    return FedNH(**common, rho=cfg.fednh.rho) if cfg.method == "fednh" else None
 
 
 @torch.no_grad()

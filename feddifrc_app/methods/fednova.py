@@ -9,7 +9,7 @@ statistics are not gradient steps: they are averaged as in FedAvg.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from feddifrc_app.casting import invalid
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
@@ -29,6 +30,29 @@ def normalising_factor(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
+
+
+def fresh_momentum(v: Mapping[str, Any]) -> None:
+    """a_i (and SCAFFOLD's a_K) assume momentum buffers that start at zero every round."""
+    if v["train.keep-momentum"]:
+        raise invalid("train.keep-momentum", True, f"not with strategy.name = '{v['strategy.name']}'")
+
+
+def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    if v["strategy.name"] == "fednova":
+        fresh_momentum(v)
+
+
+def dp_refusal(v: Mapping[str, Any]) -> str:
+    if v["strategy.name"] != "fednova":
+        return ""
+    # x <- x - tau_eff sum_i p_i (x - y_i) / a_i: a node with fewer local steps than tau_eff
+    # moves the model by more than its clipped update, so the noise (z C / m) is too small.
+    return (
+        "strategy.name = 'fednova' scales each clipped update by tau_eff / a_i (above 1 for a node "
+        "with fewer local steps) and weighs it by its examples, so one node's influence exceeds "
+        "the C / m that Flower's noise is calibrated for; use fedavg or fedprox"
+    )
 
 
 class Normalised(NodeHalf):

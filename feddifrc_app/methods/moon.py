@@ -12,7 +12,7 @@ under any strategy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,10 @@ from feddifrc_app.records import record_to_state, state_to_record
 
 PREVIOUS = "moon-previous"  # Context.state: this node's model after its last local training
 MU, TAU = "moon-mu", "moon-tau"  # server -> node: the term's weight and temperature
+
+
+def node_state(v: Mapping[str, Any]) -> str:
+    return "method = 'moon'" if v["method"] == "moon" else ""  # PREVIOUS
 
 
 def train_config(cfg: Config) -> dict[str, Any]:

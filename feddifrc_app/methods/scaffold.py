@@ -5,7 +5,9 @@ variates c / c_i: every step adds (c - c_i) to the gradient; afterwards (option 
 ``c_i+ = c_i - c + (x - y_i) / (K * eta_l)`` and the node sends y_i and
 ``delta_c_i = c_i+ - c_i``. Server: ``x <- x + eta_g * sum_i w_i (y_i - x)`` (w_i the
 example weights, as FedAvg) and ``c <- c + (|S| / N) * mean_i delta_c_i``, with |S| the
-nodes that replied and N the federation's distinct nodes. Control variates cover trainable parameters only.
+nodes that replied and N the federation's distinct nodes: the train config's ``num-nodes``
+(``federation.NUM_NODES``, set by the round loop) or, without it, the nodes the Grid has (all
+that Flower's own ``Strategy.start`` samples from). Control variates cover trainable parameters only.
 
 A node's new c_i counts only once the server has added its delta_c_i to c: the node keeps
 c_i+ as pending (with its round) and each train message tells it the last round whose
@@ -22,7 +24,7 @@ round 2 and the model to chance by round 4. With rho = 0 it is the paper's ``K *
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -31,8 +33,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import Node, NodeHalf
-from feddifrc_app.methods.fednova import normalising_factor
+from feddifrc_app.methods.fednova import fresh_momentum, normalising_factor
+from feddifrc_app.privacy import TWO_RECORDS
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic, record_to_state
 
 CONTROL = "scaffold-c"  # server -> node: the server control variate
@@ -41,6 +45,20 @@ OWN = "scaffold-ci"  # Context.state: this node's control variate, kept across r
 PENDING = "scaffold-ci-pending"  # Context.state: c_i+ of the node's last training, not yet confirmed
 PENDING_ROUND = "scaffold-ci-round"  # Context.state: {"round": the round that c_i+ is from}
 ACCEPTED = "scaffold-accepted"  # server -> node config: last round whose delta_c_i from it made c
+
+
+def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    if v["strategy.name"] == "scaffold":
+        fresh_momentum(v)  # option II divides by FedNova's a_K
+
+
+def node_state(v: Mapping[str, Any]) -> str:
+    return "strategy.name = 'scaffold'" if v["strategy.name"] == "scaffold" else ""
+
+
+def dp_refusal(v: Mapping[str, Any]) -> str:
+    # Server-side clipping would clip delta c against the model; the client mods refuse it.
+    return f"strategy.name = 'scaffold' {TWO_RECORDS}" if v["strategy.name"] == "scaffold" else ""
 
 
 def correction(
@@ -127,7 +145,7 @@ class Scaffold(FedAvg):
     def __init__(self, *, server_learning_rate: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.eta_g = server_learning_rate
-        self.num_nodes = 0  # N: the federation's distinct nodes, from the Grid view of each round
+        self.num_nodes = 0  # N of the round being trained
         self.fraction_of_nodes = 0.0  # |S| / N of the last aggregated round, as it really was
         self.current_arrays: dict[str, np.ndarray] | None = None
         self.control: dict[str, np.ndarray] = {}
@@ -137,7 +155,7 @@ class Scaffold(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
-        self.num_nodes = grid.num_nodes  # federation.Federation.view
+        self.num_nodes = int(config.get(NUM_NODES, len(grid.get_node_ids())))
         control = arrays_to_record(self.control)
         out = []
         for m in super().configure_train(server_round, arrays, config, grid):

@@ -23,7 +23,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from feddifrc_app.config import PathError
+from feddifrc_app.casting import PathError
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.cmd_node import (
     add_extract,

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.config import DEFAULT_CACHE_DIR, Config, resolve_cache_dir, resolve_path
+from feddifrc_app.casting import resolve_path
+from feddifrc_app.config import DEFAULT_CACHE_DIR, Config, resolve_cache_dir
 from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, int_list, split_names
 from feddifrc_app.tools.run_config import load_app_config
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from feddifrc_app.config import resolve_path
+from feddifrc_app.casting import resolve_path
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.run_config import load_app_config
 

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import DEFAULT_OUTPUTS_DIR, resolve_path
+from feddifrc_app.casting import resolve_path
+from feddifrc_app.config import DEFAULT_OUTPUTS_DIR
 from feddifrc_app.results import Results
 from feddifrc_app.tools.cmd_common import CLIError
 

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import Config, ConfigError, resolve_path
+from feddifrc_app.casting import resolve_path
+from feddifrc_app.config import Config, ConfigError
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config
 

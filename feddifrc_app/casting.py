@@ -1,0 +1,133 @@
+"""A value the user gave (a run-config key, a node-config key, a CLI argument) cast to its type,
+with a one-line error that names where it came from, the value and what is allowed: integers,
+finite numbers in a range, flags, strings, lists and paths. Stdlib only; config.py says which
+key takes which.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config key is missing, unknown, of the wrong type or out of range."""
+
+
+def invalid(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+
+
+def as_int(key: str, v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        return int(v.strip())
+    raise invalid(key, v, "expected an integer")
+
+
+def as_float(key: str, v: Any) -> float:
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError
+        out = float(v.strip() if isinstance(v, str) else v)
+    except ValueError:
+        raise invalid(key, v, "expected a number") from None
+    if not math.isfinite(out):
+        raise invalid(key, v, "expected a finite number")
+    return out
+
+
+def as_bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return v.strip().lower() in ("true", "1", "yes")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise invalid(key, v, "expected true or false")
+
+
+def as_str(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise invalid(key, v, "expected a string")
+    if "\0" in v:  # no path, name or prompt holds one; os calls would raise a bare ValueError
+        raise invalid(key, v, "contains a NUL byte (\\x00); remove it")
+    return v
+
+
+def int_list(key: str, v: Any) -> tuple[int, ...]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,)
+    try:
+        out = tuple(int(p) for p in as_str(key, v).split(",") if p.strip())
+    except ValueError:
+        raise invalid(key, v, "expected comma-separated integers, e.g. '1,2,3'") from None
+    if not out:
+        raise invalid(key, v, "expected at least one integer")
+    return out
+
+
+def _bound(x: float) -> str:
+    """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def check_range(key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> None:
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (
+        hi is not None and (v >= hi if hi_open else v > hi)
+    ):
+        lo_s = "-inf" if lo is None else _bound(lo)
+        hi_s = "inf" if hi is None else _bound(hi)
+        raise invalid(
+            key, v, f"expected a value in {'(' if lo_open else '['}{lo_s}, {hi_s}{')' if hi_open else ']'}"
+        )
+
+
+class PathError(ValueError):
+    """A path given by the user that cannot be resolved (a symlink loop, a name too long): one
+    line naming the key or argument it came from; ``why`` is the reason alone."""
+
+    def __init__(self, name: str, value: str, why: str) -> None:
+        self.why = f"cannot be resolved ({why}); pass a path to a real folder or file"
+        super().__init__(f"{name} = {value!r} {self.why}")
+
+
+def resolve_path(value: str, name: str) -> Path:
+    """``value`` made absolute, ``~`` expanded and symlinks followed: the one place a path the user
+    gave (a config key, a node key, a CLI argument ``name``) is resolved. A path that does not
+    exist is fine (it may be created); one that cannot be resolved is a ``PathError``."""
+    try:
+        path = Path(os.path.expanduser(value)).resolve()
+    except RuntimeError:  # Python < 3.13: resolve() on a symlink loop
+        raise PathError(name, value, "a symlink loop") from None
+    try:
+        os.stat(path)  # Python >= 3.13 resolves a loop without raising; stat still meets it
+    except OSError as e:
+        if e.errno == errno.ELOOP or e.errno == errno.ENAMETOOLONG:
+            why = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
+            raise PathError(name, value, why) from None
+        # absent (created later), or refused later, naming it, by what uses it
+    return path
+
+
+def as_path(key: str, v: str) -> str:
+    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be)."""
+    try:
+        return str(resolve_path(v, key)) if v else ""
+    except PathError as e:
+        raise invalid(key, v, e.why) from None
+
+
+def as_folder(key: str, raw: Any, v: str) -> str:
+    """A folder key's value, resolved: refused if something other than a folder is there (a file or
+    a device would fail later, in someone else's words); absent is fine (it is created)."""
+    path = as_path(key, v)
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise invalid(key, raw, f"{path} exists and is not a folder; expected a folder path")
+    return path

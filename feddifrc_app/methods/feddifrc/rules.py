@@ -1,0 +1,87 @@
+"""FedDifRC's config rules: the teacher's layers, model and prompt, the loss variant, and what
+the self-supervised variant cannot do (run by ``config.load_config`` through ``methods.hooks``).
+
+The diffusion.* rules hold whatever the method: every run's config names a teacher, and the
+keys are checked where they are defined, before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from feddifrc_app.casting import ConfigError, invalid
+
+
+def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """FedDifRC's keys that cannot work together (``v``: cast values; ``raw``: as given)."""
+    _check_layers(v, raw)
+    _check_teacher(v)
+    if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
+        raise ConfigError(
+            "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
+            "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
+        )
+    if v["method"] == "feddifrc-ssl" and (fraction := v["fraction-evaluate"]) > 0:
+        raise invalid(
+            "fraction-evaluate",
+            fraction,
+            "method 'feddifrc-ssl' trains no classifier for the nodes to score (the server evaluates "
+            "it with a linear probe): use fraction-evaluate = 0",
+        )
+
+
+def _check_layers(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """diffusion.blocks and .channels: distinct layers whose widths fuse into the student's embedding."""
+    blocks, channels, width = v["diffusion.blocks"], v["diffusion.channels"], v["model.width"]
+    if len(blocks) != len(channels):
+        raise ConfigError(
+            f"config keys 'diffusion.blocks' = {raw['diffusion.blocks']!r} and "
+            f"'diffusion.channels' = {raw['diffusion.channels']!r} must have the same length"
+        )
+    if len(set(blocks)) != len(blocks) or any(b < 0 for b in blocks):
+        # the upper bound is the model's (4 up_blocks for SD 1.x/2.x, 3 for SDXL, the number of
+        # transformer blocks for PixArt/SD3): checked against its config when the teacher is resolved
+        raise invalid(
+            "diffusion.blocks",
+            raw["diffusion.blocks"],
+            "expected distinct non-negative layer indices (SD: unet.up_blocks 0..3; SDXL: 0..2; "
+            "PixArt/SD3: transformer_blocks 0..num_layers-1)",
+        )
+    if any(c < 1 for c in channels):
+        raise invalid("diffusion.channels", raw["diffusion.channels"], "expected positive widths")
+    if v["method"] in ("feddifrc", "feddifrc-ssl") and sum(channels) != 8 * width:
+        # (the methods without a teacher never read diffusion.*)
+        # The fused teacher feature is compared with the ResNet-10 embedding (8 * model.width).
+        raise invalid(
+            "diffusion.channels",
+            raw["diffusion.channels"],
+            f"widths must sum to {8 * width}, the ResNet-10 embedding width (8 * model.width = 8 * {width})",
+        )
+
+
+def _check_teacher(v: Mapping[str, Any]) -> None:
+    """diffusion.*: a model, a prompt template every node can fill, a basis to condition on."""
+    if not v["diffusion.model"]:
+        raise invalid("diffusion.model", "", "expected 'tiny-mnist', 'tiny', a hub id or a local folder")
+    if "{}" not in v["diffusion.prompt-template"]:
+        raise invalid(
+            "diffusion.prompt-template",
+            v["diffusion.prompt-template"],
+            "must contain '{}' where the class name goes",
+        )
+    try:  # what teacher_prompts does with it on every node
+        v["diffusion.prompt-template"].format("class name")
+    except (IndexError, KeyError, ValueError) as e:
+        raise invalid(
+            "diffusion.prompt-template",
+            v["diffusion.prompt-template"],
+            f"str.format(class_name) fails ({type(e).__name__}: {e}); use exactly one '{{}}' "
+            "and write a literal brace as '{{' or '}}'",
+        ) from None
+    if v["diffusion.condition"] == "global-model" and v["diffusion.projection"] == "per-batch":
+        raise invalid(
+            "diffusion.condition",
+            "global-model",
+            "needs a shared basis (not diffusion.projection = 'per-batch')",
+        )

@@ -1,0 +1,95 @@
+"""Each method declares its own config rules (methods.hooks); config.py runs them and names none."""
+
+from __future__ import annotations
+
+import ast
+import types
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, default_run_config, make_config
+
+from feddifrc_app import methods
+from feddifrc_app.casting import invalid
+from feddifrc_app.config import ConfigError, load_config, resumable
+from feddifrc_app.methods import fednh, fednova, moon, scaffold
+from feddifrc_app.methods.feddifrc import rules as feddifrc_rules
+
+NAMES = ("feddifrc", "moon", "fednh", "fedprox", "scaffold", "fednova")
+
+
+def test_config_py_names_no_method_or_strategy_in_its_rules():
+    """The choice lists name them (they are the keys' allowed values); no rule does."""
+    tree = ast.parse(Path(ROOT, "feddifrc_app", "config.py").read_text())
+    named = []
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        doc = ast.get_docstring(fn, clean=False)
+        for c in ast.walk(fn):
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value != doc:
+                named += [(fn.name, c.value) for n in NAMES if n in c.value]
+    assert named == []
+
+
+def test_every_methods_rules_are_found_in_module_order():
+    assert methods.hooks("node_state") == [moon.node_state, scaffold.node_state]
+    assert methods.hooks("dp_refusal") == [fednh.dp_refusal, fednova.dp_refusal, scaffold.dp_refusal]
+    # FedDifRC's from its package's rules module
+    assert methods.hooks("check_config") == [
+        feddifrc_rules.check_config,
+        fednh.check_config,
+        fednova.check_config,
+        scaffold.check_config,
+    ]
+    assert methods.hooks("own_strategy") == [fednh.own_strategy]
+
+
+def test_what_each_method_declares():
+    v = make_config(method="fedavg").to_flat()
+    assert [f(v) for f in methods.hooks("node_state")] == ["", ""]
+    assert moon.node_state(v | {"method": "moon"}) == "method = 'moon'"
+    assert scaffold.node_state(v | {"strategy.name": "scaffold"}) == "strategy.name = 'scaffold'"
+    assert fednh.dp_refusal(v | {"method": "fednh"}).startswith("method = 'fednh' replies with a second")
+    assert fednova.dp_refusal(v | {"strategy.name": "fednova"}).endswith("use fedavg or fedprox")
+    assert not resumable(make_config(method="moon")) and resumable(make_config(method="fedavg"))
+
+
+def test_two_refusals_name_the_first_method_as_before():
+    # FedNH's reply is refused before SCAFFOLD's (and before FedNH's own strategy rule).
+    with pytest.raises(
+        ConfigError, match=r"'strategy.dp' = 'server-fixed' is invalid: method = 'fednh' replies"
+    ):
+        make_config(method="fednh", strategy__name="scaffold", strategy__dp="server-fixed")
+    with pytest.raises(ConfigError, match=r"'strategy.name' = 'fedprox' is invalid: method 'fednh' brings"):
+        make_config(method="fednh", strategy__name="fedprox")
+    with pytest.raises(
+        ConfigError, match=r"'train.keep-momentum' = True is invalid: not with strategy.name = 'fednova'"
+    ):
+        make_config(method="fedavg", strategy__name="fednova", train__keep_momentum=True)
+
+
+def test_a_new_methods_rules_need_no_edit_of_config_py(monkeypatch):
+    """A method module's three rules, and load_config / resumable applying them."""
+    dummy = types.ModuleType("feddifrc_app.methods.dummy")
+
+    def check_config(v, raw):
+        if v["seed"] == 1008:
+            raise invalid("seed", 1008, "the dummy method refuses it")
+
+    dummy.check_config = check_config
+    dummy.node_state = lambda v: "seed = 1007" if v["seed"] == 1007 else ""
+    dummy.dp_refusal = lambda v: "seed = 1007 cannot be clipped" if v["seed"] == 1007 else ""
+    found = methods.modules()
+    monkeypatch.setattr(methods, "modules", lambda: (*found, dummy))
+
+    rc = default_run_config() | {"method": "fedavg"}
+    with pytest.raises(ConfigError, match=r"'seed' = 1008 is invalid: the dummy method refuses it"):
+        load_config(rc | {"seed": 1008})
+    assert not resumable(load_config(rc | {"seed": 1007})) and resumable(load_config(rc))
+    with pytest.raises(
+        ConfigError, match=r"'resume-from' = '/tmp/r' is invalid: seed = 1007 keeps per-node state"
+    ):
+        load_config(rc | {"seed": 1007, "resume-from": "/tmp/r"})
+    with pytest.raises(
+        ConfigError, match=r"'strategy.dp' = 'server-fixed' is invalid: seed = 1007 cannot be clipped"
+    ):
+        load_config(rc | {"seed": 1007, "strategy.dp": "server-fixed"})
