@@ -9,6 +9,7 @@ from conftest import make_config
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from feddifrc_app import methods
+from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import fednh, fednova, scaffold
 from feddifrc_app.strategy import build_strategy
 
@@ -24,8 +25,6 @@ def reply(arrays: dict[str, list[float]], **metrics: float) -> Message:
 
 
 class Nodes:
-    num_nodes = 4  # the federation's distinct nodes (federation.Federation.view): |S| / N = 2 / 4
-
     def get_node_ids(self):
         return [1, 2]
 
@@ -52,7 +51,8 @@ def test_scaffold_server_update(eta_g, want):
     s = build_strategy(
         make_config(strategy__name="scaffold", strategy__server_learning_rate=eta_g, fraction_train=0.5)
     )
-    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.tensor([1.0, 1.0])}), ConfigRecord({}), Nodes()))
+    four = ConfigRecord({NUM_NODES: 4})  # the federation's distinct nodes (round_config): |S| / N = 2 / 4
+    msgs = list(s.configure_train(1, ArrayRecord({"w": torch.tensor([1.0, 1.0])}), four, Nodes()))
     assert len(msgs[0].content[scaffold.CONTROL]) == 0  # c = 0 before any update
     r1, r2 = reply({"w": [0.0, 1.0]}, num_examples=1), reply({"w": [2.0, 3.0]}, num_examples=3)
     r1.content[scaffold.DELTA] = ArrayRecord({"w": torch.tensor([0.4, 0.0])})
@@ -61,7 +61,7 @@ def test_scaffold_server_update(eta_g, want):
     # x + eta_g * (1/4 (y1 - x) + 3/4 (y2 - x)); c += |S|/N * mean(delta c) = 0.5 * [0.2, 0.4]
     np.testing.assert_allclose(arrays["w"].numpy(), want)
     np.testing.assert_allclose(s.control["w"], [0.1, 0.2])
-    nxt = list(s.configure_train(2, arrays, ConfigRecord({}), Nodes()))
+    nxt = list(s.configure_train(2, arrays, four, Nodes()))
     np.testing.assert_allclose(nxt[0].content[scaffold.CONTROL]["w"].numpy(), [0.1, 0.2])
 
 
@@ -89,8 +89,6 @@ def _scaffold_node_trains(s, rnd: int, state: RecordDict, step: float) -> Messag
 
 
 class One:
-    num_nodes = 1
-
     def get_node_ids(self):
         return [7]
 
