@@ -15,8 +15,9 @@ from flwr.serverapp import Grid
 
 from feddifrc_app import server_app
 from feddifrc_app.device import DeviceError
+from feddifrc_app.methods.feddifrc.server import check_teachers
 from feddifrc_app.results import Results
-from feddifrc_app.server_app import check_classes, check_teachers
+from feddifrc_app.server_app import check_classes
 
 
 def _setup(**infos: dict) -> tuple[dict[int, RecordDict], SimpleNamespace]:
@@ -27,15 +28,16 @@ def _setup(**infos: dict) -> tuple[dict[int, RecordDict], SimpleNamespace]:
 
 def test_nodes_with_one_teacher_pass_and_mixed_weights_name_each_partition() -> None:
     same, fed = _setup(p0={"teacher-weights": "a" * 64}, p1={"teacher-weights": "a" * 64})
-    check_teachers(same, fed)
-    check_teachers(*_setup(p0={}, p1={}))  # FedAvg: no teacher at all
+    check_teachers(same, fed.partition_of)
+    none, fed = _setup(p0={}, p1={})
+    check_teachers(none, fed.partition_of)  # FedAvg: no teacher at all
     mixed, fed = _setup(
         p0={"teacher-weights": "a" * 64}, p1={"teacher-weights": "b" * 64}, p2={"teacher-weights": "a" * 64}
     )
     with pytest.raises(
         ValueError, match=r"aaaaaaaaaaaa -> \[0, 2\]; bbbbbbbbbbbb -> \[1\]\): give every node"
     ):
-        check_teachers(mixed, fed)
+        check_teachers(mixed, fed.partition_of)
 
 
 def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> None:
