@@ -424,3 +424,32 @@ def test_fewer_nodes_than_min_nodes_go_on_after_min_nodes_timeout_not_round_time
     nobody = SimpleNamespace(get_node_ids=lambda: [])
     with pytest.raises(RuntimeError, match=r"^no SuperNode connected within min-nodes-timeout = 30s$"):
         federation.Federation(nobody, cfg).wait_for_nodes()
+
+
+def test_the_self_supervised_method_replaces_the_central_evaluation_by_its_linear_probe() -> None:
+    """feddifrc-ssl trains no classifier head: each split's accuracy is a logistic-regression probe
+    fit on the embeddings of the training split (methods.central_evaluation), with no loss; the
+    supervised methods keep the classifier's accuracy and loss."""
+    from conftest import make_config
+
+    from feddifrc_app import methods
+    from feddifrc_app.data.dataset import load_dataset, load_validation
+    from feddifrc_app.methods.feddifrc.probe import LinearProbe, embed, linear_probe
+    from feddifrc_app.rounds import CentralEvaluator
+
+    over = dict(dataset__eval_limit=40, dataset__train_limit=60, server__device="cpu", ssl__probe_epochs=1)
+    cfg = make_config(method="feddifrc-ssl", ssl__negatives="cat,dog", **over)
+    test = load_dataset(cfg.dataset, "test")
+    ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
+    assert isinstance(ev.override, LinearProbe) and len(ev.override.train.dataset) == 60
+    assert CentralEvaluator(make_config(method="feddifrc", **over), test, None).override is None
+    torch.manual_seed(0)
+    model = methods.model_for(cfg, test.num_classes)
+    row = ev(model)
+    assert set(row) == {"val-accuracy", "val-loss", "test-accuracy", "test-loss"}
+    assert row["val-loss"] is None and row["test-loss"] is None
+    # the probe of the training split's embeddings, read on the test split's
+    f, y, _ = embed(model, ev.override.train, ev.device)
+    ft, yt, _ = embed(model, ev.splits["test"], ev.device)
+    assert row["test-accuracy"] == linear_probe(f, y, ft, yt, epochs=1, seed=cfg.seed)
+    assert row["test-accuracy"] in {k / 40 for k in range(41)}

@@ -226,7 +226,15 @@ def test_the_node_half_refuses_a_missing_federated_basis_before_touching_the_tea
     msg = Message(
         RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=1, message_type="train"
     )
-    node = Node(cfg, data, ids, torch.device("cpu"), 0, RecordDict(), config=load_node_config({}))
+    node = Node(
+        cfg,
+        data,
+        ids,
+        torch.device("cpu"),
+        0,
+        RecordDict(),
+        config=load_node_config({"partition-id": 0, "num-partitions": 4}),
+    )
     with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
         node_half.node_half(msg, node)
     assert not (tmp_path / "cache").exists()

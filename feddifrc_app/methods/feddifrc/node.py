@@ -9,6 +9,7 @@ every step's loss is CE (none when self-supervised) + TDCL + NDCR against them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,20 +26,19 @@ from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
 
 WANT_STATS = "want-stats"  # server -> node, setup query config: send the PCA statistics
-_CACHE_KEY = "cache-dir (node-config, else diffusion.cache-dir)"
 STATS = "pca-stats"  # node -> server, setup reply: the statistics (projection.stats_to_arrays)
+_CACHE_KEY = "cache-dir (node-config, else diffusion.cache-dir)"  # named in its errors
 
 
-def _spec(node: Node):
-    cfg = node.cfg
-    return teacher_spec(cfg, node.config.resolve_cache_dir(cfg))
+def _cache_dir(node: Node) -> Path:
+    return node.config.resolve_cache_dir(node.cfg)
 
 
 def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
     """The teacher's identity in ``info`` and, when asked, this node's PCA statistics."""
     cfg = node.cfg
-    ensure_writable_dir(node.config.resolve_cache_dir(cfg), _CACHE_KEY)
-    spec = _spec(node)  # no SD load; no GPU for diffusion.device = 'cuda' fails here
+    # No SD load; no GPU for diffusion.device = 'cuda' fails here.
+    spec = teacher_spec(cfg, ensure_writable_dir(_cache_dir(node), _CACHE_KEY))
     info["teacher-model"] = spec.identity.model_id
     info["teacher-random-weights"] = bool(spec.identity.random_weights)
     info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
@@ -74,7 +74,7 @@ class FedDifRC(NodeHalf):
     def start(self, model: torch.nn.Module) -> dict[str, float]:
         n, cost = self.node, {}
         if self.targets is None:
-            p = plan(n.cfg, _spec(n), n.data, n.ids)
+            p = plan(n.cfg, teacher_spec(n.cfg, _cache_dir(n)), n.data, n.ids)
             self.targets, cost = node_targets(p, self.basis, model, n.device)
             model.train()  # conditioning embeds in eval mode
         self.targets = self.targets.on(n.device, n.ids)
