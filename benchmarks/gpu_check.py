@@ -810,12 +810,11 @@ def paper_config(conf: str = "conf/cifar10-nid1-a0.5-feddifrc.toml") -> dict[str
 def section_f(c: Check) -> None:
     """``train_local`` of the paper cell on synthetic CIFAR-sized data with random teacher targets."""
     import torchvision  # noqa: F401  the loader's transforms: a SKIP naming it when absent
-    from flwr.app import RecordDict
 
     from feddifrc_app.config import load_config
     from feddifrc_app.data.dataset import CIFAR10_STATS, ImageData, make_loader
     from feddifrc_app.methods import Node
-    from feddifrc_app.methods.feddifrc.node import FedDifRC
+    from feddifrc_app.methods.feddifrc.local import FedDifRC
     from feddifrc_app.methods.feddifrc.targets import TeacherTargets
     from feddifrc_app.model import build_model
     from feddifrc_app.train import train_local
@@ -861,7 +860,7 @@ def section_f(c: Check) -> None:
         )
 
         def epoch(seed: int, cfg=cfg, loader=loader) -> dict[str, float]:
-            half = FedDifRC(Node(cfg, data, np.arange(n), c.device, seed, RecordDict()), targets=targets)
+            half = FedDifRC(Node(cfg, data, np.arange(n), c.device, seed), targets=targets)
             return train_local(model, loader, cfg, c.device, halves=[half])[0]
 
         epoch(0)  # warm-up: kernels, the allocator, the optimiser's first step

@@ -29,7 +29,7 @@ from flwr.app import RecordDict
 from feddifrc_app.data.dataset import PUBLIC_SPLIT, load_dataset, make_loader, stratified_subset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
 from feddifrc_app.methods import Node
-from feddifrc_app.methods.feddifrc.node import FedDifRC
+from feddifrc_app.methods.feddifrc.local import FedDifRC
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis, plan
 from feddifrc_app.methods.feddifrc.teacher import pooled_features, teacher_spec

@@ -25,7 +25,7 @@ from feddifrc_app.data.dataset import clean_batch, client_split, eval_transform,
 from feddifrc_app.methods import Node, fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets
-from feddifrc_app.methods.feddifrc.node import FedDifRC
+from feddifrc_app.methods.feddifrc.local import FedDifRC
 from feddifrc_app.methods.feddifrc.probe import linear_probe
 from feddifrc_app.methods.feddifrc.projection import fuse
 from feddifrc_app.methods.feddifrc.teacher import featurizer, pooled_features, teacher_spec

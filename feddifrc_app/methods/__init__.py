@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
 
 from feddifrc_app.config import Config, NodeConfig
 from feddifrc_app.model import build_model
 from feddifrc_app.train import Batch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # Flower only in types: local training (train.py) runs without Flower installed
+    from flwr.app import ConfigRecord, Message, RecordDict
+
     from feddifrc_app.data.dataset import ImageData
     from feddifrc_app.results import Results
 
@@ -51,14 +52,15 @@ if TYPE_CHECKING:
 class Node:
     """What a method's node half may use: the run config, this node's data, its training
     device and seed (``None`` / unused in the setup query, which trains nothing), its
-    ``Context.state`` (state kept across rounds) and its node config."""
+    ``Context.state`` (state kept across rounds; None outside a ClientApp: a tool or benchmark
+    running a half that keeps none) and its node config."""
 
     cfg: Config
     data: ImageData
     ids: np.ndarray
     device: torch.device | None
     seed: int
-    state: RecordDict
+    state: RecordDict | None = None
     config: NodeConfig | None = field(default=None, kw_only=True)
 
 
