@@ -815,6 +815,8 @@ def section_f(c: Check) -> None:
     from feddifrc_app.data.images import ImageData
     from feddifrc_app.data.loader import make_loader
     from feddifrc_app.data.sources.hub import CIFAR10_STATS
+    from feddifrc_app.methods import Node
+    from feddifrc_app.methods.feddifrc.local import FedDifRC
     from feddifrc_app.methods.feddifrc.targets import TeacherTargets
     from feddifrc_app.model import build_model
     from feddifrc_app.train import train_local
@@ -860,7 +862,8 @@ def section_f(c: Check) -> None:
         )
 
         def epoch(seed: int, cfg=cfg, loader=loader) -> dict[str, float]:
-            return train_local(model, loader, cfg, c.device, targets=targets, seed=seed)[0]
+            half = FedDifRC(Node(cfg, data, np.arange(n), c.device, seed), targets=targets)
+            return train_local(model, loader, cfg, c.device, halves=[half])[0]
 
         epoch(0)  # warm-up: kernels, the allocator, the optimiser's first step
         if c.cuda:

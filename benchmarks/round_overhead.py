@@ -282,8 +282,9 @@ def fresh_process_targets(
 
 def fresh_targets_child(spec_path: Path) -> int:
     """``--fresh-targets SPEC``: in this new process, the train handler's target preparation for the
-    spec's client (client_app._targets: cache key, prepared-targets file or shards, fusion)."""
-    from feddifrc_app import client_app
+    spec's client (FedDifRC's node half: cache key, prepared-targets file or shards, fusion)."""
+    from feddifrc_app.methods import Node, model_for
+    from feddifrc_app.methods.feddifrc.node import node_half
     from feddifrc_app.records import arrays_to_record
 
     spec = json.loads(spec_path.read_text())
@@ -295,8 +296,8 @@ def fresh_targets_child(spec_path: Path) -> int:
         with np.load(spec["basis"]) as z:
             content["basis"] = arrays_to_record({k: z[k] for k in z.files})
     msg = Message(content, message_type="train", dst_node_id=1)
-    metrics: dict[str, float] = {}
-    client_app._targets(cfg, node, data, ids, msg, None, torch.device("cpu"), metrics)
+    half = node_half(msg, Node(cfg, data, ids, torch.device("cpu"), 0, RecordDict(), config=node))
+    metrics = half.start(model_for(cfg, data.num_classes))
     print(
         json.dumps(
             {

@@ -1,10 +1,10 @@
-"""ClientApp: thin handlers. config -> data -> teacher targets -> train -> reply.
+"""ClientApp: thin handlers. config -> data -> method halves -> train -> reply.
 
 Message types:
-- ``query.setup``: who am I (partition id, size, label counts, teacher identity) and, once,
-  the sufficient statistics of my pooled teacher features for the federated PCA basis.
-- ``train``: CE (+ TDCL + NDCR) local training of the received global model, plus what the
-  message asks of the node for a comparison method (``methods``: FedProx, SCAFFOLD, MOON, ...).
+- ``query.setup``: who am I (partition id, size, label counts) plus what the run's method adds
+  (``methods.setup_reply``: e.g. the identity of what it runs and, when asked, statistics).
+- ``train``: local training of the received global model, CE plus what the message asks of the
+  node (``methods.node_halves``: the run's method's loss, terms and reply records).
 - ``evaluate``: loss and accuracy of the received global model on my held-out examples
   (``evaluate-holdout`` of my data, never trained on; only sent when fraction-evaluate > 0).
 """
@@ -23,16 +23,11 @@ from flwr.clientapp import ClientApp
 
 from feddifrc_app import log, methods, privacy
 from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
-from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
-from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.methods.feddifrc.projection import Basis
-from feddifrc_app.methods.feddifrc.targets import node_stats, node_targets
-from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 from feddifrc_app.model import load_weights
-from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays, record_to_state, state_to_record
+from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -81,20 +76,9 @@ def setup(msg: Message, context: Context) -> Message:
             "class-names": list(data.class_names),
         }
     )
-    content = RecordDict({"info": info})
-    if cfg.uses_diffusion:
-        ensure_writable_dir(node.resolve_cache_dir(cfg), "cache-dir (node-config, else diffusion.cache-dir)")
-        # No SD load; no GPU for diffusion.device = 'cuda' fails here.
-        spec = teacher_spec(cfg, node.resolve_cache_dir(cfg))
-        info["teacher-model"] = spec.identity.model_id
-        info["teacher-random-weights"] = bool(spec.identity.random_weights)
-        info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
-        info["teacher-device"] = spec.where  # where this node's teacher runs, the dtype in its cache key
-        if bool(msg.content["config"]["want-stats"]):  # once, for the federated basis
-            arrays, stats = node_stats(cfg, spec, data, ids)
-            content["pca-stats"] = arrays_to_record(arrays)
-            info["teacher-seconds"] = float(stats.seconds)
-            info["teacher-cache-misses"] = int(stats.misses)
+    # The node needs no training device to answer (setup trains nothing).
+    member = methods.Node(cfg, data, ids, None, cfg.seed, context.state, config=node)
+    content = RecordDict({"info": info, **methods.setup_reply(msg, member, info)})
     return Message(content, reply_to=msg)
 
 
@@ -109,8 +93,6 @@ def train(msg: Message, context: Context) -> Message:
     model = methods.model_for(cfg, data.num_classes)
     load_weights(model, record_to_state(msg.content["arrays"]))
 
-    metrics: dict[str, float] = {}
-    targets = _targets(cfg, node, data, ids, msg, model, device, metrics) if cfg.uses_diffusion else None
     momentum = _momentum(cfg, context)
     loader = make_loader(
         data,
@@ -123,11 +105,9 @@ def train(msg: Message, context: Context) -> Message:
         pin_memory=device.type == "cuda",
     )
     # What the message asks of this node beyond plain training (the methods in methods/).
-    halves = methods.node_halves(msg, methods.Node(cfg, data, ids, device, seed, context.state))
-    train_metrics, buffers = train_local(
-        model, loader, cfg, device, targets=targets, momentum_state=momentum, seed=seed, halves=halves
-    )
-    metrics.update(train_metrics, **{"num-examples": float(len(ids))})
+    halves = methods.node_halves(msg, methods.Node(cfg, data, ids, device, seed, context.state, config=node))
+    metrics, buffers = train_local(model, loader, cfg, device, momentum_state=momentum, halves=halves)
+    metrics["num-examples"] = float(len(ids))
     if cfg.train.keep_momentum and buffers:
         context.state["momentum"] = ArrayRecord(buffers)
     extra = {k: v for h in halves for k, v in h.finish(model, metrics).items()}
@@ -140,23 +120,6 @@ def _momentum(cfg: Config, context: Context) -> dict[str, torch.Tensor] | None:
     """train.keep-momentum: the SGD momentum buffers this node kept from its last round."""
     keep = cfg.train.keep_momentum and "momentum" in context.state
     return record_to_state(context.state["momentum"]) if keep else None
-
-
-def _targets(
-    cfg: Config,
-    node: NodeConfig,
-    data: ImageData,
-    ids: np.ndarray,
-    msg: Message,
-    model: torch.nn.Module,
-    device: torch.device,
-    metrics: dict[str, float],
-):
-    """This node's teacher targets under the server's basis; their cost goes into ``metrics``."""
-    basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
-    targets, cost = node_targets(cfg, node.resolve_cache_dir(cfg), data, ids, basis, model, device)
-    metrics.update(cost)
-    return targets
 
 
 @app.evaluate()

@@ -28,13 +28,12 @@ from feddifrc_app import log, methods, metric_keys, privacy, privacy_accounting
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.loader import make_loader
-from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.records import BASIS, record_to_state, state_to_record
+from feddifrc_app.records import record_to_state, state_to_record
 from feddifrc_app.results import Results, RoundRow, summary_text
 from feddifrc_app.strategy import (
     build_strategy,
@@ -44,7 +43,7 @@ from feddifrc_app.strategy import (
     strategy_state,
 )
 from feddifrc_app.tools import report
-from feddifrc_app.train import DivergedError, embed, evaluate, linear_probe, lr_remedy
+from feddifrc_app.train import DivergedError, evaluate, lr_remedy
 
 # A round in which no node returns a usable update (every node failed or timed out, or nothing
 # was aggregated) leaves the global model untrained; after this many such rounds in a row the
@@ -92,8 +91,9 @@ def record_end(run: RunDir, results: Results, e: BaseException) -> None:
 
 
 class CentralEvaluator:
-    """Validation and test accuracy of the global model on the server, every round (a linear probe
-    for the self-supervised method). Choices are read from validation; test is the endpoint.
+    """Validation and test accuracy of the global model on the server, every round (or the run's
+    method's own evaluation, ``methods.central_evaluation``). Choices are read from validation;
+    test is the endpoint.
 
     It runs on ``server.device``, never ``train.device``: the ServerApp's machine (a CPU-only
     container in the documented deployment) need not have the nodes' GPU. Built before the setup
@@ -109,9 +109,7 @@ class CentralEvaluator:
                 cfg.dataset.eval_limit,
                 " / ".join(str(len(d)) for d in (val, test) if d is not None),
             )
-        # The training split is needed centrally only for the self-supervised linear probe.
-        ssl = cfg.self_supervised
-        self.train = self._loader(load_dataset(cfg.dataset, "train", seed=cfg.seed)) if ssl else None
+        self.override = methods.central_evaluation(cfg, self._loader, self.device)
 
     def _loader(self, data: ImageData):
         return make_loader(
@@ -123,18 +121,15 @@ class CentralEvaluator:
         )
 
     def __call__(self, model: torch.nn.Module) -> dict[str, float | None]:
+        if self.override is not None:
+            return self.override(model, self.splits)
         out: dict[str, float | None] = {}
-        fit = embed(model, self.train, self.device) if self.train is not None else None
         for name, loader in self.splits.items():
             if loader is None:
                 out |= {f"{name}-accuracy": None, f"{name}-loss": None}
-            elif fit is None:
+            else:
                 m = evaluate(model, loader, self.device)
                 out |= {f"{name}-accuracy": m["accuracy"], f"{name}-loss": m["loss"]}
-            else:
-                f, y, _ = embed(model, loader, self.device)
-                acc = linear_probe(fit[0], fit[1], f, y, epochs=self.cfg.ssl.probe_epochs, seed=self.cfg.seed)
-                out |= {f"{name}-accuracy": acc, f"{name}-loss": None}
         return out
 
 
@@ -150,21 +145,15 @@ class RoundLoop:
         evaluator: CentralEvaluator,
         num_classes: int,
         *,
-        basis: ArrayRecord | None,
+        method: methods.ServerHalf | None = None,
         checkpoint: dict[str, Any] | None = None,
     ) -> None:
         """``checkpoint``: the one ``RunDir.begin`` returns under resume-from; the loop continues
-        after its round with its model, strategy state and basis. ``basis``: the shared one sent
-        with every train message (the ServerApp builds the loop before the setup exchange and
-        sets ``self.basis`` once the nodes' statistics have given it)."""
-        self.cfg, self.fed, self.run, self.results, self.evaluator, self.basis = (
-            cfg,
-            fed,
-            run,
-            results,
-            evaluator,
-            basis,
-        )
+        after its round with its model, strategy state and the method's state. ``method``: the
+        methods' server half (``methods.server_half``), whose records go with every train message
+        (the ServerApp builds the loop before the setup exchange, which completes the half)."""
+        self.cfg, self.fed, self.run, self.results, self.evaluator = cfg, fed, run, results, evaluator
+        self.method = method if method is not None else methods.ServerHalf()
         torch.manual_seed(cfg.seed)
         self.model = methods.model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)
@@ -174,8 +163,7 @@ class RoundLoop:
             load_weights(self.model, checkpoint["model"])
             load_strategy_state(self.strategy, checkpoint["strategy"])
             self.first = int(checkpoint["round"]) + 1
-            if checkpoint.get("basis") is not None:
-                self.basis = ArrayRecord(checkpoint["basis"])
+            self.method.restore(checkpoint)
         self.arrays = state_to_record(self.model.state_dict())
         self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
         self.frozen_rounds = 0  # consecutive trained rounds whose aggregate changed nothing
@@ -281,9 +269,9 @@ class RoundLoop:
         # The strategy adds its own keys (FedProx's proximal-mu, SCAFFOLD's c) to the methods' ones.
         config = ConfigRecord(methods.train_config(self.cfg) | self.fed.round_config())
         msgs = list(self.strategy.configure_train(rnd, self.arrays, config, self.fed.view(chosen)))
-        if self.basis is not None:
-            for m in msgs:
-                m.content[BASIS] = self.basis
+        for m in msgs:  # the method's own records, beside the model
+            for key, record in self.method.train_records().items():
+                m.content[key] = record
         return msgs
 
     def _exchange(
@@ -367,7 +355,7 @@ class RoundLoop:
             "round": rnd,
             "model": record_to_state(self.arrays),
             "strategy": strategy_state(self.strategy),
-            "basis": None if self.basis is None else self.basis.to_torch_state_dict(),
+            **self.method.state(),
         }
         # Results first: killed in between, resume repeats this round rather than losing its row.
         self.run.save_results(self.results)

@@ -1,4 +1,4 @@
-"""ServerApp: config -> setup exchange (node map + federated PCA basis) -> rounds -> results."""
+"""ServerApp: config -> setup exchange (node map + the methods' server halves) -> rounds -> results."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import time
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, privacy, privacy_accounting
+from feddifrc_app import log, methods, privacy, privacy_accounting
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.registry import load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
-from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 from feddifrc_app.rounds import CentralEvaluator, RoundLoop, record_end
 from feddifrc_app.tools import report
@@ -50,22 +48,22 @@ def prepare(
     results.privacy = private_settings(cfg)
     # Everything of the server's own that can fail (its datasets, server.device, the model, the
     # strategy) is built before the setup exchange: a wrong setting costs no node an extraction.
-    # The teacher is the nodes' (its weights, device and dtype are theirs): each node checks it
-    # in setup before extracting anything (teacher.teacher_spec).
+    # What the nodes run for the method (its models, devices and dtypes) is theirs: each node
+    # checks it in setup before any work.
     test = load_dataset(cfg.dataset, "test", seed=cfg.seed)
     evaluator = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
     fed = Federation(grid, cfg)
-    rounds = RoundLoop(cfg, fed, run, results, evaluator, test.num_classes, basis=None, checkpoint=checkpoint)
+    method = methods.server_half(cfg)  # restored by the loop from a resume-from checkpoint
+    rounds = RoundLoop(
+        cfg, fed, run, results, evaluator, test.num_classes, method=method, checkpoint=checkpoint
+    )
 
-    # Setup exchange: node -> partition map and, once, the shared basis (federated PCA; a
-    # resumed run continues with the checkpoint's).
-    want_stats = cfg.uses_diffusion and cfg.diffusion.projection == "federated-pca" and checkpoint is None
+    # Setup exchange: node -> partition map, and what the method's server half asks of the
+    # nodes and derives from their replies (once: a resumed run continues with its checkpoint).
     t0 = time.perf_counter()
-    setup = fed.setup(fed.wait_for_nodes(), want_stats)
+    setup = fed.setup(fed.wait_for_nodes(), method.setup_work())
     check_classes(setup, fed, test)
-    check_teachers(setup, fed)
-    if want_stats:
-        rounds.basis = federated_basis(cfg, setup, results)
+    method.after_setup(setup, fed.partition_of, results)
     results.setup_seconds = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
     return rounds
@@ -84,22 +82,6 @@ def private_settings(cfg: Config) -> dict | None:
     return out
 
 
-def federated_basis(cfg: Config, setup: dict[int, RecordDict], results: Results) -> ArrayRecord:
-    """Fit the shared PCA basis from the nodes' sufficient statistics (counts, sums, second moments)."""
-    stats = [stats_from_arrays(record_to_arrays(c["pca-stats"])) for c in setup.values() if "pca-stats" in c]
-    d = cfg.diffusion
-    basis, merged = fit_federated_basis(stats, d.channels, d.blocks, cfg.embedding_dim)
-    results.basis = {
-        "mode": "federated-pca",
-        "fingerprint": basis.fingerprint(),
-        "rows": merged[d.blocks[0]].count,
-        "nodes": len(stats),
-        "widths": list(basis.widths),
-    }
-    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
-    return arrays_to_record(basis.to_arrays())
-
-
 def check_classes(setup: dict[int, RecordDict], fed: Federation, test: ImageData) -> None:
     """Labels are positions in a class list: nodes with their own data-dir must share the server's."""
     for node, c in setup.items():
@@ -111,21 +93,6 @@ def check_classes(setup: dict[int, RecordDict], fed: Federation, test: ImageData
             )
 
 
-def check_teachers(setup: dict[int, RecordDict], fed: Federation) -> None:
-    """Every node's teacher has the same weights: features of different weights live in different
-    spaces, so neither one PCA basis nor the comparison of their targets would mean anything."""
-    weights: dict[str, list[int]] = {}
-    for n in sorted(setup, key=lambda n: (fed.partition_of[n], n)):
-        if "teacher-weights" in setup[n]["info"]:
-            weights.setdefault(str(setup[n]["info"]["teacher-weights"]), []).append(fed.partition_of[n])
-    if len(weights) > 1:
-        raise ValueError(
-            "the nodes run different diffusion teachers (weights sha256 -> partition ids: "
-            + "; ".join(f"{h[:12]} -> {p}" for h, p in weights.items())
-            + "): give every node the same diffusion.model files"
-        )
-
-
 def record_setup(
     cfg: Config,
     setup: dict[int, RecordDict],
@@ -134,24 +101,7 @@ def record_setup(
     run: RunDir,
     results: Results,
 ) -> None:
-    """Which teacher the nodes run, and each node's label counts (table and plot)."""
-    teacher = [c["info"] for c in setup.values() if "teacher-model" in c["info"]]
-    if teacher:
-        devices: dict[str, list[int]] = {}
-        for n in sorted(setup, key=lambda n: (fed.partition_of[n], n)):
-            devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(fed.partition_of[n])
-        results.teacher = {
-            "model": str(teacher[0]["teacher-model"]),
-            "weights-sha256": str(teacher[0]["teacher-weights"]),  # check_teachers: the same on every node
-            "random-weights": bool(teacher[0]["teacher-random-weights"]),
-            "devices": devices,  # "cuda float16" -> partition ids
-        }
-        log.info("diffusion teacher %s on %s", results.teacher["model"], devices)
-        if results.teacher["random-weights"]:
-            log.warning(
-                "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
-                "(or is a control), not that FedDifRC helps"
-            )
+    """Each node's label counts (table and plot)."""
     # Each node reports its own label counts, so the plot also covers nodes with their own data-dir.
     order = sorted(setup, key=lambda n: (fed.partition_of[n], n))
     counts = np.array([list(setup[n]["info"]["label-counts"]) for n in order], dtype=np.int64)

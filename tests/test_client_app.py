@@ -405,14 +405,15 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     cfg = load_config(run_config(teacher_cache, diffusion__condition="global-model"))
     data, ids = ds.client_split(cfg, load_node_config({"partition-id": 0, "num-partitions": N_PARTS}))
     ids = ids[:4]  # 4 images x 10 class prompts: keeps the UNet work small
-    features = feature_set(teacher_spec(cfg, teacher_cache), data, teacher_prompts(cfg, data.class_names))
+    p = tg.plan(cfg, teacher_spec(cfg, teacher_cache), data, ids)
+    features = p.features
     pooled, _ = pooled_features(features, ids)
-    static = tg.build_targets(cfg, pooled, ids, basis, data.num_classes)
+    static = tg.build_targets(p, pooled, basis)
     out = {}
     for seed in (0, 1):
         model = build_model("resnet10", 10)
         model.load_state_dict(model_state(seed))
-        out[seed], cost = tg.conditioned_targets(features, model, ids, basis, static, torch.device("cpu"))
+        out[seed], cost = tg.conditioned_targets(p, static, basis, model, torch.device("cpu"))
         assert cost > 0
     a, b = out[0], out[1]
     assert a.prompt_reps.shape == static.prompt_reps.shape == (4, 10, 512)
@@ -434,7 +435,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     feat.encode, model = no_encode, build_model("resnet10", 10)
     model.load_state_dict(model_state(0))
     try:
-        again, _ = tg.conditioned_targets(features, model, ids, basis, static, torch.device("cpu"))
+        again, _ = tg.conditioned_targets(p, static, basis, model, torch.device("cpu"))
     finally:
         del feat.encode
     assert torch.equal(again.prompt_reps, a.prompt_reps)

@@ -136,7 +136,7 @@ def _loop(tmp_path, rounds: int, fail: tuple[int, ...] = (), **over):
     def central(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.7, "test-loss": 0.9}
 
-    return RoundLoop(cfg, FakeFederation(fail), run, results, central, 10, basis=None, checkpoint=checkpoint)
+    return RoundLoop(cfg, FakeFederation(fail), run, results, central, 10, checkpoint=checkpoint)
 
 
 def test_a_run_writes_the_federated_numbers_per_round_and_resumes_with_them(tmp_path) -> None:

@@ -24,15 +24,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_config
+from flwr.app import RecordDict
 
 from feddifrc_app.data.holdouts import stratified_subset
 from feddifrc_app.data.images import PUBLIC_SPLIT
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+from feddifrc_app.methods import Node
+from feddifrc_app.methods.feddifrc.local import FedDifRC
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis, plan
+from feddifrc_app.methods.feddifrc.teacher import pooled_features, teacher_spec
 from feddifrc_app.model import build_model
 from feddifrc_app.train import train_local
 
@@ -46,15 +49,16 @@ def _last_epoch_tdcl(cfg, data, ids: np.ndarray, targets: TeacherTargets) -> flo
     tdcl = float("nan")
     for epoch in range(EPOCHS):
         loader = make_loader(data, ids, train=True, batch_size=cfg.train.batch_size, seed=epoch)
-        metrics, _ = train_local(model, loader, cfg, torch.device("cpu"), targets=targets, seed=epoch)
+        half = FedDifRC(Node(cfg, data, ids, torch.device("cpu"), epoch, RecordDict()), targets=targets)
+        metrics, _ = train_local(model, loader, cfg, torch.device("cpu"), halves=[half])
         tdcl = metrics["train-tdcl"]
     return tdcl
 
 
 def _targets(cfg, cache: Path, data, ids: np.ndarray) -> TeacherTargets:
-    prompts = teacher_prompts(cfg, data.class_names)
-    pooled, _ = pooled_features(feature_set(teacher_spec(cfg, cache), data, prompts), ids)
-    return build_targets(cfg, pooled, ids, client_basis(cfg, pooled, None), data.num_classes)
+    p = plan(cfg, teacher_spec(cfg, cache), data, ids)
+    pooled, _ = pooled_features(p.features, ids)
+    return build_targets(p, pooled, client_basis(cfg, pooled, None))
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_fednova_server_update_normalises_by_local_steps():
 
 
 def test_moon_contrastive_loss_by_hand():
-    from feddifrc_app.methods.feddifrc.losses import moon_contrastive
+    from feddifrc_app.methods.moon import moon_contrastive
 
     z, z_glob, z_prev = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 3.0]])
     # cos = 1 (global), 0 (previous); tau = 0.5 -> logits [2, 0]; -log(e^2 / (e^2 + 1)) = log(1 + e^-2)
@@ -174,7 +174,7 @@ def test_moon_contrastive_loss_by_hand():
 
 def test_moon_term_is_mu_times_the_loss_of_frozen_reference_models():
     from feddifrc_app.methods import moon
-    from feddifrc_app.methods.feddifrc.losses import moon_contrastive
+    from feddifrc_app.methods.moon import moon_contrastive
     from feddifrc_app.model import build_model
 
     torch.manual_seed(0)
@@ -276,8 +276,8 @@ class Demo(NodeHalf):
     def __init__(self, w):
         self.w = w
 
-    def term(self, model, x, z):
-        return self.w * z.pow(2).mean()
+    def term(self, model, batch):
+        return self.w * batch.z.pow(2).mean()
 
     def finish(self, model, metrics):
         metrics["demo-finished"] = 1.0
@@ -331,3 +331,131 @@ def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
     finally:
         methods.modules.cache_clear()
         sys.modules.pop("feddifrc_app.methods.demo", None)
+
+
+# ----------------------------------------------------------------------------- the orchestrators
+
+ORCHESTRATORS = ("client_app.py", "server_app.py", "train.py", "rounds.py")
+# Config sections and flags only a method reads (the orchestrators read cfg.train, cfg.strategy, ...).
+METHOD_CONFIG = {"uses_diffusion", "self_supervised", "diffusion", "loss", "ssl", "moon", "fednh"}
+# What names a method in code: its module, its config words, its records and loss parts.
+METHOD_WORDS = {"feddifrc", "ssl", "tdcl", "ndcr", "teacher", "basis", "diffusion", "prox", "probe"}
+
+
+def _code_names(tree) -> list[tuple[int, str]]:
+    """(line, text) of every identifier, import path and string constant that is not a docstring."""
+    import ast
+
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    out = []
+    for n in ast.walk(tree):
+        texts = {
+            ast.Name: lambda n: [n.id],
+            ast.Attribute: lambda n: [n.attr],
+            ast.arg: lambda n: [n.arg],
+            ast.FunctionDef: lambda n: [n.name],
+            ast.ClassDef: lambda n: [n.name],
+            ast.alias: lambda n: [n.name, n.asname or ""],
+            ast.ImportFrom: lambda n: [n.module or ""],
+        }.get(type(n), lambda n: [])(n)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            texts = [n.value]
+        out += [(getattr(n, "lineno", 0), t) for t in texts if t]
+    return out
+
+
+def test_the_orchestrators_name_no_method_and_read_no_method_flag():
+    """client_app, server_app, train and rounds run whatever the methods' halves say: none of them
+    names a method (its module, variant, records or loss parts) or reads a method's config."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from feddifrc_app import config
+
+    root = Path(methods.__file__).resolve().parents[1]
+    words = METHOD_WORDS | {m.__name__.rsplit(".", 1)[1] for m in methods.modules()}
+    words |= {w for name in config.METHODS if name != "fedavg" for w in name.split("-")}
+    found = []
+    for name in ORCHESTRATORS:
+        tree = ast.parse((root / name).read_text())
+        for line, text in _code_names(tree):
+            parts = set(re.split(r"[^a-z0-9]+", text.lower().replace("feddifrc_app", "")))
+            if bad := parts & words:
+                found.append(f"{name}:{line}: {text!r} ({', '.join(sorted(bad))})")
+        for n in ast.walk(tree):  # cfg.<method section> / self.cfg.<method flag>
+            if isinstance(n, ast.Attribute) and n.attr in METHOD_CONFIG:
+                base = n.value
+                if (isinstance(base, ast.Name) and base.id == "cfg") or (
+                    isinstance(base, ast.Attribute) and base.attr == "cfg"
+                ):
+                    found.append(f"{name}:{n.lineno}: cfg.{n.attr}")
+    assert not found, "\n".join(found)
+    # The check can fail: the ClientApp before FedDifRC became a method read both.
+    before = (
+        "targets = _targets(...) if cfg.uses_diffusion else None\nfrom feddifrc_app.methods.feddifrc import x"
+    )
+    assert [t for _, t in _code_names(ast.parse(before)) if "uses_diffusion" in t or "feddifrc." in t]
+
+
+# ----------------------------------------------------------------------------- a method removed
+
+
+@pytest.mark.parametrize("removed", ["moon", "fedprox"])
+def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, monkeypatch):
+    """The package without ``methods/<removed>.py``: discovery no longer finds it, and a node still
+    trains under the other client-side method (MOON's term, FedProx's term), from the message alone.
+    (fednh, fednova and scaffold are also imported by strategy.py for their strategies.)"""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import default_run_config
+    from flwr.app import Context
+
+    from feddifrc_app import client_app
+    from feddifrc_app.model import build_model
+    from feddifrc_app.records import state_to_record
+
+    copy = tmp_path / "methods"
+    shutil.copytree(Path(methods.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / f"{removed}.py").unlink()
+    monkeypatch.setattr(methods, "__path__", [str(copy)])
+    for name in [n for n in sys.modules if n.startswith("feddifrc_app.methods.")]:
+        monkeypatch.delitem(sys.modules, name)
+    methods.modules.cache_clear()
+    try:
+        names = [m.__name__.rsplit(".", 1)[1] for m in methods.modules()]
+        assert removed not in names and {"feddifrc", "moon", "fedprox"} - {removed} <= set(names)
+        method = "fedavg" if removed == "moon" else "moon"
+        rc = default_run_config(
+            method=method, dataset__train_limit=40, train__device="cpu", train__batch_size=5
+        )
+        sent = methods.train_config(make_config(method=method))  # the server half
+        content = RecordDict(
+            {
+                "arrays": state_to_record(build_model("resnet10", 10).state_dict()),
+                "config": ConfigRecord({"server-round": 1, "proximal-mu": 1.0, **sent}),
+            }
+        )
+        ctx = Context(
+            run_id=1,
+            node_id=1,
+            node_config={"partition-id": 0, "num-partitions": 4},
+            state=RecordDict(),
+            run_config=rc,
+        )
+        reply = client_app.app(Message(content=content, message_type="train", dst_node_id=1), ctx)
+        assert not reply.has_error(), reply.error.reason
+        m = reply.content["metrics"]
+        kept = "prox" if removed == "moon" else "moon"
+        assert f"train-{kept}" in m and f"train-{removed}" not in m and m["train-ce"] > 0
+    finally:
+        methods.modules.cache_clear()

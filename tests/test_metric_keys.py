@@ -116,7 +116,6 @@ def test_a_node_missing_a_metric_key_cannot_fail_a_round(tmp_path) -> None:
         Results(rounds=[], resumed=[]),
         lambda m: {"test-accuracy": 0.1},
         10,
-        basis=None,
     )
     row = loop.train_round(1)
     assert row.failures == [] and loop.empty_rounds == 0

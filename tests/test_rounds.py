@@ -42,7 +42,7 @@ def _loop(tmp_path, evaluator, **overrides) -> RoundLoop:
     (tmp_path / "run").mkdir(parents=True)
     cfg = make_config(**{"method": "fedavg", "num_server_rounds": 2, **overrides})
     return RoundLoop(
-        cfg, _TwoNodes(), RunDir(tmp_path / "run"), Results(rounds=[], resumed=[]), evaluator, 10, basis=None
+        cfg, _TwoNodes(), RunDir(tmp_path / "run"), Results(rounds=[], resumed=[]), evaluator, 10
     )
 
 

@@ -15,8 +15,9 @@ from flwr.serverapp import Grid
 
 from feddifrc_app import server_app
 from feddifrc_app.device import DeviceError
+from feddifrc_app.methods.feddifrc.server import check_teachers
 from feddifrc_app.results import Results
-from feddifrc_app.server_app import check_classes, check_teachers
+from feddifrc_app.server_app import check_classes
 
 
 def _setup(**infos: dict) -> tuple[dict[int, RecordDict], SimpleNamespace]:
@@ -27,15 +28,16 @@ def _setup(**infos: dict) -> tuple[dict[int, RecordDict], SimpleNamespace]:
 
 def test_nodes_with_one_teacher_pass_and_mixed_weights_name_each_partition() -> None:
     same, fed = _setup(p0={"teacher-weights": "a" * 64}, p1={"teacher-weights": "a" * 64})
-    check_teachers(same, fed)
-    check_teachers(*_setup(p0={}, p1={}))  # FedAvg: no teacher at all
+    check_teachers(same, fed.partition_of)
+    none, fed = _setup(p0={}, p1={})
+    check_teachers(none, fed.partition_of)  # FedAvg: no teacher at all
     mixed, fed = _setup(
         p0={"teacher-weights": "a" * 64}, p1={"teacher-weights": "b" * 64}, p2={"teacher-weights": "a" * 64}
     )
     with pytest.raises(
         ValueError, match=r"aaaaaaaaaaaa -> \[0, 2\]; bbbbbbbbbbbb -> \[1\]\): give every node"
     ):
-        check_teachers(mixed, fed)
+        check_teachers(mixed, fed.partition_of)
 
 
 def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> None:
@@ -82,7 +84,7 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     def evaluator(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
 
-    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10, basis=None)
+    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10)
     with pytest.raises(NoUpdateError) as e:
         loop.run_all()
     assert MAX_EMPTY_ROUNDS == 1
@@ -122,7 +124,6 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
         results,
         lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
         10,
-        basis=None,
     )
     loop.strategy.aggregate_train = lambda rnd, replies: (None, None)  # as Flower's "Skipping aggregation"
     with pytest.raises(
@@ -156,7 +157,6 @@ def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replie
         Results(rounds=[], resumed=[]),
         lambda m: {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": 2.3},
         10,
-        basis=None,
     )
     seen = []
 
@@ -256,9 +256,7 @@ def test_scaffold_counts_data_folder_nodes_one_by_one_not_by_their_shared_partit
     cfg = make_config(method="fedavg", strategy__name="scaffold", num_server_rounds=1)
     (tmp_path / "run").mkdir()
     results = Results(rounds=[], resumed=[])
-    loop = RoundLoop(
-        cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10, basis=None
-    )
+    loop = RoundLoop(cfg, fed, RunDir(tmp_path / "run"), results, lambda m: {"test-accuracy": 0.1}, 10)
     loop.train_round(1)
     assert loop.strategy.fraction_of_nodes == 0.5
     for c in loop.strategy.control.values():  # c = 0 + |S| / N * mean(1, 3) = 0.5 * 2
@@ -428,3 +426,32 @@ def test_fewer_nodes_than_min_nodes_go_on_after_min_nodes_timeout_not_round_time
     nobody = SimpleNamespace(get_node_ids=lambda: [])
     with pytest.raises(RuntimeError, match=r"^no SuperNode connected within min-nodes-timeout = 30s$"):
         federation.Federation(nobody, cfg).wait_for_nodes()
+
+
+def test_the_self_supervised_method_replaces_the_central_evaluation_by_its_linear_probe() -> None:
+    """feddifrc-ssl trains no classifier head: each split's accuracy is a logistic-regression probe
+    fit on the embeddings of the training split (methods.central_evaluation), with no loss; the
+    supervised methods keep the classifier's accuracy and loss."""
+    from conftest import make_config
+
+    from feddifrc_app import methods
+    from feddifrc_app.data.registry import load_dataset, load_validation
+    from feddifrc_app.methods.feddifrc.probe import LinearProbe, embed, linear_probe
+    from feddifrc_app.rounds import CentralEvaluator
+
+    over = dict(dataset__eval_limit=40, dataset__train_limit=60, server__device="cpu", ssl__probe_epochs=1)
+    cfg = make_config(method="feddifrc-ssl", ssl__negatives="cat,dog", **over)
+    test = load_dataset(cfg.dataset, "test")
+    ev = CentralEvaluator(cfg, test, load_validation(cfg.dataset))
+    assert isinstance(ev.override, LinearProbe) and len(ev.override.train.dataset) == 60
+    assert CentralEvaluator(make_config(method="feddifrc", **over), test, None).override is None
+    torch.manual_seed(0)
+    model = methods.model_for(cfg, test.num_classes)
+    row = ev(model)
+    assert set(row) == {"val-accuracy", "val-loss", "test-accuracy", "test-loss"}
+    assert row["val-loss"] is None and row["test-loss"] is None
+    # the probe of the training split's embeddings, read on the test split's
+    f, y, _ = embed(model, ev.override.train, ev.device)
+    ft, yt, _ = embed(model, ev.splits["test"], ev.device)
+    assert row["test-accuracy"] == linear_probe(f, y, ft, yt, epochs=1, seed=cfg.seed)
+    assert row["test-accuracy"] in {k / 40 for k in range(41)}

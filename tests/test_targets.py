@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_config
+from flwr.app import ConfigRecord, Message, RecordDict
 
+from feddifrc_app.config import load_node_config
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import CorruptFile
+from feddifrc_app.methods import Node
+from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.projection import random_basis
@@ -45,7 +49,9 @@ def _client(cache: Path, **over):
 
 
 def _prepare(cache: Path, cfg, data, ids, prompts, k, basis=None):
-    return tg.client_targets(cfg, feature_set(teacher_spec(cfg, cache), data, prompts), ids, basis, k)
+    p = tg.plan(cfg, teacher_spec(cfg, cache), data, ids)
+    assert (p.features.prompts, p.num_prompts_tdcl) == (prompts, k)
+    return tg.client_targets(p, basis)
 
 
 @pytest.fixture(scope="module")
@@ -209,24 +215,40 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     assert left == {path.name, files[1].name, live.name}, left
 
 
-def test_node_targets_refuses_a_missing_federated_basis_before_touching_the_teacher(monkeypatch, tmp_path):
-    """The one door fails on a train message without the server's basis before any teacher work."""
+def test_the_node_half_refuses_a_missing_federated_basis_before_touching_the_teacher(monkeypatch, tmp_path):
+    """FedDifRC's node half fails on a train message without the server's basis before any teacher work."""
     cfg, data, ids, _, _ = _client(tmp_path / "cache", **{"diffusion.projection": "federated-pca"})
 
     def refuse(*a, **k):
         raise AssertionError("the teacher was resolved")
 
-    monkeypatch.setattr(tg, "teacher_spec", refuse)
+    monkeypatch.setattr(node_half, "teacher_spec", refuse)
+    msg = Message(
+        RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=1, message_type="train"
+    )
+    node = Node(
+        cfg,
+        data,
+        ids,
+        torch.device("cpu"),
+        0,
+        RecordDict(),
+        config=load_node_config({"partition-id": 0, "num-partitions": 4}),
+    )
     with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
-        tg.node_targets(cfg, tmp_path / "cache", data, ids, None, torch.nn.Linear(1, 1), torch.device("cpu"))
+        node_half.node_half(msg, node)
     assert not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
+        tg.client_basis(
+            cfg, {1: np.zeros((1, 1, 256)), 2: np.zeros((1, 1, 128)), 3: np.zeros((1, 1, 128))}, None
+        )
 
 
 def test_node_targets_are_client_targets_plus_their_cost(prepared) -> None:
     cache, client, first, basis, _ = prepared
     cfg, data, ids, _, _ = client
     model, cpu = torch.nn.Linear(1, 1), torch.device("cpu")  # no model-conditioned targets here
-    targets, metrics = tg.node_targets(cfg, cache, data, ids, None, model, cpu)
+    targets, metrics = tg.node_targets(tg.plan(cfg, teacher_spec(cfg, cache), data, ids), None, model, cpu)
     assert torch.equal(targets.prompt_reps, first.prompt_reps) and torch.equal(targets.ndcr, first.ndcr)
     assert set(metrics) == {"teacher-seconds", "teacher-cache-misses"}
     assert metrics["teacher-cache-misses"] == 0

@@ -24,14 +24,15 @@ from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.data.loader import clean_batch, make_loader
 from feddifrc_app.data.shares import client_split
 from feddifrc_app.data.transforms import eval_transform
-from feddifrc_app.methods import fedprox
+from feddifrc_app.methods import Node, fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets
+from feddifrc_app.methods.feddifrc.local import FedDifRC
+from feddifrc_app.methods.feddifrc.probe import linear_probe
 from feddifrc_app.methods.feddifrc.projection import fuse
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import featurizer, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
-from feddifrc_app.train import linear_probe, train_local
+from feddifrc_app.train import train_local
 
 CPU = torch.device("cpu")
 NODE = {"partition-id": 0, "num-partitions": 4}
@@ -63,10 +64,9 @@ class Client:
 def _client(cfg: Config) -> Client:
     node = load_node_config(NODE)
     data, ids = client_split(cfg, node)
-    prompts = teacher_prompts(cfg, data.class_names)
-    features = feature_set(teacher_spec(cfg, node.resolve_cache_dir(cfg)), data, prompts)
-    pooled, _ = pooled_features(features, ids)
-    return Client(cfg, data, ids, pooled, prompts)
+    p = tg.plan(cfg, teacher_spec(cfg, node.resolve_cache_dir(cfg)), data, ids)
+    pooled, _ = pooled_features(p.features, ids)
+    return Client(cfg, data, ids, pooled, p.features.prompts)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,9 @@ def ssl(teacher_cache: Path) -> Client:
 def targets_for(c: Client, cfg: Config | None = None) -> TeacherTargets:
     cfg = cfg or c.cfg
     basis = tg.client_basis(cfg, c.pooled, None)
-    k = c.data.num_classes if cfg.method == "feddifrc" else len(c.prompts) - 1
-    return tg.build_targets(cfg, c.pooled, c.ids, basis, k)
+    p = tg.plan(cfg, teacher_spec(cfg, Path(cfg.diffusion.cache_dir)), c.data, c.ids)
+    assert p.num_prompts_tdcl == (c.data.num_classes if cfg.method == "feddifrc" else len(c.prompts) - 1)
+    return tg.build_targets(p, c.pooled, basis)
 
 
 def fresh_model(seed: int = 0) -> torch.nn.Module:
@@ -100,13 +101,16 @@ def loader_for(c: Client, cfg: Config, seed: int = 0, *, augment: bool = True, d
 
 
 def run(c: Client, cfg: Config, *, model=None, seed: int = 0, augment: bool = True, data=None, **kw):
+    """``train_local`` of ``c`` under ``cfg``: FedDifRC's node half with targets ``targets`` (built
+    here when not given) for a FedDifRC method, plus ``halves``."""
     model = model if model is not None else fresh_model()
     t = kw.pop("targets", None)
-    if t is None and cfg.uses_diffusion:
-        t = targets_for(c, cfg)
-    metrics, state = train_local(
-        model, loader_for(c, cfg, seed, augment=augment, data=data), cfg, CPU, targets=t, seed=seed, **kw
-    )
+    halves = list(kw.pop("halves", []))
+    if cfg.uses_diffusion:
+        node = Node(cfg, c.data, c.ids, CPU, seed, RecordDict())
+        halves.insert(0, FedDifRC(node, targets=t if t is not None else targets_for(c, cfg)))
+    loader = loader_for(c, cfg, seed, augment=augment, data=data)
+    metrics, state = train_local(model, loader, cfg, CPU, halves=halves, **kw)
     return model, metrics, state
 
 

@@ -1,15 +1,23 @@
-"""The comparison methods, one module each, holding both halves of the method.
+"""The methods, one module (or package) each, holding both halves of the method.
 
-The server half writes what a node should do into the train message (a strategy subclass's
-``configure_train``, or ``train_config`` for a method that runs under any strategy); the node
-half does what the message carries, as Flower's ``FedProx`` writes ``proximal-mu`` and the
-node adds the proximal term. A module in this package is picked up by being here; it may define
+The server half writes what a node should do into the messages (a strategy subclass's
+``configure_train``, ``train_config``, or a ``ServerHalf``'s records); the node half does what
+the message carries, as Flower's ``FedProx`` writes ``proximal-mu`` and the node adds the
+proximal term. A module in this package is picked up by being here; it may define
 
 - ``train_config(cfg) -> dict``: keys the server adds to every train message's config;
 - ``node_half(msg, node) -> NodeHalf | None``: what this node does with a train message,
   ``None`` when the message does not ask for the method;
 - ``model_options(cfg) -> dict``: keyword arguments of ``model.build_model`` the method sets
   for this run (FedNH's prototype head);
+- ``setup_reply(msg, node, info) -> dict``: the node half of the setup query: adds keys to the
+  reply's ``info`` (e.g. the teacher's identity) and returns extra records for the reply
+  (e.g. statistics the query's config asks for);
+- ``server_half(cfg) -> ServerHalf | None``: the method's part of the server's run (what the
+  setup query asks, what it does with the replies, records for every train message, its
+  checkpointed state);
+- ``central_evaluation(cfg, loader, device) -> callable | None``: replaces the server's
+  central evaluation (``rounds.CentralEvaluator``) for a method that trains no classifier;
 - ``own_strategy(cfg, common) -> Strategy | None``: the strategy the method brings in place of
   ``strategy.name``'s (FedNH), built with ``common``, the arguments every strategy takes;
 - its config rules, on the cast values by dotted key (``load_config`` runs them, through
@@ -19,7 +27,9 @@ node adds the proximal term. A module in this package is picked up by being here
   ``strategy.dp`` cannot wrap it ("" = it can). A method package keeps them in its ``rules``
   module (``feddifrc/rules.py``).
 
-The ClientApp and ``train.train_local`` name no method: they run every ``NodeHalf`` returned.
+The ClientApp, the ServerApp, ``rounds`` and ``train.train_local`` name no method: they run
+every half returned. Adding a method takes its module here, its config section (config.py,
+pyproject.toml) and its tests.
 """
 
 from __future__ import annotations
@@ -28,51 +38,72 @@ import functools
 import importlib
 import importlib.util
 import pkgutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Message, RecordDict
 
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, NodeConfig
 from feddifrc_app.model import build_model
+from feddifrc_app.train import Batch
+
+if TYPE_CHECKING:  # Flower only in types: local training (train.py) runs without Flower installed
+    from flwr.app import ConfigRecord, Message, RecordDict
 
 if TYPE_CHECKING:
     from feddifrc_app.data.images import ImageData
+    from feddifrc_app.results import Results
 
 
 @dataclass(frozen=True)
 class Node:
-    """What a method's node half may use: the run config, this node's data, its device and
-    training seed, and its ``Context.state`` (state kept across rounds)."""
+    """What a method's node half may use: the run config, this node's data, its training
+    device and seed (``None`` / unused in the setup query, which trains nothing), its
+    ``Context.state`` (state kept across rounds; None outside a ClientApp: a tool or benchmark
+    running a half that keeps none) and its node config."""
 
     cfg: Config
     data: ImageData
     ids: np.ndarray
-    device: torch.device
+    device: torch.device | None
     seed: int
-    state: RecordDict
+    state: RecordDict | None = None
+    config: NodeConfig | None = field(default=None, kw_only=True)
 
 
 class NodeHalf:
     """A method's part of one local training; every hook is optional.
 
-    ``train_local`` calls ``start`` once the model is on its device, adds ``term`` to every
-    step's loss (reported as ``train-<name>``, 0 when it never adds one: every node of a round
-    reports the same keys) and calls ``before_step`` between backward and
-    the optimiser step; the ClientApp calls ``finish`` after training.
+    ``train_local`` calls ``start`` once the model is on its device, embeds the half's ``view``
+    of each batch in the same forward pass, takes the step's loss from ``loss`` (else CE),
+    adds ``term`` (reported as ``train-<name>``, 0 when it never adds one: every node of a round
+    reports the same keys) and calls ``before_step`` between backward and the optimiser step;
+    the ClientApp calls ``finish`` after training.
     """
 
     name = ""
+    supervised = True  # False: the half's loss uses no labels (no train-accuracy either)
 
-    def start(self, model: torch.nn.Module) -> None:
-        """Before the first step: ``model`` is the received global model, on its device."""
+    def start(self, model: torch.nn.Module) -> Mapping[str, float] | None:
+        """Before the first step: ``model`` is the received global model, on its device, in
+        training mode. Returns reply metrics of the half's own preparation (or None)."""
+        return None
 
-    def term(self, model: torch.nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
-        """An extra loss term for the batch ``x`` with embeddings ``z`` (None: no term)."""
+    def view(self, batch: Batch) -> torch.Tensor | None:
+        """Other images of the batch (B, ...) to embed in the same forward pass (one call,
+        BatchNorm statistics over both); their embeddings are ``batch.z_view``. None: none."""
+        return None
+
+    def loss(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        """The step's loss parts in place of CE: ``"total"`` is minimised, every part is reported
+        as ``train-<part>``. None: CE (``{"ce", "total"}``). One half of a message at most."""
+        return None
+
+    def term(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
+        """An extra loss term for the batch (None: no term)."""
         return None
 
     def before_step(self, model: torch.nn.Module) -> None:
@@ -81,6 +112,59 @@ class NodeHalf:
     def finish(self, model: torch.nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
         """After training: add reply metrics to ``metrics``; return extra records for the reply."""
         return {}
+
+
+class ServerHalf:
+    """A method's part of the server's run; every hook is optional. The ServerApp builds it
+    before the setup exchange, the round loop restores it from a ``resume-from`` checkpoint."""
+
+    def setup_work(self) -> bool:
+        """Whether the setup query asks the nodes for their (long) setup work: sent as
+        ``want-stats``, given ``strategy.setup-timeout``."""
+        return False
+
+    def after_setup(
+        self, setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results
+    ) -> None:
+        """The nodes' setup replies (node id -> content; node id -> partition id): check them,
+        derive what the rounds need, record it in ``results`` (``results.Results``)."""
+
+    def train_records(self) -> dict[str, Any]:
+        """Records added to every train message's content, beside the model."""
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this half (plain tensors / values)."""
+        return {}
+
+    def restore(self, checkpoint: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint's ``state`` (resume-from)."""
+
+
+class ServerHalves(ServerHalf):
+    """The server halves of every method module, run as one."""
+
+    def __init__(self, halves: list[ServerHalf]) -> None:
+        self.halves = halves
+
+    def setup_work(self) -> bool:
+        return any(h.setup_work() for h in self.halves)
+
+    def after_setup(
+        self, setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results
+    ) -> None:
+        for h in self.halves:
+            h.after_setup(setup, partition_of, results)
+
+    def train_records(self) -> dict[str, Any]:
+        return {k: v for h in self.halves for k, v in h.train_records().items()}
+
+    def state(self) -> dict[str, Any]:
+        return {k: v for h in self.halves for k, v in h.state().items()}
+
+    def restore(self, checkpoint: Mapping[str, Any]) -> None:
+        for h in self.halves:
+            h.restore(checkpoint)
 
 
 @functools.cache
@@ -104,23 +188,37 @@ def hooks(name: str) -> list[Callable[..., Any]]:
 
 def train_config(cfg: Config) -> dict[str, Any]:
     """The config keys every method's server half adds to this run's train messages."""
-    out: dict[str, Any] = {}
-    for m in modules():
-        if hasattr(m, "train_config"):
-            out |= m.train_config(cfg)
-    return out
+    return {k: v for f in hooks("train_config") for k, v in f(cfg).items()}
 
 
 def model_for(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The run's classifier: ``model.*``, as the run's method changes it (``model_options``)."""
-    options: dict[str, Any] = {}
-    for m in modules():
-        if hasattr(m, "model_options"):
-            options |= m.model_options(cfg)
+    options = {k: v for f in hooks("model_options") for k, v in f(cfg).items()}
     return build_model(cfg.model.name, num_classes, cfg.model.width, **options)
 
 
 def node_halves(msg: Message, node: Node) -> list[NodeHalf]:
     """The node halves this train message asks for."""
-    halves = (m.node_half(msg, node) for m in modules() if hasattr(m, "node_half"))
+    halves = (f(msg, node) for f in hooks("node_half"))
     return [h for h in halves if h is not None]
+
+
+def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
+    """Every method's part of this node's setup reply: keys added to ``info``, extra records."""
+    return {k: v for f in hooks("setup_reply") for k, v in f(msg, node, info).items()}
+
+
+def server_half(cfg: Config) -> ServerHalves:
+    """The server halves of this run's methods, as one."""
+    halves = (f(cfg) for f in hooks("server_half"))
+    return ServerHalves([h for h in halves if h is not None])
+
+
+def central_evaluation(cfg: Config, loader: Callable, device: torch.device) -> Callable | None:
+    """The run's method's own central evaluation (``model -> {split: loader}`` -> the row's
+    ``<split>-accuracy`` / ``<split>-loss``), or None for the classifier's accuracy and loss.
+    ``loader``: ``ImageData -> DataLoader`` as the server evaluates."""
+    found = [e for f in hooks("central_evaluation") if (e := f(cfg, loader, device)) is not None]
+    if len(found) > 1:
+        raise ValueError(f"{len(found)} methods replace the central evaluation; at most one may")
+    return found[0] if found else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Message
 
-from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.methods import Batch, Node, NodeHalf
 
 MU = "proximal-mu"  # server -> node (Flower's FedProx.configure_train): the term's weight
 
@@ -25,7 +25,7 @@ class Proximal(NodeHalf):
     def start(self, model: torch.nn.Module) -> None:
         self.global_params = [p.detach().clone() for p in model.parameters()]
 
-    def term(self, model: torch.nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def term(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         squares = sum(
             (p - g).pow(2).sum() for p, g in zip(model.parameters(), self.global_params, strict=True)
         )

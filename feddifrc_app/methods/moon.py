@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from flwr.app import Message
-from torch import nn
+from torch import Tensor, nn
 
 from feddifrc_app.config import Config
-from feddifrc_app.methods import Node, NodeHalf, model_for
-from feddifrc_app.methods.feddifrc.losses import moon_contrastive
+from feddifrc_app.methods import Batch, Node, NodeHalf, model_for
 from feddifrc_app.model import load_weights
 from feddifrc_app.records import record_to_state, state_to_record
 
@@ -35,6 +35,17 @@ def node_state(v: Mapping[str, Any]) -> str:
 
 def train_config(cfg: Config) -> dict[str, Any]:
     return {MU: cfg.moon.mu, TAU: cfg.moon.tau} if cfg.method == "moon" else {}
+
+
+def moon_contrastive(z: Tensor, z_global: Tensor, z_prev: Tensor, temperature: float) -> Tensor:
+    """MOON's model-contrastive loss (Li et al., CVPR 2021), 0-dim: the local representation
+    ``z`` (B, D) is pulled to the global model's ``z_global`` (B, D) and pushed from the
+    previous local model's ``z_prev`` (B, D): cross-entropy over cosine / temperature with
+    the positive in column 0."""
+    logits = torch.stack(
+        [F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], 1
+    )
+    return F.cross_entropy(logits / temperature, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
 
 
 def regulariser(
@@ -69,8 +80,8 @@ class Moon(NodeHalf):
         load_weights(previous, record_to_state(self.node.state[PREVIOUS]))
         self.reg = regulariser(global_model, previous, self.mu, self.tau, self.node.device)
 
-    def term(self, model: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
-        return None if self.reg is None else self.reg(x, z)
+    def term(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
+        return None if self.reg is None else self.reg(batch.x, batch.z)
 
     def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
         self.node.state[PREVIOUS] = state_to_record(model.state_dict())

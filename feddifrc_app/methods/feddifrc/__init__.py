@@ -1,1 +1,54 @@
-"""FedDifRC: the diffusion teacher's targets (TDCL + NDCR) and the federated basis."""
+"""FedDifRC (and its self-supervised variant ``feddifrc-ssl``): the diffusion teacher's targets
+(TDCL + NDCR) and the federated basis, plugged in through the methods protocol (``methods``).
+
+- node half: the setup reply (teacher identity, PCA statistics) and the train message's half
+  (``node.py``), the local loss against the targets (``local.py``; ``targets.py``: teacher
+  spec -> features -> basis -> fused targets);
+- server half (``server.py``): teacher checks, the federated basis, records for every train
+  message, its checkpointed state;
+- central evaluation of ``feddifrc-ssl`` (``probe.py``): a linear probe, no classifier head.
+
+The hooks import their halves when called: the package itself loads without Flower (``local.py``
+runs in tools that have none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from feddifrc_app.config import Config
+from feddifrc_app.methods import Node
+
+if TYPE_CHECKING:
+    from flwr.app import ConfigRecord, Message
+
+    from feddifrc_app.methods.feddifrc.local import FedDifRC
+    from feddifrc_app.methods.feddifrc.probe import LinearProbe
+    from feddifrc_app.methods.feddifrc.server import FedDifRCServer
+
+
+def setup_reply(msg: Message, n: Node, info: ConfigRecord) -> dict[str, Any]:
+    from feddifrc_app.methods.feddifrc import node
+
+    return node.setup_reply(msg, n, info) if n.cfg.uses_diffusion else {}
+
+
+def node_half(msg: Message, n: Node) -> FedDifRC | None:
+    from feddifrc_app.methods.feddifrc import node
+
+    return node.node_half(msg, n) if n.cfg.uses_diffusion else None
+
+
+def server_half(cfg: Config) -> FedDifRCServer | None:
+    from feddifrc_app.methods.feddifrc.server import FedDifRCServer
+
+    return FedDifRCServer(cfg) if cfg.uses_diffusion else None
+
+
+def central_evaluation(cfg: Config, loader: Callable, device: torch.device) -> LinearProbe | None:
+    from feddifrc_app.methods.feddifrc.probe import LinearProbe
+
+    return LinearProbe(cfg, loader, device) if cfg.self_supervised else None

@@ -183,6 +183,16 @@ def ndcr_code(z: Tensor, target: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- combined
 
 
+def _check_options(variant: str, normaliser: str, num_negatives: int) -> None:
+    _check_choice("loss variant", variant, LOSS_VARIANTS)
+    _check_choice("TDCL normaliser", normaliser, NORMALISERS)
+    if variant == "code" and (num_negatives != 0 or normaliser != "none"):
+        raise ValueError(
+            "loss variant 'code' reproduces the public code, which uses all negatives and plain "
+            f"cosine: needs num_negatives=0 and normaliser='none', got {num_negatives!r}, {normaliser!r}"
+        )
+
+
 def feddifrc_loss(
     logits: Tensor | None,
     labels: Tensor | None,
@@ -203,22 +213,14 @@ def feddifrc_loss(
     """The local loss ``{"ce", "tdcl", "ndcr", "total"}`` (0-dim float32),
     ``total = ce + tdcl_weight * tdcl + ndcr_weight * ndcr``.
 
-    ``ndcr_z`` (B, D): the embedding NDCR aligns with its target, e.g. of the un-augmented view
-    the target was computed from; None = ``z``.
-
     logits (B, C) / labels (B,): CE; ``logits=None``: self-supervised, no CE, and with
     ``labels=None`` reps[:, 0] is the positive prompt, reps[:, 1:] the negatives.
     reps (B, K, D) and ndcr_target (B, D) feed TDCL and NDCR (``ndcr_space``: see ``ndcr_paper``);
-    a zero-weight term is not computed (its input may be None) and returned as 0.
-    variant "code" has no negative sampling or normaliser.
+    a zero-weight term is not computed (its input may be None) and returned as 0. ``ndcr_z``
+    (B, D): the embedding NDCR aligns (e.g. of the un-augmented view its target was computed
+    from); None = ``z``. Variant "code" has no negative sampling or normaliser.
     """
-    _check_choice("loss variant", variant, LOSS_VARIANTS)
-    _check_choice("TDCL normaliser", normaliser, NORMALISERS)
-    if variant == "code" and (num_negatives != 0 or normaliser != "none"):
-        raise ValueError(
-            "loss variant 'code' reproduces the public code, which uses all negatives and plain "
-            f"cosine: needs num_negatives=0 and normaliser='none', got {num_negatives!r}, {normaliser!r}"
-        )
+    _check_options(variant, normaliser, num_negatives)
     if logits is not None and labels is None:
         raise ValueError("logits given without labels: CE needs labels")
     zf, paper = z.float(), variant == "paper"
@@ -248,14 +250,3 @@ def cosine_alignment(z: Tensor, target: Tensor) -> Tensor:
     """Mean cosine between embeddings and NDCR targets, (B, D) x (B, D) -> 0-dim, detached (a metric)."""
     z, target = _check_pair(z, target)
     return (_unit(z) * _unit(target)).sum(dim=1).mean()
-
-
-def moon_contrastive(z: Tensor, z_global: Tensor, z_prev: Tensor, temperature: float) -> Tensor:
-    """MOON's model-contrastive loss (Li et al., CVPR 2021), 0-dim: the local representation
-    ``z`` (B, D) is pulled to the global model's ``z_global`` (B, D) and pushed from the
-    previous local model's ``z_prev`` (B, D): cross-entropy over cosine / temperature with
-    the positive in column 0."""
-    logits = torch.stack(
-        [F.cosine_similarity(z, z_global, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], 1
-    )
-    return F.cross_entropy(logits / temperature, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))

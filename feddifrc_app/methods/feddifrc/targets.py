@@ -11,8 +11,8 @@ Pipeline for a client's images ``ids`` (dataset indices)::
 Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
 (self-supervised: the positive prompt, the negatives, then the NDCR prompt).
 The pooled features come through ``teacher.py`` (the teacher is loaded lazily, only when the
-cache misses, so a warm cache means no Stable Diffusion load at all). A ClientApp makes one
-call here per train message: ``node_targets``.
+cache misses, so a warm cache means no Stable Diffusion load at all). FedDifRC's node half
+(``node.py``) makes one call here per train message: ``node_targets`` of a ``Plan``.
 
 A client's fused targets are prepared once (``client_targets``) and kept by ``store``.
 The per-batch comparison mode keeps pooled rows (the shards themselves): nothing is stored.
@@ -21,7 +21,7 @@ The per-batch comparison mode keeps pooled rows (the shards themselves): nothing
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,8 +58,31 @@ from feddifrc_app.methods.feddifrc.teacher import (
     feature_set,
     featurizer,
     pooled_features,
-    teacher_spec,
 )
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One node's teacher targets, resolved once: the run config, the teacher's features of this
+    node's data (spec, prompts, cache key), its image ids and how many prompts TDCL contrasts."""
+
+    cfg: Config
+    features: FeatureSet
+    ids: np.ndarray  # int64 dataset indices
+    num_prompts_tdcl: int
+
+
+def plan(cfg: Config, spec: TeacherSpec, data: ImageData, ids: np.ndarray) -> Plan:
+    """The node's ``Plan`` under ``spec`` (no teacher work: the feature-cache key only)."""
+    prompts = teacher_prompts(cfg, data.class_names)
+    k = num_prompts_tdcl(cfg, data.num_classes, prompts)
+    return Plan(cfg, feature_set(spec, data, prompts), np.asarray(ids, dtype=np.int64), k)
+
+
+def require_basis(cfg: Config, server_basis: Basis | None) -> None:
+    """Under ``federated-pca`` the targets need the server's basis (the train message's)."""
+    if cfg.diffusion.projection == "federated-pca" and server_basis is None:
+        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
@@ -67,9 +90,8 @@ def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis
     d = cfg.diffusion
     chans = [pooled[b].shape[-1] for b in d.blocks]
     widths = fused_widths(d.channels, chans, cfg.embedding_dim)
+    require_basis(cfg, server_basis)
     if d.projection == "federated-pca":
-        if server_basis is None:
-            raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
         return server_basis
     if d.projection == "local-pca":
         return local_pca_basis(pooled, widths, d.blocks)
@@ -78,46 +100,38 @@ def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis
     return None  # per-batch
 
 
-def build_targets(
-    cfg: Config, pooled: dict[int, np.ndarray], ids: np.ndarray, basis: Basis | None, num_prompts_tdcl: int
-) -> TeacherTargets:
+def build_targets(p: Plan, pooled: dict[int, np.ndarray], basis: Basis | None) -> TeacherTargets:
     """Fuse once with the shared basis (or keep pooled rows for the per-batch comparison mode)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    rows = target_rows(ids)
+    cfg, k = p.cfg, p.num_prompts_tdcl
+    rows = target_rows(p.ids)
     if basis is None:
         widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
         return TeacherTargets(
             rows=rows,
             prompt_reps=None,
             ndcr=None,
-            per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, num_prompts_tdcl),
+            per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, k),
         )
     fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, D)
-    reps = fused[:, :num_prompts_tdcl].contiguous() if cfg.loss.tdcl_weight > 0 else None
+    reps = fused[:, :k].contiguous() if cfg.loss.tdcl_weight > 0 else None
     ndcr = fused[:, -1].contiguous() if cfg.loss.ndcr_weight > 0 else None
     return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
 
 
-def client_targets(
-    cfg: Config,
-    features: FeatureSet,
-    ids: np.ndarray,
-    server_basis: Basis | None,
-    num_prompts_tdcl: int,
-) -> tuple[TeacherTargets, Basis | None, CacheStats]:
+def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
     """A client's static targets and the basis they were fused with: from this process's memory,
     else from ``<cache_dir>/targets/``, else prepared (cache read, basis, fusion) and stored in both."""
-    ids = np.asarray(ids, dtype=np.int64)
-    key = targets_key(cfg, features.key, ids, server_basis, num_prompts_tdcl)
+    cfg, ids = p.cfg, p.ids
+    key = targets_key(cfg, p.features.key, ids, server_basis, p.num_prompts_tdcl)
     if (hit := PREPARED.get(key)) is not None:
         return *hit, CacheStats(hits=int(np.unique(ids).size))
-    path = features.spec.cache_dir / "targets" / f"{key}.npz"
+    path = p.features.spec.cache_dir / "targets" / f"{key}.npz"
     if cfg.diffusion.projection != "per-batch" and (stored := _stored(path, key, ids)) is not None:
         PREPARED.put(key, stored)
         return *stored, CacheStats(hits=int(np.unique(ids).size))
-    pooled, stats = pooled_features(features, ids)
+    pooled, stats = pooled_features(p.features, ids)
     basis = client_basis(cfg, pooled, server_basis)
-    targets = build_targets(cfg, pooled, ids, basis, num_prompts_tdcl)
+    targets = build_targets(p, pooled, basis)
     PREPARED.put(key, (targets, basis))
     if basis is not None:
         try:
@@ -130,12 +144,10 @@ def client_targets(
     return targets, basis, stats
 
 
-def node_stats(
-    cfg: Config, spec: TeacherSpec, data: ImageData, ids: np.ndarray
-) -> tuple[dict[str, np.ndarray], CacheStats]:
+def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
     """What a node sends once for the federated basis: the sufficient statistics of its pooled
     teacher features (``projection.stats_to_arrays``; no raw feature leaves it), and their cost."""
-    pooled, stats = pooled_features(feature_set(spec, data, teacher_prompts(cfg, data.class_names)), ids)
+    pooled, stats = pooled_features(p.features, p.ids)
     return stats_to_arrays(client_stats(pooled)), stats
 
 
@@ -146,31 +158,17 @@ def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) ->
 
 
 def node_targets(
-    cfg: Config,
-    cache_dir: Path,
-    data: ImageData,
-    ids: np.ndarray,
-    server_basis: Basis | None,
-    model: torch.nn.Module,
-    device: torch.device,
+    p: Plan, server_basis: Basis | None, model: torch.nn.Module, device: torch.device
 ) -> tuple[TeacherTargets, dict[str, float]]:
-    """The one call a ClientApp makes for its teacher targets in a train message: this node's
-    targets under the server's basis (cached features, no SD call on a hit), conditioned on the
-    received ``model`` when ``diffusion.condition = "global-model"``, and their cost as reply
-    metrics (``teacher-seconds``, ``teacher-cache-misses``, ``condition-seconds``)."""
-    if cfg.diffusion.projection == "federated-pca" and server_basis is None:
-        # Fail before touching the teacher: extracting features for nothing would waste minutes.
-        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
+    """This node's targets in a train message under the server's basis (cached features, no SD
+    call on a hit), conditioned on the received ``model`` when ``diffusion.condition =
+    "global-model"``, and their cost as reply metrics (``teacher-seconds``,
+    ``teacher-cache-misses``, ``condition-seconds``)."""
     t0 = time.perf_counter()
-    prompts = teacher_prompts(cfg, data.class_names)
-    features = feature_set(teacher_spec(cfg, cache_dir), data, prompts)
-    k = num_prompts_tdcl(cfg, data.num_classes, prompts)
-    targets, basis, stats = client_targets(cfg, features, ids, server_basis, k)
+    targets, basis, stats = client_targets(p, server_basis)
     metrics: dict[str, float] = {}
-    if cfg.diffusion.condition == "global-model":
-        targets, metrics["condition-seconds"] = conditioned_targets(
-            features, model, ids, basis, targets, device
-        )
+    if p.cfg.diffusion.condition == "global-model":
+        targets, metrics["condition-seconds"] = conditioned_targets(p, targets, basis, model, device)
     metrics["teacher-seconds"] = time.perf_counter() - t0
     metrics["teacher-cache-misses"] = float(stats.misses)
     return targets, metrics
@@ -185,13 +183,16 @@ def _latent_key(feat: Featurizer, data: ImageData) -> tuple:
     return (t.weights_hash, str(t.device), str(t.dtype), feat.resolution, data.fingerprint)
 
 
+def _offset_map(feat: Featurizer, spec: TeacherSpec, dim: int, class_prompts: tuple[str, ...]):
+    """(the FIXED seeded Gaussian projection (D, D_text), the mean norm of the prompt tokens)."""
+    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
+    proj = torch.randn(dim, feat.teacher.text_width, generator=gen) / dim**0.5  # (D, D_text)
+    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
+    return proj, token_norm
+
+
 def conditioned_targets(
-    features: FeatureSet,
-    model: torch.nn.Module,
-    ids: np.ndarray,
-    basis: Basis | None,
-    targets: TeacherTargets,
-    device: torch.device,
+    p: Plan, targets: TeacherTargets, basis: Basis | None, model: torch.nn.Module, device: torch.device
 ) -> tuple[TeacherTargets, float]:
     """``diffusion.condition = "global-model"``: our reading of FedDifRC's model-conditioned c_i = h(x_i).
 
@@ -203,25 +204,21 @@ def conditioned_targets(
     targets and the seconds it cost.
     """
     t0 = time.perf_counter()
-    spec, data = features.spec, features.data
+    spec, data, ids = p.features.spec, p.features.data, p.ids
     feat = featurizer(spec)
     k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0
     if k == 0:
         return targets, 0.0
-    class_prompts = features.prompts[:k]
-    width = feat.teacher.text_width
-    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
-    dim = int(targets.prompt_reps.shape[-1])  # D: the fused width is the student's embedding width
-    proj = torch.randn(dim, width, generator=gen) / dim**0.5  # (D, D_text)
-    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
+    class_prompts = p.features.prompts[:k]
+    # D: the fused width is the student's embedding width
+    proj, token_norm = _offset_map(feat, spec, int(targets.prompt_reps.shape[-1]), class_prompts)
     model.to(device).eval()
     reps = []
     tf = eval_transform(data)
-    bs = spec.batch_size
     # The images are the same every round: their VAE latents are encoded once per process.
     memo = _LATENTS.setdefault(_latent_key(feat, data), {})
-    for s in range(0, len(ids), bs):
-        chunk = np.asarray(ids[s : s + bs])
+    for s in range(0, len(ids), spec.batch_size):
+        chunk = np.asarray(ids[s : s + spec.batch_size])
         imgs = data.images[torch.as_tensor(chunk)]
         with torch.no_grad():
             z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))

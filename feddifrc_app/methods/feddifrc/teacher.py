@@ -1,8 +1,8 @@
 """The one door to the frozen teacher's features: its specification, resolved once, and the
 cached pooled features of a dataset under a prompt list.
 
-``teacher_spec(cfg, cache_dir)`` reads the run config once: the weights' identity (no network
-is built for it), the device and dtype the teacher computes in, and every ``diffusion.*`` key a
+``teacher_spec(cfg, cache_dir)`` reads the run config once per process: the weights' identity
+(no network is built for it), the device and dtype the teacher computes in, and every ``diffusion.*`` key a
 feature depends on. Everything below takes the spec, never the run config::
 
     spec = teacher_spec(cfg, cache_dir)            # TeacherSpec: frozen, hashable
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from feddifrc_app import log
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import (
@@ -82,10 +82,17 @@ class TeacherSpec:
 
 
 def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
-    """The run's teacher; a missing device fails before the weights are looked up (or downloaded),
-    and a ``diffusion.blocks`` index the model does not have fails before any network is built
-    (``family.FamilyError``, naming the valid range)."""
-    d = cfg.diffusion
+    """The run's teacher, resolved once per process per (``diffusion.*``, seed, cache folder):
+    a simulation actor or a long-lived node handles many messages, and resolving reads the
+    weights' identity and the model's config files. A missing device fails before the weights
+    are looked up (or downloaded), and a ``diffusion.blocks`` index the model does not have
+    fails before any network is built (``family.FamilyError``, naming the valid range); a
+    failure is not kept."""
+    return _resolved(cfg.diffusion, cfg.seed, Path(cache_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def _resolved(d: DiffusionConfig, seed: int, cache_dir: Path) -> TeacherSpec:
     device = resolve_device(d.device, "diffusion.device")
     resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
@@ -102,7 +109,7 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
         timestep=d.timestep,
         blocks=d.blocks,
         ensemble=d.ensemble,
-        seed=cfg.seed,
+        seed=seed,
         batch_size=d.batch_size,
         resident=d.condition == "global-model",
     )

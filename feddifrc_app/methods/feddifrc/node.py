@@ -1,0 +1,52 @@
+"""FedDifRC's node half, message side: the setup reply (teacher identity, PCA statistics) and
+the train message's half (``local.FedDifRC`` under the message's basis).
+
+Setup query: the node names its teacher (the server checks that every node runs the same
+weights) and, when the query asks (``want-stats``), sends the sufficient statistics of its
+pooled teacher features for the federated basis. Train message: the node prepares its
+targets under the message's basis (``targets.node_targets``) from the received model, then
+every step's loss is CE (none when self-supervised) + TDCL + NDCR against them (``local.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import ConfigRecord, Message
+
+from feddifrc_app.files import ensure_writable_dir
+from feddifrc_app.methods import Node
+from feddifrc_app.methods.feddifrc.local import FedDifRC, cache_dir
+from feddifrc_app.methods.feddifrc.projection import Basis
+from feddifrc_app.methods.feddifrc.targets import node_stats, plan, require_basis
+from feddifrc_app.methods.feddifrc.teacher import teacher_spec
+from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
+
+WANT_STATS = "want-stats"  # server -> node, setup query config: send the PCA statistics
+STATS = "pca-stats"  # node -> server, setup reply: the statistics (projection.stats_to_arrays)
+_CACHE_KEY = "cache-dir (node-config, else diffusion.cache-dir)"  # named in its errors
+
+
+def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
+    """The teacher's identity in ``info`` and, when asked, this node's PCA statistics."""
+    cfg = node.cfg
+    # No SD load; no GPU for diffusion.device = 'cuda' fails here.
+    spec = teacher_spec(cfg, ensure_writable_dir(cache_dir(node), _CACHE_KEY))
+    info["teacher-model"] = spec.identity.model_id
+    info["teacher-random-weights"] = bool(spec.identity.random_weights)
+    info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
+    info["teacher-device"] = spec.where  # where this node's teacher runs, the dtype in its cache key
+    if not bool(msg.content["config"][WANT_STATS]):
+        return {}
+    arrays, stats = node_stats(plan(cfg, spec, node.data, node.ids))  # once, for the federated basis
+    info["teacher-seconds"] = float(stats.seconds)
+    info["teacher-cache-misses"] = int(stats.misses)
+    return {STATS: arrays_to_record(arrays)}
+
+
+def node_half(msg: Message, node: Node) -> FedDifRC:
+    """The train message's half: its basis (refused before any teacher work if the projection
+    needs one and the message has none)."""
+    basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
+    require_basis(node.cfg, basis)
+    return FedDifRC(node, basis=basis)

@@ -1,0 +1,107 @@
+"""FedDifRC's server half: after the setup replies, check the nodes' teachers, fit the federated
+PCA basis from their statistics and record the teacher; then send the basis with every train
+message and keep it in every checkpoint (a resumed run continues with the checkpoint's)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, RecordDict
+
+from feddifrc_app import log
+from feddifrc_app.config import Config
+from feddifrc_app.methods import ServerHalf
+from feddifrc_app.methods.feddifrc.node import STATS
+from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
+from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
+from feddifrc_app.results import Results
+
+
+def _by_partition(setup: Mapping[int, RecordDict], partition_of: Mapping[int, int]) -> list[int]:
+    return sorted(setup, key=lambda n: (partition_of[n], n))
+
+
+def check_teachers(setup: Mapping[int, RecordDict], partition_of: Mapping[int, int]) -> None:
+    """Every node's teacher has the same weights: features of different weights live in different
+    spaces, so neither one PCA basis nor the comparison of their targets would mean anything."""
+    weights: dict[str, list[int]] = {}
+    for n in _by_partition(setup, partition_of):
+        if "teacher-weights" in setup[n]["info"]:
+            weights.setdefault(str(setup[n]["info"]["teacher-weights"]), []).append(partition_of[n])
+    if len(weights) > 1:
+        raise ValueError(
+            "the nodes run different diffusion teachers (weights sha256 -> partition ids: "
+            + "; ".join(f"{h[:12]} -> {p}" for h, p in weights.items())
+            + "): give every node the same diffusion.model files"
+        )
+
+
+def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Results) -> ArrayRecord:
+    """Fit the shared PCA basis from the nodes' sufficient statistics (counts, sums, second moments)."""
+    stats = [stats_from_arrays(record_to_arrays(c[STATS])) for c in setup.values() if STATS in c]
+    d = cfg.diffusion
+    basis, merged = fit_federated_basis(stats, d.channels, d.blocks, cfg.embedding_dim)
+    results.basis = {
+        "mode": "federated-pca",
+        "fingerprint": basis.fingerprint(),
+        "rows": merged[d.blocks[0]].count,
+        "nodes": len(stats),
+        "widths": list(basis.widths),
+    }
+    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
+    return arrays_to_record(basis.to_arrays())
+
+
+def record_teacher(
+    setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results
+) -> None:
+    """Which teacher the nodes run, and where (results.json's ``teacher``)."""
+    teacher = [c["info"] for c in setup.values() if "teacher-model" in c["info"]]
+    if not teacher:
+        return
+    devices: dict[str, list[int]] = {}
+    for n in _by_partition(setup, partition_of):
+        devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(partition_of[n])
+    results.teacher = {
+        "model": str(teacher[0]["teacher-model"]),
+        "weights-sha256": str(teacher[0]["teacher-weights"]),  # check_teachers: the same on every node
+        "random-weights": bool(teacher[0]["teacher-random-weights"]),
+        "devices": devices,  # "cuda float16" -> partition ids
+    }
+    log.info("diffusion teacher %s on %s", results.teacher["model"], devices)
+    if results.teacher["random-weights"]:
+        log.warning(
+            "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
+            "(or is a control), not that FedDifRC helps"
+        )
+
+
+class FedDifRCServer(ServerHalf):
+    """The basis: fitted once from the setup replies (federated-pca), sent with every train message."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.basis: ArrayRecord | None = None
+
+    def setup_work(self) -> bool:
+        # Once: a resumed run continues with the checkpoint's basis (restore).
+        return self.cfg.diffusion.projection == "federated-pca" and self.basis is None
+
+    def after_setup(
+        self, setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results
+    ) -> None:
+        check_teachers(setup, partition_of)
+        if self.setup_work():
+            self.basis = federated_basis(self.cfg, setup, results)
+        record_teacher(setup, partition_of, results)
+
+    def train_records(self) -> dict[str, Any]:
+        return {} if self.basis is None else {BASIS: self.basis}
+
+    def state(self) -> dict[str, Any]:
+        return {"basis": None if self.basis is None else self.basis.to_torch_state_dict()}
+
+    def restore(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get("basis") is not None:
+            self.basis = ArrayRecord(checkpoint["basis"])
