@@ -34,9 +34,6 @@ from flwr.serverapp.strategy import (
 from feddifrc_app import methods, privacy
 from feddifrc_app.config import Config, ConfigError
 from feddifrc_app.federation import sampled_per_round
-from feddifrc_app.methods.fednova import A_KEY as FEDNOVA_A
-from feddifrc_app.methods.fednova import FedNova
-from feddifrc_app.methods.scaffold import Scaffold
 
 # The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
 # error names when the server's aggregate (not a node's training) went wrong.
@@ -154,12 +151,14 @@ class Bulyan(RobustBound, flwr_strategy.Bulyan):
 
 # The metric a strategy reads off every train reply, beyond ``num-examples`` (metric_keys.conform).
 QFEDAVG_LOSS = "train-total"
-REPLY_METRICS = {"fednova": {FEDNOVA_A}, "qfedavg": {QFEDAVG_LOSS}}
+REPLY_METRICS = {"qfedavg": {QFEDAVG_LOSS}}  # a method's own strategies declare theirs (reply_metrics)
 
 
 def required_metrics(cfg: Config) -> frozenset[str]:
     """The reply metrics this run's aggregation reads: a reply without one cannot be aggregated."""
-    own = REPLY_METRICS.get(cfg.strategy.name, set())
+    own = set(REPLY_METRICS.get(cfg.strategy.name, set()))
+    for declared in methods.hooks("reply_metrics"):
+        own |= declared(cfg)
     return frozenset({"num-examples", *own}) | privacy.required_metrics(cfg)
 
 
@@ -170,7 +169,7 @@ def build_strategy(cfg: Config) -> Strategy:
     for own in methods.hooks("own_strategy"):
         if (strategy := own(cfg, common)) is not None:
             return privacy.wrap(strategy, cfg)
-    return privacy.wrap(FACTORIES[cfg.strategy.name](cfg, common), cfg)
+    return privacy.wrap(factories()[cfg.strategy.name](cfg, common), cfg)
 
 
 def _common(cfg: Config) -> dict[str, Any]:
@@ -233,14 +232,21 @@ FACTORIES: dict[str, Callable[[Config, dict[str, Any]], Strategy]] = {
     "qfedavg": lambda c, k: QFedAvg(
         **k, client_learning_rate=c.train.lr, q=c.strategy.q, train_loss_key=QFEDAVG_LOSS
     ),
-    "scaffold": lambda c, k: Scaffold(**k, server_learning_rate=c.strategy.server_learning_rate),
-    "fednova": lambda c, k: FedNova(**k),
 }
+
+
+def factories() -> dict[str, Callable[[Config, dict[str, Any]], Strategy]]:
+    """Every strategy by name: Flower's (``FACTORIES``) and those the methods bring
+    (``strategies()`` of a method module: SCAFFOLD, FedNova)."""
+    out = dict(FACTORIES)
+    for brought in methods.hooks("strategies"):
+        out |= brought()
+    return out
 
 
 # The server state each strategy keeps between rounds, by the attribute it lives in: Flower's
 # own for FedAvgM, FedAdam, FedYogi, FedAdagrad and QFedAvg (pinned by
-# tests/test_flower_internals.py), ours for SCAFFOLD and FedNova; a DP wrapper's clipping norm
+# tests/test_flower_internals.py; ours name theirs in ``CHECKPOINTED``); a DP wrapper's clipping norm
 # (the adaptive modes move it every round). A checkpoint keeps each under that name.
 STATE: dict[type, tuple[str, ...]] = {
     FedAvgM: ("current_arrays", "momentum_vector"),
@@ -248,8 +254,6 @@ STATE: dict[type, tuple[str, ...]] = {
     FedYogi: ("current_arrays", "m_t", "v_t"),
     FedAdagrad: ("current_arrays", "m_t", "v_t"),
     QFedAvg: ("current_arrays",),
-    Scaffold: ("current_arrays", "control", "accepted"),
-    FedNova: ("current_arrays",),
     privacy.Accounted: ("clipping_norm",),
 }
 
@@ -258,14 +262,15 @@ def _holders(strategy: Strategy) -> dict[str, Any]:
     """Each piece of state's name -> the object it lives on: the named strategy, and the DP
     wrapper around it if there is one."""
     inner = strategy.strategy if isinstance(strategy, privacy.Accounted) else None
-    return {
-        a: s
-        for s in (inner, strategy)
-        if s is not None
-        for cls, attrs in STATE.items()
-        if isinstance(s, cls)
-        for a in attrs
-    }
+    return {a: s for s in (inner, strategy) if s is not None for a in _state_attrs(s)}
+
+
+def _state_attrs(s: Strategy) -> tuple[str, ...]:
+    """The server state ``s`` keeps: Flower's classes by ``STATE``, ours by ``CHECKPOINTED``."""
+    own = getattr(type(s), "CHECKPOINTED", None)
+    return (
+        own if own is not None else tuple(a for c, attrs in STATE.items() if isinstance(s, c) for a in attrs)
+    )
 
 
 def strategy_state(strategy: Strategy) -> dict[str, dict[str, Any]]:

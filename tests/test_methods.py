@@ -408,11 +408,12 @@ def test_the_orchestrators_name_no_method_and_read_no_method_flag():
 # ----------------------------------------------------------------------------- a method removed
 
 
-@pytest.mark.parametrize("removed", ["moon", "fedprox"])
+@pytest.mark.parametrize("removed", ["moon", "fedprox", "scaffold", "fednova", "fednh"])
 def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, monkeypatch):
-    """The package without ``methods/<removed>.py``: discovery no longer finds it, and a node still
-    trains under the other client-side method (MOON's term, FedProx's term), from the message alone.
-    (fednh, fednova and scaffold are also imported by strategy.py for their strategies.)"""
+    """The package without ``methods/<removed>.py``: discovery no longer finds it, the server still
+    builds every other strategy (SCAFFOLD's and FedNova's come from their modules' ``strategies``),
+    and a node still trains under the other client-side method (MOON's term, FedProx's term),
+    from the message alone."""
     import shutil
     import sys
     from pathlib import Path
@@ -434,6 +435,13 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
     try:
         names = [m.__name__.rsplit(".", 1)[1] for m in methods.modules()]
         assert removed not in names and {"feddifrc", "moon", "fedprox"} - {removed} <= set(names)
+        from feddifrc_app.config import STRATEGIES
+        from feddifrc_app.strategy import build_strategy, factories
+
+        brought = {"scaffold", "fednova"}
+        assert set(factories()) == (set(STRATEGIES) - {removed}) | (set(STRATEGIES) - brought)
+        for name in sorted(set(factories()) - {"krum", "multikrum", "bulyan"}):
+            assert build_strategy(make_config(method="fedavg", strategy__name=name)) is not None
         method = "fedavg" if removed == "moon" else "moon"
         rc = default_run_config(
             method=method, dataset__train_limit=40, train__device="cpu", train__batch_size=5

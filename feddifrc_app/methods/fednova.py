@@ -18,24 +18,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from feddifrc_app.casting import invalid
 from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.methods._local_steps import fresh_momentum, normalising_factor
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
 
 A_KEY = "fednova-a"  # server -> node config: "report a_i"; node -> server metric: a_i
-
-
-def normalising_factor(steps: int, momentum: float) -> float:
-    """a_i of a node that ran ``steps`` SGD steps with momentum ``momentum``."""
-    if momentum == 0:
-        return float(steps)
-    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
-
-
-def fresh_momentum(v: Mapping[str, Any]) -> None:
-    """a_i (and SCAFFOLD's a_K) assume momentum buffers that start at zero every round."""
-    if v["train.keep-momentum"]:
-        raise invalid("train.keep-momentum", True, f"not with strategy.name = '{v['strategy.name']}'")
 
 
 def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
@@ -73,6 +60,8 @@ def node_half(msg: Message, node: Node) -> Normalised | None:
 class FedNova(FedAvg):
     """FedAvg's sampling and metrics, FedNova's normalised model update."""
 
+    CHECKPOINTED = ("current_arrays",)  # the server state resume restores
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.current_arrays: dict[str, np.ndarray] | None = None
@@ -103,3 +92,13 @@ class FedNova(FedAvg):
             )
             new[k] = (x_k - tau_eff * d).astype(x_k.dtype)
         return arrays_to_record(new), metrics
+
+
+def strategies() -> dict[str, Any]:
+    """``strategy.name`` -> (the run config, the arguments every strategy takes) -> FedNova."""
+    return {"fednova": lambda c, k: FedNova(**k)}
+
+
+def reply_metrics(cfg: Any) -> set[str]:
+    """The metric FedNova's aggregation reads off every train reply."""
+    return {A_KEY} if cfg.strategy.name == "fednova" else set()

@@ -35,7 +35,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import Node, NodeHalf
-from feddifrc_app.methods.fednova import fresh_momentum, normalising_factor
+from feddifrc_app.methods._local_steps import fresh_momentum, normalising_factor
 from feddifrc_app.privacy import TWO_RECORDS
 from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic, record_to_state
 
@@ -142,6 +142,8 @@ def node_half(msg: Message, node: Node) -> Corrected | None:
 class Scaffold(FedAvg):
     """FedAvg's sampling and metrics, SCAFFOLD's model and control-variate updates."""
 
+    CHECKPOINTED = ("current_arrays", "control", "accepted")  # the server state resume restores
+
     def __init__(self, *, server_learning_rate: float, **kwargs) -> None:
         super().__init__(**kwargs)
         self.eta_g = server_learning_rate
@@ -188,3 +190,8 @@ class Scaffold(FedAvg):
             self.control[k] = self.control.get(k, np.zeros_like(mean)) + self.fraction_of_nodes * mean
         self.accepted |= {r.metadata.src_node_id: server_round for r in replies}
         return arrays_to_record(new), metrics
+
+
+def strategies() -> dict[str, Any]:
+    """``strategy.name`` -> (the run config, the arguments every strategy takes) -> SCAFFOLD."""
+    return {"scaffold": lambda c, k: Scaffold(**k, server_learning_rate=c.strategy.server_learning_rate)}
