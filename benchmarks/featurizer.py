@@ -469,13 +469,8 @@ def main(argv: list[str] | None = None) -> int:
 def warm_cache(
     args, teacher: Teacher, feat: Featurizer, images, ids, prompts, got, ips_naive, device
 ) -> None:
-    from feddifrc_app.diffusion.cache import (
-        FeatureStore,
-        LazyExtractor,
-        cached_pooled_features,
-        key_fields,
-        key_from_fields,
-    )
+    from feddifrc_app.diffusion.cache import LazyExtractor, cached_pooled_features
+    from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
 
     fields = key_fields(
         weights_hash=teacher.weights_hash,

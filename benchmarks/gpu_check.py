@@ -742,13 +742,8 @@ def _actor_memory(c: Check, fam: str, f: fs.Family, weights: dict[str, float], d
 
 def section_e(c: Check) -> None:
     """SD-2.1 through ``cached_pooled_features``: how long extraction waits for the cache writer."""
-    from feddifrc_app.diffusion.cache import (
-        FeatureStore,
-        LazyExtractor,
-        cached_pooled_features,
-        key_fields,
-        key_from_fields,
-    )
+    from feddifrc_app.diffusion.cache import LazyExtractor, cached_pooled_features
+    from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
 
     b, n, chunk, res = (2, 32, 8, 64) if c.dry else (32, 1024, 256, 224)
     teacher = fs.teacher("sd", c.device, c.dtype, small=c.dry)

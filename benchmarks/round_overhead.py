@@ -160,7 +160,7 @@ def paper_scale(tmp: Path) -> dict[str, Any]:
 def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
     from feddifrc_app.data.registry import load_dataset
-    from feddifrc_app.diffusion.cache import FeatureStore
+    from feddifrc_app.diffusion.shards import FeatureStore
     from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
     from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feddifrc_app.diffusion.cache import FeatureStore
+from feddifrc_app.diffusion.shards import FeatureStore
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.projection import Basis

@@ -13,13 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from feddifrc_app.diffusion.cache import (
-    FeatureStore,
-    LazyExtractor,
-    cached_pooled_features,
-    key_fields,
-    key_from_fields,
-)
+from feddifrc_app.diffusion.cache import LazyExtractor, cached_pooled_features
+from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
 
 P = 3
 CH = {1: 5, 2: 4}

@@ -15,9 +15,9 @@ import torch
 from conftest import make_config
 
 from feddifrc_app.data.registry import load_dataset
-from feddifrc_app.diffusion.cache import key_fields, key_from_fields
 from feddifrc_app.diffusion.family import vae_dtype
 from feddifrc_app.diffusion.pipeline import teacher_identity
+from feddifrc_app.diffusion.shards import key_fields, key_from_fields
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.methods.feddifrc import teacher
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts

@@ -21,18 +21,7 @@ import numpy as np
 
 from feddifrc_app import log
 from feddifrc_app.data.partition import as_indices
-from feddifrc_app.diffusion.shards import STORE_DTYPE, FeatureStore, key_fields, key_from_fields
-
-# the feature store's names that the callers of the cached extraction use
-__all__ = [
-    "CacheStats",
-    "FeatureStore",
-    "LazyExtractor",
-    "cached_pooled_features",
-    "key_fields",
-    "key_from_fields",
-]
-
+from feddifrc_app.diffusion.shards import STORE_DTYPE, FeatureStore
 
 # --------------------------------------------------------------------------- cached extraction
 

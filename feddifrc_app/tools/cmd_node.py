@@ -134,7 +134,7 @@ def _fill(features: FeatureSet, split: str, ids: Any, which: str, args: argparse
 
 def _check(features: FeatureSet, split: str, ids: Any, which: str) -> None:
     """``extract --check``: the hit ratio of this config's key, and what the key is made of."""
-    from feddifrc_app.diffusion.cache import FeatureStore
+    from feddifrc_app.diffusion.shards import FeatureStore
 
     data, key, fields = features.data, features.key, features.fields
     missing = FeatureStore(features.spec.cache_dir / "features").missing(key, ids)

@@ -31,14 +31,7 @@ from feddifrc_app import log
 from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
-from feddifrc_app.diffusion.cache import (
-    CacheStats,
-    FeatureStore,
-    LazyExtractor,
-    cached_pooled_features,
-    key_fields,
-    key_from_fields,
-)
+from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
 from feddifrc_app.diffusion.family import check_layers, family_module, layer_count, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
@@ -48,6 +41,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_identity,
     teacher_resolution,
 )
+from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
 
 
 @dataclass(frozen=True)
