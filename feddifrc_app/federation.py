@@ -21,6 +21,7 @@ from flwr.supercore.exit import add_exit_handler
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
+from feddifrc_app.methods import SETUP_WORK
 
 SETUP = f"{MessageType.QUERY}.setup"
 # What a strategy knows of the federation beyond the nodes a round shows it (its Grid's
@@ -153,7 +154,7 @@ class Federation:
 
     def setup(self, node_ids: list[int], want_stats: bool) -> dict[int, RecordDict]:
         """Ask nodes who they are (partition id, size, labels, teacher) and, once, for PCA statistics."""
-        content = RecordDict({"config": ConfigRecord({"want-stats": want_stats})})
+        content = RecordDict({"config": ConfigRecord({SETUP_WORK: want_stats})})
         msgs = [Message(content=content, message_type=SETUP, dst_node_id=nid) for nid in node_ids]
         out: dict[int, RecordDict] = {}
         # With statistics, a node may first extract every image (SD-2.1, CIFAR-10: hours): its own timeout.

@@ -55,7 +55,7 @@ from feddifrc_app.casting import invalid
 from feddifrc_app.config import Config, ConfigError, load_config
 from feddifrc_app.federation import POPULATION, sampled_per_round
 from feddifrc_app.metric_keys import METRICS
-from feddifrc_app.records import BASIS
+from feddifrc_app.records import MODEL
 
 # The reply metric the named strategy weighs by under DP, set by the server (never a node's
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
@@ -374,19 +374,20 @@ def client_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     mod = {"client-fixed": fixedclipping_mod, "client-adaptive": adaptiveclipping_mod}.get(mode)
     if mod is None:
         raise ConfigError(f"a train message asks for client-side clipping, but strategy.dp = {mode!r}")
-    # Flower's mods take a train message with one ArrayRecord; the federated-PCA basis rides along
-    # to the ClientApp past them (the node clips only its model update).
-    basis = msg.content.array_records.get(BASIS)
-    if basis is not None:
-        del msg.content[BASIS]
+    # Flower's mods take a train message with one ArrayRecord (the model): a method's own array
+    # records (FedDifRC's basis) ride along to the ClientApp past them; the node clips only its
+    # model update.
+    riders = {k: r for k, r in msg.content.array_records.items() if k != MODEL}
+    for k in riders:
+        del msg.content[k]
 
-    def with_basis(m: Message, c: Context) -> Message:
-        if basis is not None:
-            m.content[BASIS] = basis
+    def with_riders(m: Message, c: Context) -> Message:
+        for k, r in riders.items():
+            m.content[k] = r
         return call_next(m, c)
 
     try:
-        return mod(msg, ctxt, with_basis)
+        return mod(msg, ctxt, with_riders)
     except (ArithmeticError, ValueError) as e:
         if (dp := _flower_dp_failure(e, "this node's clipping", cfg)) is None:
             raise

@@ -8,8 +8,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-# A train message's federated-PCA basis, beside its "arrays" (the model).
-BASIS = "basis"
+MODEL = "arrays"  # the model's ArrayRecord in train and evaluate messages (Flower's strategies' key)
 
 
 def shared_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

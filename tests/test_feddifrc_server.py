@@ -8,6 +8,7 @@ from conftest import make_config
 from flwr.app import ConfigRecord, RecordDict
 
 from feddifrc_app import methods
+from feddifrc_app.methods.feddifrc.node import BASIS
 from feddifrc_app.methods.feddifrc.projection import (
     Basis,
     client_stats,
@@ -16,7 +17,7 @@ from feddifrc_app.methods.feddifrc.projection import (
     stats_to_arrays,
 )
 from feddifrc_app.methods.feddifrc.server import FedDifRCServer
-from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
+from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 
 CHANNELS = {1: 32, 2: 16, 3: 16}  # a tiny teacher's pooled block widths; fused: 16 + 8 + 8 = 32 = 8 x 4

@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from feddifrc_app.results import Results
 
 
+SETUP_WORK = "want-stats"  # server -> node, setup query config: do the methods' long setup work
+
+
 @dataclass(frozen=True)
 class Node:
     """What a method's node half may use: the run config, this node's data, its training
@@ -120,7 +123,7 @@ class ServerHalf:
 
     def setup_work(self) -> bool:
         """Whether the setup query asks the nodes for their (long) setup work: sent as
-        ``want-stats``, given ``strategy.setup-timeout``."""
+        ``SETUP_WORK``, given ``strategy.setup-timeout``."""
         return False
 
     def after_setup(

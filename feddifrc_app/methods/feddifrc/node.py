@@ -2,10 +2,11 @@
 the train message's half (``local.FedDifRC`` under the message's basis).
 
 Setup query: the node names its teacher (the server checks that every node runs the same
-weights) and, when the query asks (``want-stats``), sends the sufficient statistics of its
-pooled teacher features for the federated basis. Train message: the node prepares its
-targets under the message's basis (``targets.node_targets``) from the received model, then
-every step's loss is CE (none when self-supervised) + TDCL + NDCR against them (``local.py``).
+weights) and, when the query asks for the setup work (``methods.SETUP_WORK``), sends the
+sufficient statistics of its pooled teacher features for the federated basis. Train message:
+the node prepares its targets under the message's basis (``targets.node_targets``) from the
+received model, then every step's loss is CE (none when self-supervised) + TDCL + NDCR against
+them (``local.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any
 from flwr.app import ConfigRecord, Message
 
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.methods import Node
+from feddifrc_app.methods import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc.local import FedDifRC, cache_dir
 from feddifrc_app.methods.feddifrc.projection import Basis
 from feddifrc_app.methods.feddifrc.targets import node_stats, plan, require_basis
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
-from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
+from feddifrc_app.records import arrays_to_record, record_to_arrays
 
-WANT_STATS = "want-stats"  # server -> node, setup query config: send the PCA statistics
+BASIS = "basis"  # server -> node, train message: the shared basis (projection.Basis.to_arrays)
 STATS = "pca-stats"  # node -> server, setup reply: the statistics (projection.stats_to_arrays)
 _CACHE_KEY = "cache-dir (node-config, else diffusion.cache-dir)"  # named in its errors
 
@@ -36,7 +37,7 @@ def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
     info["teacher-random-weights"] = bool(spec.identity.random_weights)
     info["teacher-weights"] = spec.identity.weights_hash  # the server checks that all nodes agree
     info["teacher-device"] = spec.where  # where this node's teacher runs, the dtype in its cache key
-    if not bool(msg.content["config"][WANT_STATS]):
+    if not bool(msg.content["config"][SETUP_WORK]):
         return {}
     arrays, stats = node_stats(plan(cfg, spec, node.data, node.ids))  # once, for the federated basis
     info["teacher-seconds"] = float(stats.seconds)

@@ -12,9 +12,9 @@ from flwr.app import ArrayRecord, RecordDict
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.methods import ServerHalf
-from feddifrc_app.methods.feddifrc.node import STATS
+from feddifrc_app.methods.feddifrc.node import BASIS, STATS
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
-from feddifrc_app.records import BASIS, arrays_to_record, record_to_arrays
+from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 
 
