@@ -125,7 +125,7 @@ _SMALL_VAE = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1)
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # family.FAMILIES value
+    name: str  # a family in diffusion/family.ADAPTERS
     label: str
     denoiser: str  # diffusers class
     config: dict[str, Any]

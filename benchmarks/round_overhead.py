@@ -64,6 +64,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from feddifrc_app.config import load_config, load_node_config
 from feddifrc_app.data.shares import client_split
+from feddifrc_app.methods import SETUP_WORK
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.model import build_model
 from feddifrc_app.tools.run_config import app_defaults
@@ -203,7 +204,7 @@ def setup(ctxs: list[Context], cfg) -> ArrayRecord:
     stats = []
     for pid, ctx in enumerate(ctxs):
         m = Message(
-            RecordDict({"config": ConfigRecord({"want-stats": True})}),
+            RecordDict({"config": ConfigRecord({SETUP_WORK: True})}),
             message_type="query.setup",
             dst_node_id=pid + 1,
         )

@@ -57,8 +57,7 @@ MAX_TIMEOUT_S = 30 * 86400
 # learning rate below it is still accepted: the run reports it as diverged).
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e9
-# A server step size (eta, eta-l, server-learning-rate, tau) above 10 has no use; FedAdam with
-# eta 1e3 makes a non-finite model from finite replies.
+# A server step (eta, eta-l, server-learning-rate, tau) above 10 is of no use (FedAdam, eta 1e3: NaN).
 MAX_STEP = 10.0
 # q-FFL weighs node k by F_k^q: with losses up to ~10 (cross-entropy over 100+ classes early on)
 # F^q leaves float32 at q ~ 38; the q-FFL paper's largest q is 15.
@@ -393,14 +392,15 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
 
 
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """Rules that span keys: the data's and evaluation's here; the strategies', DP's and each
-    method's (``methods.hooks``) in their own modules, imported here since they import this one."""
+    """Rules that span keys, in the order they always ran: each method's (``methods.hooks``),
+    the strategies' and DP's live in their modules."""
     from feddifrc_app import methods, privacy, strategy
 
+    for check in methods.hooks("check_inputs"):
+        check(v, raw)
     _check_data(v, raw)
     strategy.check_config(v)
     privacy.check_config(v)
-    _check_evaluation(v)
     for check in methods.hooks("check_config"):
         check(v, raw)
     if v["resume-from"] and (node_state := _node_state(v)):
@@ -408,6 +408,7 @@ def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
         raise invalid(
             "resume-from", v["resume-from"], f"{node_state} keeps per-node state that a new run lacks"
         )
+    _check_evaluation(v)
 
 
 def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
@@ -460,7 +461,8 @@ def _node_state(v: Mapping[str, Any]) -> str:
     """Which setting keeps state on the nodes across rounds ("" = none): resume cannot restore it."""
     from feddifrc_app import methods  # (as in _check_rules)
 
-    kept = [s for node_state in methods.hooks("node_state") if (s := node_state(v))]
+    kept = [s for hook in methods.hooks("node_state") if (s := hook(v))]
+    kept.sort(key=lambda s: not s.startswith("strategy."))  # the strategy's named first, as always
     kept += ["train.keep-momentum = true"] if v["train.keep-momentum"] else []
     return kept[0] if kept else ""
 

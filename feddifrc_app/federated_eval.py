@@ -5,7 +5,7 @@ the known nodes (seeded by seed and round, independently of the training sample)
 the new global model through the strategy's own ``configure_evaluate``, and combines their
 replies with its ``aggregate_evaluate`` (Flower's example-weighted mean, ``num-examples`` as
 the weight). Each node answers with its ``evaluate`` handler on the ``evaluate-holdout`` part
-of its data, which it never trains on (``dataset.client_holdout``). Central evaluation on the
+of its data, which it never trains on (``data.shares.client_holdout``). Central evaluation on the
 server's validation and test splits is unchanged beside it.
 
 A round's row (``results.RoundRow``) gains ``federated_accuracy`` and ``federated_loss``

@@ -157,8 +157,14 @@ def write_verified(
     write_archive(path, header, members)
 
 
-# path -> (inode, size, mtime_ns, sha256) of archives whose digest this process verified.
-_VERIFIED: dict[str, tuple[int, int, int, Any]] = {}
+# path -> (device, inode, size, mtime_ns, ctime_ns, sha256) of archives whose digest this
+# process verified (ctime: a rewrite that restores the mtime still changes it).
+_VERIFIED: dict[str, tuple[Any, ...]] = {}
+
+
+def _stat_tag(path: Path) -> tuple[int, ...]:
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_verified(path: Path, kind: ArchiveKind, key: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -166,7 +172,9 @@ def read_verified(path: Path, kind: ArchiveKind, key: str) -> tuple[dict[str, An
     (the reason) unless the format, version and key match, the members are exactly the ones the
     header promises with their dtypes and shapes, and the digest holds; ``FileNotFoundError`` if
     there is none. The digest pass reads every byte again: a file this process verified and that
-    was not replaced since (same inode, size and mtime) is not hashed twice."""
+    was not replaced since (same device, inode, size, mtime and ctime, before and after this
+    read) is not hashed twice."""
+    before = _stat_tag(path)
     header, members = read_archive(path)
     if header.get("format") != kind.format or header.get("version") != kind.version:
         raise CorruptFile(f"format {header.get('format')!r} v{header.get('version')!r}")
@@ -185,9 +193,8 @@ def read_verified(path: Path, kind: ArchiveKind, key: str) -> tuple[dict[str, An
             raise CorruptFile(
                 f"{k}: {members[k].dtype.str} {list(members[k].shape)}, header says {dtype} {list(shape)}"
             )
-    st = path.stat()
-    tag = (st.st_ino, st.st_size, st.st_mtime_ns, header.get("sha256"))
-    if _VERIFIED.get(str(path)) != tag:
+    tag = (*before, header.get("sha256"))
+    if _VERIFIED.get(str(path)) != tag or _stat_tag(path) != before:
         if kind.digest(members) != header.get("sha256"):
             raise CorruptFile("checksum mismatch")
         _VERIFIED[str(path)] = tag

@@ -1,11 +1,12 @@
 """Strategy factory: ``strategy.name`` picks the server-side aggregation.
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
-FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg) and the baselines'
-server halves that Flower lacks (``methods/``: SCAFFOLD, FedNova), one entry each in
-``FACTORIES``; a method may bring its own (``own_strategy``: FedNH). Their hyper-parameters are
-``strategy.*`` config keys with Flower's defaults. The strategy's state (server momentum,
-control variates, a DP wrapper's clipping norm) is what a checkpoint keeps of it (``STATE``).
+FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg), one entry each in
+``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` in
+``methods/scaffold.py``, ``fednova.py``); a method may replace it (``own_strategy``: FedNH).
+The hyper-parameters are ``strategy.*`` config keys with Flower's defaults. The strategy's
+state (server momentum, control variates, a DP wrapper's clipping norm) is what a checkpoint
+keeps of it (``STATE``, ``CHECKPOINTED``).
 """
 
 from __future__ import annotations

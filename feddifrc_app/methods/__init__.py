@@ -21,11 +21,12 @@ proximal term. A module in this package is picked up by being here; it may defin
 - ``own_strategy(cfg, common) -> Strategy | None``: the strategy the method brings in place of
   ``strategy.name``'s (FedNH), built with ``common``, the arguments every strategy takes;
 - its config rules, on the cast values by dotted key (``load_config`` runs them, through
-  ``hooks``): ``check_config(values, raw)`` raises ``ConfigError`` for keys that cannot work
-  together; ``node_state(values) -> str`` names the setting that keeps per-node state across
-  rounds ("" = none: a resumed run can repeat it); ``dp_refusal(values) -> str`` says why
-  ``strategy.dp`` cannot wrap it ("" = it can). A method package keeps them in its ``rules``
-  module (``feddifrc/rules.py``).
+  ``hooks``): ``check_inputs(values, raw)`` (first: the inputs it reads, e.g. its teacher) and
+  ``check_config(values, raw)`` (after the strategy's and DP's) raise ``ConfigError`` for keys
+  that cannot work together; ``node_state(values) -> str`` names the setting that keeps per-node
+  state across rounds ("" = none: a resumed run can repeat it); ``dp_refusal(values) -> str``
+  says why ``strategy.dp`` cannot wrap it ("" = it can). A method package keeps them in its
+  ``rules`` module (``feddifrc/rules.py``).
 
 The ClientApp, the ServerApp, ``rounds`` and ``train.train_local`` name no method: they run
 every half returned. Adding a method takes its module here, its config section (config.py,

@@ -4,9 +4,9 @@ the train message's half (``local.FedDifRC`` under the message's basis).
 Setup query: the node names its teacher (the server checks that every node runs the same
 weights) and, when the query asks for the setup work (``methods.SETUP_WORK``), sends the
 sufficient statistics of its pooled teacher features for the federated basis. Train message:
-the node prepares its targets under the message's basis (``targets.node_targets``) from the
-received model, then every step's loss is CE (none when self-supervised) + TDCL + NDCR against
-them (``local.py``).
+the half (``local.FedDifRC``) prepares the node's targets under the message's basis when
+training starts, then adds TDCL + NDCR to every step's loss (in place of CE when
+self-supervised).
 """
 
 from __future__ import annotations

@@ -13,10 +13,14 @@ from typing import Any
 from feddifrc_app.casting import ConfigError, invalid
 
 
-def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """FedDifRC's keys that cannot work together (``v``: cast values; ``raw``: as given)."""
+def check_inputs(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """The teacher's keys (``v``: cast values; ``raw``: as given): checked before any other rule."""
     _check_layers(v, raw)
     _check_teacher(v)
+
+
+def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """FedDifRC's loss and self-supervised keys that cannot work together."""
     if v["loss.variant"] == "code" and (v["loss.num-negatives"] != 0 or v["loss.tdcl-normaliser"] != "none"):
         raise ConfigError(
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "

@@ -116,7 +116,7 @@ def load_prepared(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets
     return TeacherTargets(rows=target_rows(ids), prompt_reps=reps, ndcr=ndcr), basis
 
 
-def _evict(folder: Path, keep: Path, budget: int) -> None:
+def evict(folder: Path, keep: Path, budget: int) -> None:
     """Remove the least recently used target files beyond ``budget`` bytes (never ``keep``), and the
     temp files of writers killed mid-write."""
     for p in dead_temp_files(folder):
@@ -136,7 +136,7 @@ def _evict(folder: Path, keep: Path, budget: int) -> None:
             log.info("prepared targets: removed %s (least recently used; %d bytes kept at most)", p, budget)
 
 
-def _stored(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis] | None:
+def load_stored(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis] | None:
     """This client's targets from disk, or None when there are none or they do not check (logged)."""
     try:
         t0 = time.perf_counter()

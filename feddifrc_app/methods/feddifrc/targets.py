@@ -47,8 +47,8 @@ from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.store import (
     PREPARED,
     TARGETS_DISK_BUDGET,
-    _evict,
-    _stored,
+    evict,
+    load_stored,
     save_prepared,
     targets_key,
 )
@@ -126,7 +126,7 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
     if (hit := PREPARED.get(key)) is not None:
         return *hit, CacheStats(hits=int(np.unique(ids).size))
     path = p.features.spec.cache_dir / "targets" / f"{key}.npz"
-    if cfg.diffusion.projection != "per-batch" and (stored := _stored(path, key, ids)) is not None:
+    if cfg.diffusion.projection != "per-batch" and (stored := load_stored(path, key, ids)) is not None:
         PREPARED.put(key, stored)
         return *stored, CacheStats(hits=int(np.unique(ids).size))
     pooled, stats = pooled_features(p.features, ids)
@@ -136,7 +136,7 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
     if basis is not None:
         try:
             save_prepared(path, key, ids, targets, basis)
-            _evict(path.parent, path, TARGETS_DISK_BUDGET)
+            evict(path.parent, path, TARGETS_DISK_BUDGET)
         except OSError as e:  # the run does not need the file: the next process prepares them again
             log.warning(
                 "prepared targets: could not write %s (%s); a new process will prepare them again", path, e

@@ -76,20 +76,26 @@ class TeacherSpec:
 
 
 def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
-    """The run's teacher, resolved once per process per (``diffusion.*``, seed, cache folder):
-    a simulation actor or a long-lived node handles many messages, and resolving reads the
-    weights' identity and the model's config files. A missing device fails before the weights
-    are looked up (or downloaded), and a ``diffusion.blocks`` index the model does not have
-    fails before any network is built (``family.FamilyError``, naming the valid range); a
-    failure is not kept."""
-    return _resolved(cfg.diffusion, cfg.seed, Path(cache_dir))
-
-
-@functools.lru_cache(maxsize=16)
-def _resolved(d: DiffusionConfig, seed: int, cache_dir: Path) -> TeacherSpec:
+    """The run's teacher. A missing device fails before the weights are looked up (or
+    downloaded), and a ``diffusion.blocks`` index the model does not have fails before any
+    network is built (``family.FamilyError``, naming the valid range). The weights' identity is
+    looked up on every call (``pipeline.teacher_identity`` keeps it per process and looks again
+    when the folder was rebuilt); the rest, which reads the model's config files, is resolved
+    once per process per (``diffusion.*``, seed, cache folder, identity): a simulation actor or
+    a long-lived node handles many messages. A failure is not kept."""
+    d = cfg.diffusion
     device = resolve_device(d.device, "diffusion.device")
     resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
+    return _resolved(d, cfg.seed, Path(cache_dir), Path(cache_dir).resolve(), identity)
+
+
+@functools.lru_cache(maxsize=16)
+def _resolved(
+    d: DiffusionConfig, seed: int, cache_dir: Path, where: Path, identity: TeacherIdentity
+) -> TeacherSpec:
+    """``teacher_spec`` past the identity; ``where`` (the resolved cache folder) only keys the memo."""
+    device = resolve_device(d.device, "diffusion.device")
     family = identity.family
     check_layers(d.blocks, layer_count(identity.folder, family), family)
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
