@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from feddifrc_app.casting import ConfigError
 from feddifrc_app.config import load_node_config
 from feddifrc_app.data.registry import load_dataset
+from feddifrc_app.files import write_json
 from feddifrc_app.methods import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
@@ -23,6 +24,7 @@ from feddifrc_app.methods.feddifrc.node import BASIS, STATS
 from feddifrc_app.methods.feddifrc.projection import Basis, fuse
 from feddifrc_app.methods.feddifrc.server import FedDifRCServer
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
+from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_arrays
 from feddifrc_app.results import Results
 
@@ -156,3 +158,15 @@ def test_anchors_are_refused_where_they_cannot_be_exact(over, why):
     with pytest.raises(ConfigError, match=f"'loss.tdcl-targets' = 'anchors' is invalid: .*{why}"):
         make_config(**{"loss.tdcl-targets": "anchors", **over})
     make_config(**over)  # the same config without the anchors loads
+
+
+def test_a_run_written_before_the_key_resumes_with_image_targets_and_refuses_anchors(tmp_path):
+    """config.KEYS_ADDED_SINCE: such a run computed with every image's own targets."""
+    cfg = make_config(outputs_dir=str(tmp_path), run_name="old")
+    run = RunDir.for_config(cfg, run_id=1)
+    flat = cfg.to_flat()
+    del flat["loss.tdcl-targets"]
+    write_json(run.path / "config.json", flat)
+    assert RunDir.for_config(make_config(resume_from=str(run.path)), 2).path == run.path
+    with pytest.raises(ValueError, match=r"loss.tdcl-targets: 'image' -> 'anchors'"):
+        RunDir.for_config(make_config(resume_from=str(run.path), **{"loss.tdcl-targets": "anchors"}), 2)
