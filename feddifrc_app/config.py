@@ -70,7 +70,7 @@ DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"
 
 # Keys that change what a run computes, added after runs were written, with the value those runs
 # computed with: resuming such a run compares against it (outputs.RunDir.check_resume_config).
-KEYS_ADDED_SINCE = {"dataset.val-fraction": 0.1}
+KEYS_ADDED_SINCE = {"dataset.val-fraction": 0.1, "loss.tdcl-targets": "image"}
 
 
 def key(
@@ -205,6 +205,7 @@ class LossConfig:
     temperature: float = key(lo=0.0, lo_open=True)
     num_negatives: int = key(lo=0)
     tdcl_normaliser: str = key(choices=NORMALISERS)
+    tdcl_targets: str = key(choices=("image", "anchors"))  # anchors: the class-prompt means (rules.py)
     ndcr_space: str = key(choices=NDCR_SPACES)
     ndcr_view: str = key(choices=NDCR_VIEWS)  # which view NDCR aligns: the student's or the target's
 

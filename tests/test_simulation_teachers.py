@@ -17,7 +17,12 @@ TEACHER_RUNS = [
         "pixart-fedadagrad",
         "diffusion.model='tiny-pixart' diffusion.blocks='1,2,3' strategy.name='fedadagrad'",
     ),
-    ("sd3-fedmedian", "diffusion.model='tiny-sd3' diffusion.blocks='1,2,3' strategy.name='fedmedian'"),
+    # ... and the TDCL-anchors control: the server's class anchors ride in every train message.
+    (
+        "sd3-fedmedian",
+        "diffusion.model='tiny-sd3' diffusion.blocks='1,2,3' strategy.name='fedmedian' "
+        "loss.tdcl-targets='anchors'",
+    ),
 ]
 
 
@@ -38,3 +43,7 @@ def test_every_teacher_family_runs_in_simulation(flower_procs, tmp_path):
         m = row["train-metrics"]
         assert m["train-tdcl"] > 0 and m["train-ndcr"] > 0 and -1.0 <= m["train-ndcr-cosine"] <= 1.0
         assert r["basis"]["mode"] == "federated-pca" and r["setup-cache-misses"] == 40
+        if family == "sd3":  # the anchors: one per class prompt of mnist-5k
+            assert r["basis"]["anchors"] == {"prompts": 10, "width": 128}  # 8 x model.width
+        else:
+            assert "anchors" not in r["basis"]

@@ -4,8 +4,9 @@
 - node half: the setup reply (teacher identity, PCA statistics) and the train message's half
   (``node.py``), the local loss against the targets (``local.py``; ``targets.py``: teacher
   spec -> features -> basis -> fused targets);
-- server half (``server.py``): teacher checks, the federated basis, records for every train
-  message, its checkpointed state;
+- server half (``server.py``): teacher checks, the federated basis (and, for the TDCL-anchors
+  control ``loss.tdcl-targets = "anchors"``, the class anchors: ``anchors.py``), records for every
+  train message, its checkpointed state;
 - central evaluation of ``feddifrc-ssl`` (``probe.py``): a linear probe, no classifier head.
 
 The hooks import their halves when called: the package itself loads without Flower (``local.py``

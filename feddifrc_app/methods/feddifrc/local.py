@@ -11,6 +11,7 @@ import torch
 from feddifrc_app.data.loader import clean_batch
 from feddifrc_app.methods import Batch, Node, NodeHalf
 from feddifrc_app.methods.feddifrc import losses
+from feddifrc_app.methods.feddifrc.anchors import anchored
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets
 from feddifrc_app.methods.feddifrc.projection import Basis
 from feddifrc_app.methods.feddifrc.targets import node_targets, plan
@@ -26,10 +27,17 @@ class FedDifRC(NodeHalf):
     """CE (unless self-supervised) + TDCL + NDCR against this node's teacher targets.
 
     ``targets``: prepared ones (tests, benchmarks); else ``start`` prepares them under ``basis``
-    from the received model (``targets.node_targets``, its cost in the reply's metrics)."""
+    from the received model (``targets.node_targets``, its cost in the reply's metrics).
+    ``anchors`` (K, D): the server's class anchors, which replace every image's TDCL targets."""
 
-    def __init__(self, node: Node, targets: TeacherTargets | None = None, basis: Basis | None = None) -> None:
-        self.node, self.targets, self.basis = node, targets, basis
+    def __init__(
+        self,
+        node: Node,
+        targets: TeacherTargets | None = None,
+        basis: Basis | None = None,
+        anchors: torch.Tensor | None = None,
+    ) -> None:
+        self.node, self.targets, self.basis, self.anchors = node, targets, basis, anchors
         self.lc = node.cfg.loss
         self.supervised = not node.cfg.self_supervised
         self.gen: torch.Generator | None = None
@@ -41,6 +49,8 @@ class FedDifRC(NodeHalf):
             self.targets, cost = node_targets(p, self.basis, model, n.device)
             model.train()  # conditioning embeds in eval mode
         self.targets = self.targets.on(n.device, n.ids)
+        if self.anchors is not None:  # after ``on``: the (K, D) anchors move, not n copies
+            self.targets = anchored(self.targets, self.anchors)
         self.gen = torch.Generator().manual_seed(n.seed)  # negative sampling in TDCL
         return cost
 

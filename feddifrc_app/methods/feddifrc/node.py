@@ -3,20 +3,22 @@ the train message's half (``local.FedDifRC`` under the message's basis).
 
 Setup query: the node names its teacher (the server checks that every node runs the same
 weights) and, when the query asks for the setup work (``methods.SETUP_WORK``), sends the
-sufficient statistics of its pooled teacher features for the federated basis. Train message:
-the half (``local.FedDifRC``) prepares the node's targets under the message's basis when
-training starts, then adds TDCL + NDCR to every step's loss (in place of CE when
-self-supervised).
+sufficient statistics of its pooled teacher features for the federated basis (and, for
+``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``anchors.py``). Train message: the
+half (``local.FedDifRC``) prepares the node's targets under the message's basis when training
+starts, then adds TDCL + NDCR to every step's loss (in place of CE when self-supervised).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from flwr.app import ConfigRecord, Message
 
 from feddifrc_app.files import ensure_writable_dir
 from feddifrc_app.methods import SETUP_WORK, Node
+from feddifrc_app.methods.feddifrc.anchors import ANCHORS
 from feddifrc_app.methods.feddifrc.local import FedDifRC, cache_dir
 from feddifrc_app.methods.feddifrc.projection import Basis
 from feddifrc_app.methods.feddifrc.targets import node_stats, plan, require_basis
@@ -46,8 +48,13 @@ def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
 
 
 def node_half(msg: Message, node: Node) -> FedDifRC:
-    """The train message's half: its basis (refused before any teacher work if the projection
-    needs one and the message has none)."""
+    """The train message's half: its basis and, under ``loss.tdcl-targets = "anchors"``, the
+    anchors (each refused before any teacher work if the config needs it and the message has none)."""
     basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
     require_basis(node.cfg, basis)
-    return FedDifRC(node, basis=basis)
+    anchors = None
+    if ANCHORS in msg.content:
+        anchors = torch.from_numpy(record_to_arrays(msg.content[ANCHORS])[ANCHORS])
+    elif node.cfg.loss.tdcl_targets == "anchors":
+        raise ValueError("loss.tdcl-targets = 'anchors' but the server sent no anchors")
+    return FedDifRC(node, basis=basis, anchors=anchors)

@@ -26,6 +26,7 @@ def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "config key 'loss.variant' = 'code' reproduces the public code, which has neither sampled "
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
         )
+    _check_anchors(v)
     if v["method"] == "feddifrc-ssl" and (fraction := v["fraction-evaluate"]) > 0:
         raise invalid(
             "fraction-evaluate",
@@ -89,3 +90,24 @@ def _check_teacher(v: Mapping[str, Any]) -> None:
             "global-model",
             "needs a shared basis (not diffusion.projection = 'per-batch')",
         )
+
+
+def _check_anchors(v: Mapping[str, Any]) -> None:
+    """loss.tdcl-targets = 'anchors' is exact only with one basis for every node (federated-pca:
+    the mean of fused rows is the fused mean of the nodes' sums; local-pca has one per node,
+    per-batch one per batch) and static class-prompt targets."""
+    if v["loss.tdcl-targets"] != "anchors":
+        return
+    why = None
+    if v["method"] != "feddifrc":
+        why = f"replaces the class-prompt targets of method 'feddifrc' (not {v['method']!r})"
+    elif (projection := v["diffusion.projection"]) != "federated-pca":
+        why = f"needs diffusion.projection = 'federated-pca', one basis for all nodes (not {projection!r})"
+    elif v["diffusion.condition"] != "none":
+        why = (
+            "replaces the per-image targets that diffusion.condition = 'global-model' recomputes: use 'none'"
+        )
+    elif v["loss.tdcl-weight"] == 0:
+        why = "replaces TDCL's targets, but loss.tdcl-weight = 0 turns TDCL off"
+    if why:
+        raise invalid("loss.tdcl-targets", "anchors", why)

@@ -1,6 +1,7 @@
 """FedDifRC's server half: after the setup replies, check the nodes' teachers, fit the federated
-PCA basis from their statistics and record the teacher; then send the basis with every train
-message and keep it in every checkpoint (a resumed run continues with the checkpoint's)."""
+PCA basis from their statistics (and, for ``loss.tdcl-targets = "anchors"``, the class anchors
+from their per-prompt sums) and record the teacher; then send them with every train message and
+keep them in every checkpoint (a resumed run continues with the checkpoint's)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from flwr.app import ArrayRecord, RecordDict
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.methods import ServerHalf
+from feddifrc_app.methods.feddifrc.anchors import ANCHORS, class_anchors
 from feddifrc_app.methods.feddifrc.node import BASIS, STATS
-from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
+from feddifrc_app.methods.feddifrc.projection import Basis, fit_federated_basis, stats_from_arrays
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 
@@ -37,7 +39,7 @@ def check_teachers(setup: Mapping[int, RecordDict], partition_of: Mapping[int, i
         )
 
 
-def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Results) -> ArrayRecord:
+def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Results) -> Basis:
     """Fit the shared PCA basis from the nodes' sufficient statistics (counts, sums, second moments)."""
     stats = [stats_from_arrays(record_to_arrays(c[STATS])) for c in setup.values() if STATS in c]
     d = cfg.diffusion
@@ -50,7 +52,14 @@ def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Resul
         "widths": list(basis.widths),
     }
     results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
-    return arrays_to_record(basis.to_arrays())
+    return basis
+
+
+def anchors_record(basis: Basis, setup: Mapping[int, RecordDict], results: Results) -> ArrayRecord:
+    """The class anchors (K, D) from the nodes' per-prompt sums under the fitted ``basis``."""
+    anchors = class_anchors([record_to_arrays(c[STATS]) for c in setup.values() if STATS in c], basis)
+    results.basis["anchors"] = {"prompts": int(anchors.shape[0]), "width": int(anchors.shape[1])}
+    return arrays_to_record({ANCHORS: anchors})
 
 
 def record_teacher(
@@ -78,11 +87,13 @@ def record_teacher(
 
 
 class FedDifRCServer(ServerHalf):
-    """The basis: fitted once from the setup replies (federated-pca), sent with every train message."""
+    """The basis (federated-pca) and the anchors (``loss.tdcl-targets = "anchors"``): fitted once
+    from the setup replies, sent with every train message."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.basis: ArrayRecord | None = None
+        self.anchors: ArrayRecord | None = None
 
     def setup_work(self) -> bool:
         # Once: a resumed run continues with the checkpoint's basis (restore).
@@ -93,15 +104,24 @@ class FedDifRCServer(ServerHalf):
     ) -> None:
         check_teachers(setup, partition_of)
         if self.setup_work():
-            self.basis = federated_basis(self.cfg, setup, results)
+            basis = federated_basis(self.cfg, setup, results)
+            self.basis = arrays_to_record(basis.to_arrays())
+            if self.cfg.loss.tdcl_targets == "anchors":
+                self.anchors = anchors_record(basis, setup, results)
         record_teacher(setup, partition_of, results)
 
     def train_records(self) -> dict[str, Any]:
-        return {} if self.basis is None else {BASIS: self.basis}
+        sent = {BASIS: self.basis, ANCHORS: self.anchors}
+        return {k: v for k, v in sent.items() if v is not None}
 
     def state(self) -> dict[str, Any]:
-        return {"basis": None if self.basis is None else self.basis.to_torch_state_dict()}
+        out = {"basis": None if self.basis is None else self.basis.to_torch_state_dict()}
+        if self.anchors is not None:  # (a checkpoint without anchors keeps its old layout)
+            out["anchors"] = self.anchors.to_torch_state_dict()
+        return out
 
     def restore(self, checkpoint: Mapping[str, Any]) -> None:
         if checkpoint.get("basis") is not None:
             self.basis = ArrayRecord(checkpoint["basis"])
+        if checkpoint.get("anchors") is not None:
+            self.anchors = ArrayRecord(checkpoint["anchors"])

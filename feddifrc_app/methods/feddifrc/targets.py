@@ -32,6 +32,7 @@ from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
+from feddifrc_app.methods.feddifrc.anchors import prompt_sums
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.projection import (
     Basis,
@@ -146,9 +147,13 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
 
 def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
     """What a node sends once for the federated basis: the sufficient statistics of its pooled
-    teacher features (``projection.stats_to_arrays``; no raw feature leaves it), and their cost."""
+    teacher features (``projection.stats_to_arrays``; no raw feature leaves it; with the anchors,
+    ``anchors.prompt_sums`` too), and their cost."""
     pooled, stats = pooled_features(p.features, p.ids)
-    return stats_to_arrays(client_stats(pooled)), stats
+    arrays = stats_to_arrays(client_stats(pooled))
+    if p.cfg.loss.tdcl_targets == "anchors":  # and the per-prompt sums of its class prompts
+        arrays |= prompt_sums(pooled, p.num_prompts_tdcl)
+    return arrays, stats
 
 
 def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
