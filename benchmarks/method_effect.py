@@ -293,6 +293,7 @@ def show_plan(legacy: Path) -> list[design.Planned]:
 
 def table(out: Path, legacy: Path) -> None:
     """paired.md / paired.json / curves.png / cells.json (this design's finished cells) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     new = [e for e in map(entry, load_runs(out / "run")) if e["arm"] is not None]
     text, rows = paired_table(design_cells(new, json.loads(legacy.read_text())))
     print(text)

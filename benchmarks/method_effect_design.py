@@ -28,8 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # option's key or value changes.
 TDCL_ANCHORS: dict[str, Any] = {"loss.tdcl-targets": "anchors"}
 # FedDifRC's NDCR target (issue 35 item 2), TO BE FILLED once the target is picked on the train or
-# validation split (never test), e.g. {"diffusion.pooling": "grid", "diffusion.pool-grid": 2}.
-# None = not chosen yet: `plan` shows the FedDifRC cells as new, `run` refuses to start.
+# validation split (never test), e.g. {"diffusion.pooling": "grid", "diffusion.pool-grid": 2}; {} =
+# today's target. None = not chosen yet: `plan` counts every teacher arm's cells as new, `run`
+# refuses to start. It goes to EVERY teacher arm: diffusion.pooling / blocks change the features TDCL
+# reads as well as NDCR's, and "FedDifRC vs TDCL-only" measures the NDCR term alone only if both
+# arms read the same features (an option that changed NDCR's target alone could go to feddifrc only).
 NDCR_TARGET: dict[str, Any] | None = None
 # ------------------------------------------------------------------------------------------------
 
@@ -41,6 +44,7 @@ class Arm:
     overrides: dict[str, Any] = field(default_factory=dict)
     legacy: str | None = None  # its arm label in the earlier run's cells.json (reuse candidates)
     reference: bool = False  # a reference arm: REFERENCE_SEEDS seeds, not the key arms' count
+    teacher: bool = False  # reads the teacher's features (so NDCR_TARGET applies)
 
 
 TEACHER = {"diffusion.model": "tiny-mnist"}
@@ -48,11 +52,12 @@ TEACHER = {"diffusion.model": "tiny-mnist"}
 
 def arms() -> tuple[Arm, ...]:
     """The arms, with the two options above applied (a function: NDCR_TARGET may be set later)."""
+    t = {**TEACHER, **(NDCR_TARGET or {})}
     return (
         Arm("fedavg", "fedavg", {}, "fedavg"),
-        Arm("tdcl-only", "tdcl-only", dict(TEACHER), "tdcl-only [tiny-mnist]"),
-        Arm("tdcl-anchors", "tdcl-only", {**TEACHER, **TDCL_ANCHORS}),
-        Arm("feddifrc", "feddifrc", {**TEACHER, **(NDCR_TARGET or {})}, "feddifrc [tiny-mnist]"),
+        Arm("tdcl-only", "tdcl-only", t, "tdcl-only [tiny-mnist]", teacher=True),
+        Arm("tdcl-anchors", "tdcl-only", {**t, **TDCL_ANCHORS}, teacher=True),
+        Arm("feddifrc", "feddifrc", t, "feddifrc [tiny-mnist]", teacher=True),
         Arm("fednh", "fednh", {}, "fednh", reference=True),
     )
 
@@ -244,7 +249,7 @@ class Planned:
 
 
 def reuse_of(arm: Arm, part: Partition, seed: int, earlier: dict) -> Planned:
-    if arm.name == "feddifrc" and NDCR_TARGET is None:
+    if arm.teacher and NDCR_TARGET is None:
         return Planned(arm, part, seed, None, "NDCR target not chosen yet (NDCR_TARGET)")
     entry = earlier.get((arm.legacy, part.alpha, seed)) if arm.legacy else None
     if entry is None:
@@ -296,7 +301,7 @@ def declared_design() -> list[str]:
         "  Holm-Bonferroni over all comparisons of an endpoint (both alphas); 'helps' / 'hurts' only where",
         "  the adjusted primary test rejects at 0.05, else 'no detectable difference'",
         "  arms: " + ", ".join(f"{a.name} ({a.conf}.toml {json.dumps(a.overrides)})" for a in arms()),
-        "  NDCR target of feddifrc: "
+        "  NDCR target (every teacher arm): "
         + ("NOT CHOSEN YET (NDCR_TARGET)" if NDCR_TARGET is None else json.dumps(NDCR_TARGET)),
         "  comparisons: " + "; ".join(what for _, _, what in COMPARISONS),
     ]

@@ -88,7 +88,7 @@ def test_identity_ignores_what_a_method_never_reads():
 
 
 def fake_cells(tmp_path):
-    """An earlier run of 5 cells: 2 reusable, 3 not (other lr, other rounds, new NDCR target)."""
+    """An earlier run of 5 cells: 2 reusable, 3 not (other lr, other rounds, NDCR target not chosen)."""
     arm = {a.name: a for a in design.arms()}
     p05, p5 = design.PARTITIONS
 
@@ -99,9 +99,9 @@ def fake_cells(tmp_path):
     cells = [
         cell("fedavg", "fedavg", p05, 0),
         cell("fedavg", "fedavg", p05, 1),
-        cell("tdcl-only", "tdcl-only [tiny-mnist]", p05, 0, **{"train.lr": 0.02}),
+        cell("fedavg", "fedavg", p05, 2, **{"train.lr": 0.02}),
         cell("fedavg", "fedavg", p5, 0, **{"num-server-rounds": 16}),
-        cell("feddifrc", "feddifrc [tiny-mnist]", p05, 0),
+        cell("tdcl-only", "tdcl-only [tiny-mnist]", p05, 0),
     ]
     path = tmp_path / "cells.json"
     path.write_text(json.dumps(cells))
@@ -113,10 +113,10 @@ def test_plan_reuses_exactly_the_identical_cells(tmp_path):
     reused = {(p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None}
     assert reused == {("fedavg", 0.05, 0), ("fedavg", 0.05, 1)}
     why = {(p.arm.name, p.part.alpha, p.seed): p.why_not for p in planned}
-    assert why[("tdcl-only", 0.05, 0)] == "train.lr: 0.02 -> 0.05"
+    assert why[("fedavg", 0.05, 2)] == "train.lr: 0.02 -> 0.05"
     assert why[("fedavg", 0.5, 0)] == "num-server-rounds: 16 -> 30"
-    assert why[("feddifrc", 0.05, 0)] == "NDCR target not chosen yet (NDCR_TARGET)"
-    assert why[("tdcl-anchors", 0.05, 0)] == "new arm"
+    assert why[("tdcl-only", 0.05, 0)] == "NDCR target not chosen yet (NDCR_TARGET)"
+    assert why[("fednh", 0.05, 0)] == "no earlier cell"
     # 4 key arms x 11 + FedNH x 6 at alpha 0.05, 4 x 16 + 6 at alpha 0.5
     assert len(planned) == 50 + 70
     assert design.budget_seconds(planned) == pytest.approx(48 * 100 + 70 * 190)
@@ -142,10 +142,30 @@ def test_plan_stage_prints_design_cells_reuse_and_budget(tmp_path):
     assert out[-1].startswith("Budget: 118 cells to run, 2 reused; ~5.03 h")  # 18,100 s
 
 
-def test_earlier_cells_rebuilt_from_their_commit():
+def test_earlier_cells_rebuilt_from_their_commit(monkeypatch):
     """The committed 72 cells carry no config: it is rebuilt from LEGACY_COMMIT (git history)."""
     planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
     reused = sorted((p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None)
-    assert reused == sorted((a, 0.05, s) for a in ("fedavg", "tdcl-only") for s in range(6))
+    assert reused == [("fedavg", 0.05, s) for s in range(6)]  # teacher arms wait for NDCR_TARGET
     fednh = next(p for p in planned if p.arm.name == "fednh" and p.part.alpha == 0.05)
     assert "fednh.scale: 1.0 -> 20.0" in fednh.why_not
+    monkeypatch.setattr(design, "NDCR_TARGET", {})  # today's target: the teacher arms as they ran
+    planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
+    reused = sorted((p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None)
+    assert reused == sorted((a, 0.05, s) for a in ("fedavg", "feddifrc", "tdcl-only") for s in range(6))
+    assert next(p for p in planned if p.arm.name == "tdcl-anchors").why_not == "new arm"
+    monkeypatch.setattr(design, "NDCR_TARGET", {"diffusion.pooling": "grid"})
+    planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
+    tdcl = next(p for p in planned if p.arm.name == "tdcl-only")
+    assert (
+        tdcl.reuse is None
+        and tdcl.why_not == "diffusion.pooling = 'grid' is new and not declared neutral at that value"
+    )
+
+
+def test_sweep_cells_map_back_to_their_arm():
+    """`table` labels a finished sweep cell by its conf file and grid, as the plan built it."""
+    for p in design.plan([]):
+        record = {"conf": p.cell.conf, "grid": p.cell.grid}
+        assert me.design_arm(record) == p.arm.name
+    assert me.design_arm({"conf": "conf/mnist5k-fedprox.toml", "grid": {"partition.alpha": 0.5}}) is None
