@@ -88,7 +88,7 @@ def test_identity_ignores_what_a_method_never_reads():
 
 
 def fake_cells(tmp_path):
-    """An earlier run of 5 cells: 2 reusable, 3 not (other lr, other rounds, NDCR target not chosen)."""
+    """An earlier run of 5 cells: 2 reusable, 3 not (other lr, other rounds, other temperature)."""
     arm = {a.name: a for a in design.arms()}
     p05, p5 = design.PARTITIONS
 
@@ -101,14 +101,15 @@ def fake_cells(tmp_path):
         cell("fedavg", "fedavg", p05, 1),
         cell("fedavg", "fedavg", p05, 2, **{"train.lr": 0.02}),
         cell("fedavg", "fedavg", p5, 0, **{"num-server-rounds": 16}),
-        cell("tdcl-only", "tdcl-only [tiny-mnist]", p05, 0),
+        cell("tdcl-only", "tdcl-only [tiny-mnist]", p05, 0, **{"loss.temperature": 0.1}),
     ]
     path = tmp_path / "cells.json"
     path.write_text(json.dumps(cells))
     return path
 
 
-def test_plan_reuses_exactly_the_identical_cells(tmp_path):
+def test_plan_reuses_exactly_the_identical_cells(tmp_path, monkeypatch):
+    monkeypatch.setattr(design, "NDCR_TARGET", None)
     planned = design.plan(json.loads(fake_cells(tmp_path).read_text()))
     reused = {(p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None}
     assert reused == {("fedavg", 0.05, 0), ("fedavg", 0.05, 1)}
@@ -123,7 +124,8 @@ def test_plan_reuses_exactly_the_identical_cells(tmp_path):
 
 
 def test_plan_stage_prints_design_cells_reuse_and_budget(tmp_path):
-    """The CLI's plan: runs nothing, lists the reused cells and the budget total."""
+    """The CLI's plan: runs nothing, lists the reused cells and the budget total (the teacher arms'
+    fake cells differ from the plan's whether or not NDCR_TARGET is set)."""
     cp = subprocess.run(
         [sys.executable, "benchmarks/method_effect.py", "plan", "--legacy", str(fake_cells(tmp_path))],
         cwd=ROOT,
@@ -144,6 +146,7 @@ def test_plan_stage_prints_design_cells_reuse_and_budget(tmp_path):
 
 def test_earlier_cells_rebuilt_from_their_commit(monkeypatch):
     """The committed 72 cells carry no config: it is rebuilt from LEGACY_COMMIT (git history)."""
+    monkeypatch.setattr(design, "NDCR_TARGET", None)
     planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
     reused = sorted((p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None)
     assert reused == [("fedavg", 0.05, s) for s in range(6)]  # teacher arms wait for NDCR_TARGET
@@ -169,3 +172,9 @@ def test_sweep_cells_map_back_to_their_arm():
         record = {"conf": p.cell.conf, "grid": p.cell.grid}
         assert me.design_arm(record) == p.arm.name
     assert me.design_arm({"conf": "conf/mnist5k-fedprox.toml", "grid": {"partition.alpha": 0.5}}) is None
+
+
+def test_run_refuses_before_the_ndcr_target_is_chosen(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(design, "NDCR_TARGET", None)
+    assert me.run(None, tmp_path, design.LEGACY_CELLS) == 2
+    assert "NDCR_TARGET" in capsys.readouterr().out and not any(tmp_path.iterdir())
