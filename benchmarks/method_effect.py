@@ -1,53 +1,69 @@
-"""Does FedDifRC help? A paired benchmark on mnist-5k with a pre-declared endpoint.
+"""Does FedDifRC help? A paired benchmark on mnist-5k with a design declared before it runs.
 
     python benchmarks/method_effect.py pilot [--out DIR]   # lr, horizon, NDCR options, on VALIDATION
-    python benchmarks/method_effect.py run --rounds R [--seeds 6]  # the paired comparison
-    python benchmarks/method_effect.py table [--out DIR]           # the paired table from finished cells
+    python benchmarks/method_effect.py plan                # the declared design, its cells, reuse, budget
+    python benchmarks/method_effect.py run                 # the paired comparison (resumable at any cell)
+    python benchmarks/method_effect.py table [--out DIR]   # the paired table from finished + reused cells
 
 Every cell is a real `flwr run .` in Flower's Ray simulation engine (10 simulated SuperNodes,
 5 sampled per round, paper NID1 Dirichlet partitions), run through `feddifrc sweep`'s code:
-judged by `flwr ls`, resumable, failures recorded. ``--lanes 2`` runs two sweeps side by side
-(separate folders and SuperLinks); on 2 cores that thrashed (an NDCR-only cell: 80 s alone,
-about 370 s beside another lane), so the default is one.
+judged by `flwr ls`, resumable (a finished cell is skipped, an interrupted one continues from
+its last checkpoint: stop `run` at any cell and start it again), failures recorded. ``--lanes 2``
+runs two sweeps side by side; on 2 cores that thrashed, so the default is one.
 
-Design (declared before running):
-- Within a seed, every arm sees the same partitions, initial model, sampled clients and
-  batches: the comparison is PAIRED by seed.
-- Primary endpoint, per seed: Delta = mean TEST accuracy over the last 10 rounds, arm minus
-  FedAvg. Reported over seeds as mean, SD, 95% t-interval and sign count. Secondary: test
-  accuracy at the round of best VALIDATION accuracy. No best-on-test endpoint.
-- "helps" / "hurts" only where the 95% interval excludes 0; otherwise "unresolved".
-- Everything chosen (lr, horizon, NDCR weight and view) is read off the validation split
-  (mnist-5k's public split) in the pilot, on a seed (100) that the comparison does not use.
-- Arms: FedAvg, FedProx, FedNH (fixed class prototypes: the "anchors" control), TDCL-only,
-  NDCR-only, FedDifRC with the trained tiny-mnist teacher, and FedDifRC with the untrained
-  control teacher. The control and FedProx run on the first 3 seeds (budget); every other arm
-  on all of them.
+Declared design (issue 35; declared before any of its results; method_effect_design.py holds it
+as data and `plan` prints it):
+- Paired by seed: within a seed every arm sees the same partitions, initial model, sampled
+  clients and batches.
+- Primary endpoint (unchanged), per seed: mean TEST accuracy over the last 10 rounds, arm minus
+  the other arm of the comparison; over seeds: mean, SD, 95% paired t-interval, two-sided
+  paired t-test, sign count. The rounds and the window are per-partition settings: alpha 0.05,
+  16 rounds, window 7-16; alpha 0.5, 30 rounds (the gain still grew at round 16), window 21-30.
+- Secondary endpoint: mean TEST accuracy over the 5 rounds centred on the round of best
+  VALIDATION accuracy (the first such round); near either end the window is shifted, not
+  shortened, to lie within rounds 1..R (best round 1 or 2: rounds 1-5; best round R or R-1:
+  rounds R-4..R). Validation and test accuracy correlated at r = 0.997 per round in the earlier
+  run, so this endpoint still behaves much like "best on test": read it as such.
+- Comparisons (each at both alphas): TDCL-only vs TDCL-anchors (is it the teacher's knowledge or
+  fixed class anchors?), TDCL-only vs FedAvg, FedDifRC (with the chosen NDCR target) vs TDCL-only
+  (what NDCR adds), FedDifRC vs FedAvg; references: TDCL-anchors vs FedAvg, FedNH vs FedAvg.
+- Holm-Bonferroni over every comparison reported for an endpoint (6 comparisons x 2 alphas = 12
+  per endpoint), from the paired t-tests; the adjusted p stands beside each interval. "helps" /
+  "hurts" only where the adjusted primary test rejects at 0.05, else "no detectable difference".
+- Seeds (from the earlier run's paired SDs: 80% power unadjusted): 11 paired seeds at alpha 0.05,
+  16 at alpha 0.5, for every key arm; FedNH, rerun with its corrected defaults, on 6 as a
+  reference. A cell of the earlier 72-cell run (docs/method_effect/cells.json) is reused where its
+  run config equals the planned cell's (method_effect_design.py says how that is decided):
+  FedAvg and TDCL-only at alpha 0.05, seeds 0-5; every other cell is new.
+- Budget: about 100 s per 16-round cell and 190 s per 30-round cell on 2 idle cores; `plan`
+  prints the total before anything runs (limit: about six hours); run nothing heavy beside it.
+- The earlier run's design (FedAvg as the only reference, test accuracy at the validation-best
+  round, an untrained-teacher control) is in git history and the README.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import threading
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
 
+import method_effect_design as design
 import numpy as np
+from method_effect_stats import endpoints, fmt_paired, holm, paired, verdict
 
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.results import RoundRow
-from feddifrc_app.tools.run_config import app_defaults, load_app_config
+from feddifrc_app.tools.run_config import app_defaults
 from feddifrc_app.tools.sweep import Cell, Flower, Sweep, make_cells, run_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = design.ROOT
 
 PILOT_SEED = 100
 ALPHAS = (0.05, 0.5)
-ENDPOINT_ROUNDS = 10  # the primary endpoint averages the last 10 rounds' test accuracy
 NDCR_PILOT_ROUNDS = 16
 
 
@@ -56,6 +72,7 @@ def conf(method: str) -> str:
 
 
 def settings(args, out: Path) -> dict:
+    """The pilot's settings beyond its grid (the comparison's are design.SETTINGS + its grid)."""
     return {
         "num-server-rounds": args.rounds,
         "train.local-epochs": args.epochs,
@@ -69,8 +86,7 @@ def settings(args, out: Path) -> dict:
 
 def pilot_cells() -> list[Cell]:
     """FedAvg at two learning rates (the long horizon: --rounds); NDCR-only at two weights with the
-    clean view and at weight 1 with the augmented view, over NDCR_PILOT_ROUNDS (what the budget
-    of the comparison allows)."""
+    clean view and at weight 1 with the augmented view, over NDCR_PILOT_ROUNDS."""
     cells = make_cells(
         [conf("fedavg")], [PILOT_SEED], {"partition.alpha": list(ALPHAS), "train.lr": [0.02, 0.05]}
     )
@@ -86,22 +102,6 @@ def pilot_cells() -> list[Cell]:
         {**ndcr, "loss.ndcr-weight": [1.0], "loss.ndcr-view": ["augmented"]},
     )
     return cells
-
-
-def comparison_cells(seeds: int, control: Path) -> list[Cell]:
-    """The core arms (FedAvg, TDCL-only, NDCR-only, FedDifRC) on every seed first, seed by seed,
-    then the control teacher on the first 3 seeds, FedNH on every seed and FedProx (a reference
-    baseline, not part of the question) on the first 3: a run cut short keeps whole paired seeds
-    of the core question."""
-    full, half = list(range(seeds)), list(range(min(seeds, 3)))
-    alphas = {"partition.alpha": list(ALPHAS)}
-    trained = {**alphas, "diffusion.model": ["tiny-mnist"]}
-    core = make_cells([conf("fedavg")], full, alphas)
-    core += make_cells([conf(m) for m in ("tdcl-only", "ndcr-only", "feddifrc")], full, trained)
-    rest = make_cells([conf("feddifrc")], half, {**alphas, "diffusion.model": [str(control)]})
-    rest += make_cells([conf("fednh")], full, alphas)
-    rest += make_cells([conf("fedprox")], half, alphas)
-    return sorted(core, key=lambda c: c.seed) + rest  # stable sorts keep the arm order
 
 
 def run_lanes(out: Path, cells: list[Cell], overrides: dict, lanes: int, timeout: float) -> int:
@@ -132,7 +132,7 @@ def run_lanes(out: Path, cells: list[Cell], overrides: dict, lanes: int, timeout
 
 
 def load_runs(out: Path) -> list[dict]:
-    """Every finished cell under ``out``: its cell record and results.json."""
+    """Every finished cell under ``out``: its cell record, results.json and run config."""
     runs = []
     for state in sorted(out.glob("lane*/sweep.json")):
         for name, cell in json.loads(state.read_text())["cells"].items():
@@ -141,23 +141,9 @@ def load_runs(out: Path) -> list[dict]:
                 continue
             r = RunDir(path.parent).load_results()
             if r.status == "completed":
-                runs.append(
-                    {
-                        "cell": cell,
-                        "results": r,
-                        "config": json.loads((path.parent / "config.json").read_text()),
-                    }
-                )
+                config = json.loads((path.parent / "config.json").read_text())
+                runs.append({"cell": cell, "results": r, "config": config})
     return runs
-
-
-def arm_of(run: dict) -> str:
-    c = run["config"]
-    method = Path(run["cell"]["conf"]).stem.removeprefix("mnist5k-")
-    if c["method"] in ("feddifrc", "feddifrc-ssl"):
-        teacher = "tiny-mnist" if c["diffusion.model"] == "tiny-mnist" else "control"
-        return f"{method} [{teacher}]"
-    return method
 
 
 TEST, VAL = attrgetter("test_accuracy"), attrgetter("val_accuracy")  # a row's score, for curve()
@@ -168,150 +154,110 @@ def curve(run: dict, value: Callable[[RoundRow], float | None]) -> np.ndarray:
     return np.array([value(r) for r in run["results"].rounds if r.round >= 1], dtype=float)
 
 
-def endpoints(run: dict) -> dict[str, float]:
-    test, s = curve(run, TEST), run["results"].summary
+def design_arm(cell: dict) -> str | None:
+    """The design arm a sweep cell record belongs to (None: not one of this design's)."""
+    for arm in design.arms():
+        extra = {k: v for k, v in cell["grid"].items() if k not in ("partition.alpha", "num-server-rounds")}
+        if Path(cell["conf"]).stem == f"mnist5k-{arm.conf}" and extra == arm.overrides:
+            return arm.name
+    return None
+
+
+def entry(run: dict) -> dict:
+    """A finished cell as cells.json holds it: enough to redo any analysis, and its identity."""
     return {
-        "last10": 100 * float(test[-ENDPOINT_ROUNDS:].mean()),
-        "at-val-best": 100 * s["test-at-val-best-accuracy"],
-        "final": 100 * s["final-accuracy"],
-        "best": 100 * s["best-accuracy"],
-        "last5": 100 * s["mean-last-5-accuracy"],
+        "arm": design_arm(run["cell"]),
+        "alpha": run["config"]["partition.alpha"],
+        "seed": run["config"]["seed"],
+        "val": curve(run, VAL).round(4).tolist(),
+        "test": curve(run, TEST).round(4).tolist(),
+        "config": design.identity(run["config"]),
     }
 
 
-def paired(deltas: list[float]) -> dict[str, float]:
-    """Mean, SD, 95% t-interval and sign counts of per-seed differences."""
-    from scipy import stats
-
-    d = np.asarray(deltas, dtype=float)
-    n, mean = len(d), float(d.mean())
-    sd = float(d.std(ddof=1)) if n > 1 else math.nan
-    half = float(stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)) if n > 1 else math.nan
-    return {
-        "n": n,
-        "mean": mean,
-        "sd": sd,
-        "lo": mean - half,
-        "hi": mean + half,
-        "pos": int((d > 0).sum()),
-        "neg": int((d < 0).sum()),
-    }
-
-
-def fmt_paired(p: dict[str, float]) -> str:
-    return f"{p['mean']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] ({p['pos']}/{p['neg']})"
-
-
-def verdict(p: dict[str, float]) -> str:
-    if p["n"] < 2 or math.isnan(p["lo"]):
-        return "n < 2"
-    return "helps" if p["lo"] > 0 else "hurts" if p["hi"] < 0 else "unresolved"
-
-
-def paired_table(runs: list[dict]) -> tuple[str, dict]:
+def design_cells(new: list[dict], legacy: list[dict]) -> dict[tuple[float, str], dict[int, dict]]:
+    """{(alpha, arm): {seed: endpoints}} of every planned cell that is finished or reused."""
+    done = {(e["arm"], e["alpha"], e["seed"]): e for e in new}
     by: dict[tuple[float, str], dict[int, dict]] = {}
-    for r in runs:
-        by.setdefault((r["config"]["partition.alpha"], arm_of(r)), {})[r["config"]["seed"]] = endpoints(r)
+    for p in design.plan(legacy):
+        e = p.reuse if p.reuse is not None else done.get((p.arm.name, p.part.alpha, p.seed))
+        if e is not None:
+            by.setdefault((p.part.alpha, p.arm.name), {})[p.seed] = endpoints(
+                e["val"], e["test"], p.part.window
+            )
+    return by
+
+
+def comparisons(by: dict[tuple[float, str], dict[int, dict]]) -> list[dict]:
+    """Every declared comparison with its paired tests and Holm-adjusted p (one family per endpoint)."""
+    rows = []
+    for part in design.PARTITIONS:
+        for a, b, what in design.COMPARISONS:
+            x, y = by.get((part.alpha, a), {}), by.get((part.alpha, b), {})
+            common = sorted(set(x) & set(y))
+            row = {"alpha": part.alpha, "what": what, "seeds": common}
+            for k in ("primary", "secondary"):
+                row[k] = paired([x[s][k] - y[s][k] for s in common])
+            rows.append(row)
+    for k in ("primary", "secondary"):
+        for row, p in zip(rows, holm([r[k]["p"] for r in rows]), strict=True):
+            row[k]["p-holm"] = p
+    for row in rows:
+        row["verdict"] = verdict(row["primary"], row["primary"]["p-holm"])
+    return rows
+
+
+def paired_table(by: dict[tuple[float, str], dict[int, dict]]) -> tuple[str, list[dict]]:
     lines = [
-        "| alpha | arm | seeds | test, mean of last 10 | final / best / mean of last 5 | "
-        "Delta last-10 vs FedAvg [95% CI] (+/-) | verdict | Delta test at val-best [95% CI] (+/-) |",
+        "| alpha | arm | seeds | primary: test, mean of the window | secondary: test, val-best window |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for (alpha, arm), cells in sorted(by.items()):
+        ms = {k: np.array([e[k] for e in cells.values()]) for k in ("primary", "secondary")}
+        sd = {k: f"{v.std(ddof=1):.1f}" if len(v) > 1 else "-" for k, v in ms.items()}
+        lines.append(
+            f"| {alpha:g} | {arm} | {len(cells)} | {ms['primary'].mean():.1f} ± {sd['primary']} | "
+            f"{ms['secondary'].mean():.1f} ± {sd['secondary']} |"
+        )
+    rows = comparisons(by)
+    lines += [
+        "",
+        "| alpha | comparison | seeds | primary Delta [95% CI] (+/-) | Holm p | verdict | "
+        "secondary Delta [95% CI] (+/-) | Holm p |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    summary: dict = {}
-    order = [
-        "fedavg",
-        "fedprox",
-        "fednh",
-        "tdcl-only [tiny-mnist]",
-        "ndcr-only [tiny-mnist]",
-        "feddifrc [tiny-mnist]",
-        "feddifrc [control]",
-    ]
-    for alpha in sorted({a for a, _ in by}):
-        base = by.get((alpha, "fedavg"), {})
-        for arm in sorted(
-            {m for a, m in by if a == alpha}, key=lambda m: (order.index(m) if m in order else 99, m)
-        ):
-            cells = by[(alpha, arm)]
-            ms = {k: np.array([e[k] for e in cells.values()]) for k in ("last10", "final", "best", "last5")}
-            sd = lambda v: f"{v.std(ddof=1):.1f}" if len(v) > 1 else "-"  # noqa: E731
-            row = [
-                f"{alpha:g}",
-                arm,
-                str(len(cells)),
-                f"{ms['last10'].mean():.1f} ± {sd(ms['last10'])}",
-                " / ".join(f"{ms[k].mean():.1f} ± {sd(ms[k])}" for k in ("final", "best", "last5")),
-            ]
-            entry = {"seeds": sorted(cells), **{k: float(v.mean()) for k, v in ms.items()}}
-            if arm != "fedavg" and base:
-                common = sorted(set(cells) & set(base))
-                p1 = paired([cells[s]["last10"] - base[s]["last10"] for s in common])
-                p2 = paired([cells[s]["at-val-best"] - base[s]["at-val-best"] for s in common])
-                row += [fmt_paired(p1), verdict(p1), fmt_paired(p2)]
-                entry |= {"delta-last10": p1, "delta-at-val-best": p2, "verdict": verdict(p1)}
-            else:
-                row += ["(reference)", "", ""]
-            lines.append("| " + " | ".join(row) + " |")
-            summary[f"{alpha:g} {arm}"] = entry
-    lines += ["", *contrasts_table(by, summary)]
-    return "\n".join(lines), summary
+    for r in rows:
+        if len(r["seeds"]) < 2:
+            continue
+        pr, se = r["primary"], r["secondary"]
+        lines.append(
+            f"| {r['alpha']:g} | {r['what']} | {len(r['seeds'])} | {fmt_paired(pr)} | {pr['p-holm']:.3f} | "
+            f"{r['verdict']} | {fmt_paired(se)} | {se['p-holm']:.3f} |"
+        )
+    return "\n".join(lines), rows
 
 
-# The two questions FedAvg as the reference cannot answer: is the gain the teacher's knowledge
-# (trained vs untrained teacher, same method), and is it more than fixed class anchors (FedNH)?
-CONTRASTS = (
-    ("feddifrc [tiny-mnist]", "feddifrc [control]", "trained vs untrained teacher, FedDifRC"),
-    ("tdcl-only [tiny-mnist]", "fednh", "TDCL-only vs fixed class anchors (FedNH)"),
-    ("feddifrc [tiny-mnist]", "tdcl-only [tiny-mnist]", "what NDCR adds to TDCL"),
-)
-
-
-def contrasts_table(by: dict[tuple[float, str], dict[int, dict]], summary: dict) -> list[str]:
-    """Paired differences between two arms on the seeds both ran (same endpoints as above)."""
-    lines = [
-        "| alpha | contrast | seeds | Delta last-10 [95% CI] (+/-) | verdict | "
-        "Delta test at val-best [95% CI] (+/-) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for alpha in sorted({a for a, _ in by}):
-        for a, b, what in CONTRASTS:
-            x, y = by.get((alpha, a), {}), by.get((alpha, b), {})
-            common = sorted(set(x) & set(y))
-            if len(common) < 2:
-                continue
-            p1 = paired([x[s]["last10"] - y[s]["last10"] for s in common])
-            p2 = paired([x[s]["at-val-best"] - y[s]["at-val-best"] for s in common])
-            row = [f"{alpha:g}", what, str(len(common)), fmt_paired(p1), verdict(p1), fmt_paired(p2)]
-            lines.append("| " + " | ".join(row) + " |")
-            summary[f"{alpha:g} {a} - {b}"] = {
-                "delta-last10": p1,
-                "delta-at-val-best": p2,
-                "verdict": verdict(p1),
-            }
-    return lines
-
-
-def plot_curves(runs: list[dict], path: Path) -> None:
+def plot_curves(entries: list[dict], path: Path) -> None:
     """Mean test accuracy per round of every arm, one panel per alpha (validation dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    alphas = sorted({r["config"]["partition.alpha"] for r in runs})
-    colour = {arm: f"C{i}" for i, arm in enumerate(sorted({arm_of(r) for r in runs}))}  # same in each panel
+    alphas = sorted({e["alpha"] for e in entries})
+    colour = {arm: f"C{i}" for i, arm in enumerate(sorted({e["arm"] for e in entries}))}
     fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4), squeeze=False)
     for ax, alpha in zip(axes[0], alphas, strict=True):
         arms: dict[str, list[dict]] = {}
-        for r in runs:
-            if r["config"]["partition.alpha"] == alpha:
-                arms.setdefault(arm_of(r), []).append(r)
-        for arm, rs in sorted(arms.items()):
-            test = 100 * np.mean([curve(r, TEST) for r in rs], axis=0)
-            val = 100 * np.mean([curve(r, VAL) for r in rs], axis=0)
+        for e in entries:
+            if e["alpha"] == alpha:
+                arms.setdefault(e["arm"], []).append(e)
+        for arm, es in sorted(arms.items()):
+            test = 100 * np.mean([e["test"] for e in es], axis=0)
+            val = 100 * np.mean([e["val"] for e in es], axis=0)
             x = np.arange(1, len(test) + 1)
-            line = ax.plot(x, test, label=f"{arm} (n={len(rs)})", color=colour[arm])[0]
-            ax.plot(x, val, ls="--", lw=0.8, color=line.get_color())
+            ax.plot(x, test, label=f"{arm} (n={len(es)})", color=colour[arm])
+            ax.plot(x, val, ls="--", lw=0.8, color=colour[arm])
         ax.set_title(f"mnist-5k NID1 alpha={alpha:g}: test (solid), validation (dashed)", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("accuracy (%), mean over seeds")
@@ -324,60 +270,79 @@ def plot_curves(runs: list[dict], path: Path) -> None:
 def pilot_report(runs: list[dict]) -> str:
     """Validation curves (5-round moving average) and mean validation accuracy of the last 10 rounds."""
     lines = []
-    for r in sorted(runs, key=lambda r: (arm_of(r), json.dumps(r["cell"]["grid"], sort_keys=True))):
+    for r in sorted(runs, key=lambda r: (r["cell"]["conf"], json.dumps(r["cell"]["grid"], sort_keys=True))):
         val = 100 * curve(r, VAL)
         ma = np.convolve(val, np.ones(5) / 5, mode="valid")
         flat = next((i + 5 for i in range(len(ma) - 5) if ma[i + 5 :].max() - ma[i] < 1.0), None)
         lines.append(
-            f"{arm_of(r):28s} {json.dumps(r['cell']['grid'], sort_keys=True):90s} "
+            f"{Path(r['cell']['conf']).stem:28s} {json.dumps(r['cell']['grid'], sort_keys=True):90s} "
             f"val last-10 {val[-10:].mean():5.1f}  flat from round {flat}  "
             f"val MA5: {' '.join(f'{v:.0f}' for v in ma[::2])}"
         )
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------ stages
+
+
+def show_plan(legacy: Path) -> list[design.Planned]:
+    planned = design.plan(json.loads(legacy.read_text()))
+    print("\n".join(design.declared_design() + design.plan_text(planned, legacy)), flush=True)
+    return planned
+
+
+def table(out: Path, legacy: Path) -> None:
+    """paired.md / paired.json / curves.png / cells.json (this design's finished cells) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    new = [e for e in map(entry, load_runs(out / "run")) if e["arm"] is not None]
+    text, rows = paired_table(design_cells(new, json.loads(legacy.read_text())))
+    print(text)
+    (out / "paired.md").write_text(text + "\n")
+    (out / "paired.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "cells.json").write_text(json.dumps(new) + "\n")
+    if new:
+        plot_curves(new, out / "curves.png")
+
+
+def run(args, out: Path, legacy: Path) -> int:
+    if design.NDCR_TARGET is None:
+        print(
+            "method_effect run: NDCR_TARGET in benchmarks/method_effect_design.py is not set "
+            "(pick NDCR's target first)"
+        )
+        return 2
+    planned = show_plan(legacy)
+    cells = [p.cell for p in planned if p.reuse is None]
+    extra = {**design.SETTINGS, "keep-checkpoints": 1, "diffusion.cache-dir": str(out / "cache")}
+    failed = run_lanes(out / "run", cells, extra, args.lanes, args.cell_timeout)
+    table(out, legacy)
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("pilot", "run", "table"))
+    ap.add_argument("stage", choices=("pilot", "plan", "run", "table"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "method_effect"))
-    ap.add_argument("--seeds", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--legacy", default=str(design.LEGACY_CELLS), help="the earlier run's cells.json")
+    ap.add_argument("--rounds", type=int, default=30, help="pilot only")
+    ap.add_argument("--epochs", type=int, default=1, help="pilot only")
+    ap.add_argument("--lr", type=float, default=0.05, help="pilot only")
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--cell-timeout", type=float, default=1800)
     args = ap.parse_args()
-    out = Path(args.out).resolve() / args.stage if args.stage != "table" else Path(args.out).resolve() / "run"
-    if args.stage == "table":
-        for stage in ("pilot", "run"):
-            runs = load_runs(Path(args.out).resolve() / stage)
-            if runs and stage == "pilot":
-                print(pilot_report(runs) + "\n")
-            elif runs:
-                table, summary = paired_table(runs)
-                print(table)
-                (Path(args.out).resolve() / "paired.json").write_text(json.dumps(summary, indent=1))
-                (Path(args.out).resolve() / "paired.md").write_text(table + "\n")
-                plot_curves(runs, Path(args.out).resolve() / "curves.png")
-                curves = [  # every finished cell's curves: enough to redo any analysis
-                    {
-                        "arm": arm_of(r),
-                        "alpha": r["config"]["partition.alpha"],
-                        "seed": r["config"]["seed"],
-                        "val": curve(r, VAL).round(4).tolist(),
-                        "test": curve(r, TEST).round(4).tolist(),
-                    }
-                    for r in runs
-                ]
-                (Path(args.out).resolve() / "cells.json").write_text(json.dumps(curves) + "\n")
+    out, legacy = Path(args.out).resolve(), Path(args.legacy).resolve()
+    if args.stage == "plan":
+        show_plan(legacy)
         return 0
-    from teacher_quality import control_teacher  # the same untrained control as the quality benchmark
-
-    control = control_teacher(load_app_config(ROOT, None), Path(args.out).resolve() / "tiny-mnist-untrained")
-    cells = pilot_cells() if args.stage == "pilot" else comparison_cells(args.seeds, control)
-    failed = run_lanes(out, cells, settings(args, out), args.lanes, args.cell_timeout)
-    runs = load_runs(out)
-    print(pilot_report(runs) if args.stage == "pilot" else paired_table(runs)[0])
+    if args.stage == "table":
+        table(out, legacy)
+        return 0
+    if args.stage == "run":
+        return run(args, out, legacy)
+    failed = run_lanes(
+        out / "pilot", pilot_cells(), settings(args, out / "pilot"), args.lanes, args.cell_timeout
+    )
+    print(pilot_report(load_runs(out / "pilot")))
     return 1 if failed else 0
 
 
