@@ -12,6 +12,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Longest timeout (seconds) a key accepts: 30 days; 1e308 would overflow the waits it feeds.
+MAX_TIMEOUT_S = 30 * 86400
+# Bounds of every int / float key that sets no upper bound of its own: no count of rounds,
+# epochs, nodes, images or negatives reaches 2^31 - 1 (torch and numpy take int32/int64 there,
+# and 1e308 "rounds" would never end), and no weight, rate or temperature is above 1e9 (a large
+# learning rate below it is still accepted: the run reports it as diverged).
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e9
+# A server step (eta, eta-l, server-learning-rate, tau) above 10 is of no use (FedAdam, eta 1e3: NaN).
+MAX_STEP = 10.0
+# q-FFL weighs node k by F_k^q: with losses up to ~10 (cross-entropy over 100+ classes early on)
+# F^q leaves float32 at q ~ 38; the q-FFL paper's largest q is 15.
+MAX_Q = 20.0
+FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(float32).tiny: smaller is 0 in float32
+
 
 class ConfigError(ValueError):
     """A config key is missing, unknown, of the wrong type or out of range."""

@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from feddifrc_app import casting
-from feddifrc_app.casting import ConfigError, invalid, resolve_path
+from feddifrc_app.casting import (
+    FLOAT32_TINY,
+    MAX_FLOAT,
+    MAX_INT,
+    MAX_Q,
+    MAX_STEP,
+    MAX_TIMEOUT_S,
+    ConfigError,
+    invalid,
+    resolve_path,
+)
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
@@ -48,21 +58,6 @@ def last_stage_size(image_size: int) -> int:
         s = -(-s // stride)
     return s
 
-
-# Longest timeout (seconds) a key accepts: 30 days; 1e308 would overflow the waits it feeds.
-MAX_TIMEOUT_S = 30 * 86400
-# Bounds of every int / float key that sets no upper bound of its own: no count of rounds,
-# epochs, nodes, images or negatives reaches 2^31 - 1 (torch and numpy take int32/int64 there,
-# and 1e308 "rounds" would never end), and no weight, rate or temperature is above 1e9 (a large
-# learning rate below it is still accepted: the run reports it as diverged).
-MAX_INT = 2**31 - 1
-MAX_FLOAT = 1e9
-# A server step (eta, eta-l, server-learning-rate, tau) above 10 is of no use (FedAdam, eta 1e3: NaN).
-MAX_STEP = 10.0
-# q-FFL weighs node k by F_k^q: with losses up to ~10 (cross-entropy over 100+ classes early on)
-# F^q leaves float32 at q ~ 38; the q-FFL paper's largest q is 15.
-MAX_Q = 20.0
-FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(float32).tiny: smaller is 0 in float32
 
 DEFAULT_CACHE_DIR = "~/.cache/feddifrc"
 DEFAULT_OUTPUTS_DIR = "~/feddifrc-runs"

@@ -297,7 +297,8 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
     """Done-when of issue 20: >= 300 values over every run-config key, no traceback; a value
     that loads is within the key's documented range (ints <= MAX_INT, floats <= MAX_FLOAT,
     path keys never a file or device)."""
-    from feddifrc_app.config import KEYS, MAX_FLOAT, MAX_INT
+    from feddifrc_app.casting import MAX_FLOAT, MAX_INT
+    from feddifrc_app.config import KEYS
 
     tmp_file = tmp_path / "a-file"
     tmp_file.write_text("x")
