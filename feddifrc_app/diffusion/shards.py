@@ -70,6 +70,7 @@ def key_fields(
     dtype: str = "",
     vae_dtype: str = "",
     family: str = "sd",
+    pool_grid: int = 0,
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
@@ -82,6 +83,8 @@ def key_fields(
     of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
     is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
     under float16, ``family.vae_dtype``): every other key is as it was before it existed.
+    ``pool_grid`` (g x g grid pooling; 0 = the mean, today's) is a field only when not 0, for
+    the same reason; the mid-block (``family.MID_BLOCK``) is one of ``blocks``.
     """
     fields = {
         "format": FORMAT,
@@ -102,6 +105,8 @@ def key_fields(
         fields["vae_dtype"] = vae
     if family != "sd":
         fields["family"] = str(family)
+    if pool_grid:
+        fields["pool_grid"] = int(pool_grid)
     return fields
 
 

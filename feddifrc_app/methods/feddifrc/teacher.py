@@ -32,7 +32,7 @@ from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
-from feddifrc_app.diffusion.family import check_layers, family_module, layer_count, vae_dtype
+from feddifrc_app.diffusion.family import check_layers, family_module, has_mid_block, layer_count, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
@@ -60,6 +60,7 @@ class TeacherSpec:
     seed: int
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
+    pool_grid: int = 0  # diffusion.pooling: 0 = the mean over each map, g = a g x g grid of means
 
     @functools.cached_property
     def vae_dtype(self) -> torch.dtype:
@@ -91,7 +92,8 @@ def _resolved(d: DiffusionConfig, seed: int, cache_dir: Path) -> TeacherSpec:
     resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
     family = identity.family
-    check_layers(d.blocks, layer_count(identity.folder, family), family)
+    mid = has_mid_block(identity.folder, family)
+    check_layers(d.blocks, layer_count(identity.folder, family), family, mid=mid)
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
     return TeacherSpec(
         model=d.model,
@@ -106,6 +108,7 @@ def _resolved(d: DiffusionConfig, seed: int, cache_dir: Path) -> TeacherSpec:
         seed=seed,
         batch_size=d.batch_size,
         resident=d.condition == "global-model",
+        pool_grid=d.pool_grid if d.pooling == "grid" else 0,
     )
 
 
@@ -134,6 +137,7 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         dtype=str(spec.dtype),
         vae_dtype=str(spec.vae_dtype),
         family=spec.identity.family,
+        pool_grid=spec.pool_grid,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 
@@ -167,6 +171,7 @@ def _featurizer(spec: TeacherSpec) -> Featurizer:
         blocks=spec.blocks,
         ensemble=spec.ensemble,
         seed=spec.seed,
+        pool_grid=spec.pool_grid,
     )
 
 
