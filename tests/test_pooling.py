@@ -65,5 +65,6 @@ def test_unet_families_accept_the_mid_block(teacher_cache: Path) -> None:
         cfg = make_config(**{"diffusion.model": model, "diffusion.blocks": blocks, "diffusion.device": "cpu"})
         assert teacher_spec(cfg, teacher_cache).blocks[0] == MID_BLOCK
     assert check_layers((MID_BLOCK, 3), 4, "sd", mid=True) == (-1, 3)
-    with pytest.raises(FamilyError, match=r"-1 \(the mid-block\) or unet.up_blocks 0..3"):
+    mid_range = r"unet.up_blocks indices in 0..3 for this sd teacher \(it has 4; -1 is its mid-block\)"
+    with pytest.raises(FamilyError, match=mid_range):
         check_layers((MID_BLOCK, 4), 4, "sd", mid=True)

@@ -142,11 +142,11 @@ def check_layers(layers: tuple[int, ...], n: int, family: str, mid: bool = False
     ok = lambda b: 0 <= b < n or (b == MID_BLOCK and mid)  # noqa: E731
     if not layers or len(set(layers)) != len(layers) or not all(ok(b) for b in layers):
         default = ",".join(map(str, mod.default_layers(n)))
-        where = f"{MID_BLOCK} (the mid-block) or " if mid else ""
+        has = f"{n}; {MID_BLOCK} is its mid-block" if mid else str(n)
         none = f"; it has no mid-block ({MID_BLOCK})" if MID_BLOCK in layers and not mid else ""
         raise FamilyError(
-            f"diffusion.blocks {layers} must be distinct indices, {where}{mod.LAYER_NAME} 0..{n - 1}, "
-            f"for this {family} teacher (it has {n}); its default is '{default}'{none}"
+            f"diffusion.blocks {layers} must be distinct {mod.LAYER_NAME} indices in 0..{n - 1} for this "
+            f"{family} teacher (it has {has}); its default is '{default}'{none}"
         )
     return layers
 

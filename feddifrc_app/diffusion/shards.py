@@ -82,10 +82,8 @@ def key_fields(
     (``family.ADAPTERS``: which layers ``blocks`` index, how the image is noised) is a field
     of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
     is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
-    under float16, ``family.vae_dtype``): every other key is as it was before it existed.
-    ``pool_grid`` (g x g grid pooling; 0 = the mean, today's) is a field only when not 0, for
-    the same reason; the mid-block (``family.MID_BLOCK``) is one of ``blocks``.
-    """
+    under float16, ``family.vae_dtype``): every other key is as it was before it existed. So is
+    ``pool_grid`` (g x g grid pooling), when not 0 (the mean); the mid-block is one of ``blocks``."""
     fields = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -105,9 +103,7 @@ def key_fields(
         fields["vae_dtype"] = vae
     if family != "sd":
         fields["family"] = str(family)
-    if pool_grid:
-        fields["pool_grid"] = int(pool_grid)
-    return fields
+    return {**fields, "pool_grid": int(pool_grid)} if pool_grid else fields
 
 
 def key_from_fields(fields: Mapping[str, Any]) -> str:
