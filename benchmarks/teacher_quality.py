@@ -2,6 +2,20 @@
 
     python benchmarks/teacher_quality.py [--out DIR] [--run-config ...] [--folds 5]
         [--pixart DIR [--pixart-blocks 3,5,7]]
+    python benchmarks/teacher_quality.py --options [--split train|val|test] [--run-config ...]
+
+``--options`` scores the configured teacher's NDCR-target options instead (``diffusion.pooling``,
+``diffusion.pool-grid``, ``diffusion.blocks`` with the mid-block -1; ``OPTIONS``) in NDCR's
+geometry, beside the raw pixels, on ``--split`` (default ``train``: NDCR's default is picked
+there or on ``val``, never on ``test``; mnist-5k's ``val`` is the public split the packaged
+teacher was trained on, so ``train`` is the one it never saw). Only the NDCR prompt's rows are
+extracted (a tenth of the UNet rows: the options take minutes). Per option: 5-fold
+nearest-class-centroid accuracy of (a) the NDCR target fused as a run fuses it, with a PCA
+basis to the option's ``diffusion.channels`` fitted on these NDCR rows (a run fits it on every
+prompt's rows; "n/a" where the block widths cannot reach the embedding width)
+and (b) the option's NDCR-prompt features in the teacher's own space (each block
+unit-normalised, concatenated, centred). Sized by ``dataset.train-limit`` /
+``dataset.eval-limit``.
 
 ``--pixart DIR`` (a ``feddifrc pretrain-teacher --family pixart --out DIR`` folder) adds the
 tiny transformer teacher and its own untrained control (``--family pixart --vae-steps 0
@@ -232,6 +246,87 @@ def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
     return out
 
 
+# (label, diffusion.blocks, diffusion.channels, pool-grid: 0 = mean) of every option --options scores
+OPTIONS = (
+    ("mean, up 1,2,3 (today)", (1, 2, 3), (64, 32, 32), 0),
+    ("grid 2, up 1,2,3", (1, 2, 3), (64, 32, 32), 2),
+    ("grid 4, up 1,2,3", (1, 2, 3), (64, 32, 32), 4),
+    ("mean, up 3", (3,), (128,), 0),
+    ("grid 2, up 3", (3,), (128,), 2),
+    ("grid 8, up 3 (unpooled)", (3,), (128,), 8),
+    ("mean, mid", (-1,), (128,), 0),
+    ("mean, mid + up 1,2,3", (-1, 1, 2, 3), (32, 32, 32, 32), 0),
+)
+
+
+def option_scores(cfg, cache_dir: Path, data, folds: int) -> dict[str, float | None]:
+    """Nearest-class-centroid accuracy of one option's NDCR target: fused (a PCA basis fitted on the
+    NDCR rows; None where its widths cannot reach the embedding) and in the teacher's own space."""
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+    from sklearn.neighbors import NearestCentroid
+
+    spec = teacher_spec(cfg, cache_dir)
+    ndcr_prompt = teacher_prompts(cfg, data.class_names)[-1:]
+    pooled, _ = pooled_features(feature_set(spec, data, ndcr_prompt), np.arange(len(data)))
+    blocks, y = cfg.diffusion.blocks, data.labels
+    cv = StratifiedKFold(folds, shuffle=True, random_state=0)
+    ncc = lambda x: float(cross_val_score(NearestCentroid(), _unit(x), y, cv=cv).mean())  # noqa: E731
+    own = np.concatenate([_unit(pooled[b][:, -1].astype(np.float32)) for b in blocks], axis=-1)
+    try:
+        basis, _ = fit_federated_basis(
+            [client_stats(pooled)], cfg.diffusion.channels, blocks, cfg.embedding_dim
+        )
+    except ValueError:  # the blocks' widths sum below the embedding width: no run can use it
+        fused = None
+    else:
+        fused = ncc(fuse(pooled, basis)[:, -1])
+    width = sum(int(pooled[b].shape[-1]) for b in blocks)
+    return {"fused-ncc": fused, "teacher-space-ncc": ncc(own - own.mean(0)), "width": width}
+
+
+def options_table(cfg, cache_dir: Path, data, folds: int) -> dict[str, dict]:
+    """Every ``OPTIONS`` row on ``data`` (a grid a block's map cannot hold is skipped, said why)."""
+    rows: dict[str, dict] = {}
+    for label, blocks, channels, grid in OPTIONS:
+        d = dataclasses.replace(
+            cfg.diffusion,
+            blocks=blocks,
+            channels=channels,
+            pooling="grid" if grid else "mean",
+            pool_grid=grid or 2,
+        )
+        try:
+            rows[label] = option_scores(dataclasses.replace(cfg, diffusion=d), cache_dir, data, folds)
+        except ValueError as e:
+            rows[label] = {"skipped": str(e)}
+    pixels = data.images[:, 0].reshape(len(data), -1).numpy().astype(np.float32)
+    rows["raw pixels (centred)"] = {
+        "teacher-space-ncc": ndcr_geometry(pixels - pixels.mean(0), data.labels, folds)[0]
+    }
+    return rows
+
+
+def print_options(rows: dict[str, dict], d, data, folds: int) -> None:
+    print(
+        f"\nNDCR target options, {d.model}, mnist-5k {data.split} split ({len(data)} images), "
+        f"t = {d.timestep}, {d.resolution} px, NDCR prompt {d.ndcr_prompt!r}: "
+        f"{folds}-fold nearest-class-centroid accuracy of centred unit vectors (chance 0.10)\n"
+    )
+    print(
+        "| option | pooled width | NDCR target as a run fuses it (PCA) | "
+        "teacher space (blocks unit, centred) |"
+    )
+    print("| --- | --- | --- | --- |")
+    f = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    for label, m in rows.items():
+        if "skipped" in m:
+            print(f"| {label} | - | skipped: {m['skipped']} | |")
+        else:
+            print(
+                f"| {label} | {m.get('width', '-')} | {f(m.get('fused-ncc'))} | {f(m['teacher-space-ncc'])} |"
+            )
+
+
 def print_table(rows: dict[str, dict[str, float]], d, n_images: int, folds: int) -> None:
     print(
         f"\nmnist-5k federated test split ({n_images} images), t = {d.timestep}, {d.resolution} px, "
@@ -290,6 +385,8 @@ def main() -> int:
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--pixart", default="", help="a `pretrain-teacher --family pixart` folder to compare")
     ap.add_argument("--pixart-blocks", default="3,5,7", help="its transformer_blocks (default of 8)")
+    ap.add_argument("--options", action="store_true", help="score the NDCR-target options (OPTIONS) instead")
+    ap.add_argument("--split", default="train", choices=("train", "val", "test"), help="--options: the split")
     args = ap.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out).resolve()
@@ -298,6 +395,15 @@ def main() -> int:
     if cfg.dataset.name != "mnist-5k":
         raise SystemExit("teacher_quality: needs dataset.name = 'mnist-5k' (the teacher's public split)")
 
+    if args.options:
+        data = load_dataset(cfg.dataset, args.split, seed=cfg.seed)
+        rows = options_table(cfg, out / "cache", data, args.folds)
+        print_options(rows, cfg.diffusion, data, args.folds)
+        write_json(
+            out / f"teacher_options_{args.split}.json",
+            {"split": args.split, "images": len(data), "rows": rows},
+        )
+        return 0
     test = load_dataset(cfg.dataset, "test")
     rows = {}
     for label, model, blocks in teachers(cfg, args, out):

@@ -179,7 +179,9 @@ class DiffusionConfig:
     model: str = key()  # "tiny-mnist", "tiny", a hub id, or a local folder (made absolute)
     resolution: int = key(lo=8, hi=1024)
     timestep: int = key(lo=0, hi=999)
-    blocks: tuple[int, ...] = key()
+    blocks: tuple[int, ...] = key()  # -1 = the UNet's mid-block (family.MID_BLOCK)
+    pooling: str = key(choices=("mean", "grid"))
+    pool_grid: int = key(lo=1, hi=16)  # g of pooling = "grid": a g x g grid of each map, C g^2 features
     channels: tuple[int, ...] = key()
     ensemble: int = key(lo=1, hi=64)
     projection: str = key(choices=PROJECTIONS)

@@ -59,3 +59,35 @@ def test_feature_key_of_each_family_is_pinned(family: str, dtype: str, teacher_c
 def test_auto_dtype_on_a_gpu_per_family(family: str) -> None:
     auto = auto_dtype("cuda", family_module(family).AUTO_BF16, bf16_supported=True)
     assert auto == getattr(torch, AUTO_ON_CUDA[family])
+
+
+# diffusion.pooling / the mid-block on the tiny SD teacher (float32): a field only off the default
+OPTION_KEYS = {
+    ("mean", 2, "1,2,3"): KEYS["sd", "float32"],  # pool-grid is unread under mean pooling
+    ("mean", 3, "1,2,3"): KEYS["sd", "float32"],
+    ("grid", 2, "1,2,3"): "dfbd35b2427a2d1ad1075aa59258d5f7922175f494105cfb39f2c220b0abfff2",
+    ("grid", 3, "1,2,3"): "6a9dd68be2ac95383095f8d3e23a625815b5116181e1b5a5acd7c0a73de644c4",
+    ("mean", 2, "-1,1,2"): "392e25c6cdd3894d3b2945ffa875d60896d2058e67bd0888b46a551832dada69",
+}
+
+
+@pytest.mark.parametrize(("pooling", "grid", "blocks"), sorted(OPTION_KEYS))
+def test_pooling_and_mid_block_keys_are_pinned(
+    pooling: str, grid: int, blocks: str, teacher_cache: Path
+) -> None:
+    cfg = make_config(
+        **{"diffusion.model": "tiny", "diffusion.blocks": blocks, "diffusion.device": "cpu"},
+        **{"diffusion.pooling": pooling, "diffusion.pool-grid": grid},
+    )
+    spec = teacher_spec(cfg, teacher_cache)
+    fs = feature_set(spec, load_dataset(cfg.dataset, "train", seed=cfg.seed), PROMPTS)
+    assert fs.key == OPTION_KEYS[pooling, grid, blocks], fs.key
+    assert fs.fields.get("pool_grid") == (grid if pooling == "grid" else None)
+    assert fs.fields["blocks"] == [int(b) for b in blocks.split(",")]
+    # nothing else moves: the fields are the default's but for pool_grid and the blocks
+    default = make_config(
+        **{"diffusion.model": "tiny", "diffusion.blocks": "1,2,3", "diffusion.device": "cpu"}
+    )
+    base = feature_set(teacher_spec(default, teacher_cache), fs.data, PROMPTS).fields
+    rest = {k: v for k, v in fs.fields.items() if k not in ("pool_grid", "blocks")}
+    assert rest == {k: v for k, v in base.items() if k != "blocks"}

@@ -7,6 +7,7 @@ import hashlib
 import pytest
 import torch
 
+from feddifrc_app.diffusion.family import MID_BLOCK
 from feddifrc_app.diffusion.featurizer import Featurizer, noise_seed, to_unit_range
 from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, placement
 
@@ -307,3 +308,75 @@ def test_bad_arguments(teacher: Teacher, images: torch.Tensor) -> None:
         make(teacher, resolution=15)
     with pytest.raises(ValueError, match="ids"):
         make(teacher)(images, torch.arange(3), PROMPTS)
+
+
+# --------------------------------------------------------------------------- pooling and the mid-block
+
+
+def _captured(module: torch.nn.Module, run) -> torch.Tensor:
+    """The output of ``module`` during ``run()`` (a forward hook registered before the featurizer's)."""
+    seen: list[torch.Tensor] = []
+    handle = module.register_forward_hook(
+        lambda _m, _i, out: seen.append((out[0] if isinstance(out, tuple) else out).clone())
+    )
+    try:
+        result = run()
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    return seen[0], result
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_mid_block_features_are_the_unets_mid_block_output(
+    teacher: Teacher, images: torch.Tensor, fast: bool
+) -> None:
+    f = make(teacher, blocks=(MID_BLOCK, 2), fast=fast)
+    ids = torch.arange(4)
+    h, out = _captured(teacher.unet.mid_block, lambda: f(images, ids, PROMPTS[1:]))
+    B, P = 4, len(PROMPTS[1:])
+    want = h.mean(dim=(2, 3)).reshape(P, B, -1).transpose(0, 1)  # rows prompt-major
+    assert out[MID_BLOCK].shape == (B, P, teacher.unet.mid_block.resnets[-1].out_channels)
+    torch.testing.assert_close(out[MID_BLOCK], want, rtol=0, atol=0)
+    assert f.width(MID_BLOCK) == 64  # tiny: block_out_channels[-1]
+    # the up_block beside it is unchanged by asking for the mid-block too
+    torch.testing.assert_close(out[2], make(teacher, blocks=(2,), fast=fast)(images, ids, PROMPTS[1:])[2])
+
+
+def test_the_mid_block_alone_stops_the_unet_before_the_up_blocks(
+    teacher: Teacher, images: torch.Tensor
+) -> None:
+    ran: list[int] = []
+    handle = teacher.unet.up_blocks[0].register_forward_hook(lambda *_: ran.append(0))
+    try:
+        out = make(teacher, blocks=(MID_BLOCK,))(images, torch.arange(4), PROMPTS[1:])
+    finally:
+        handle.remove()
+    assert list(out) == [MID_BLOCK] and ran == []
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_grid_features_are_the_grid_means_of_each_blocks_map(
+    teacher: Teacher, images: torch.Tensor, fast: bool
+) -> None:
+    ids, B, P = torch.arange(4), 4, len(PROMPTS[1:])
+    f = make(teacher, blocks=(1, 3), pool_grid=2, fast=fast)
+    h, out = _captured(teacher.unet.up_blocks[3], lambda: f(images, ids, PROMPTS[1:]))
+    assert h.shape[-2:] == (8, 8)
+    # cell (i, j) of channel c = the mean of the 4x4 quadrant (i, j): by hand, not by adaptive pooling
+    quads = h.reshape(P * B, -1, 2, 4, 2, 4).mean(dim=(3, 5))  # (rows, C, 2, 2)
+    want = quads.reshape(P, B, -1).transpose(0, 1)
+    torch.testing.assert_close(out[3], want, rtol=1e-6, atol=1e-6)
+    assert (
+        out[3].shape == (B, P, 4 * teacher.block_channels[3]) and f.width(1) == 4 * teacher.block_channels[1]
+    )
+    # the grid's mean is the mean-pooled feature
+    mean = make(teacher, blocks=(1, 3), fast=fast)(images, ids, PROMPTS[1:])
+    for b in (1, 3):
+        grid = out[b].reshape(B, P, -1, 4).mean(-1)
+        torch.testing.assert_close(grid, mean[b], rtol=1e-5, atol=1e-5)
+
+
+def test_a_grid_the_mid_blocks_map_cannot_hold_is_refused(teacher: Teacher, images: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="pool-grid = 2 exceeds a hooked layer's 1x1 map"):
+        make(teacher, blocks=(MID_BLOCK, 1), pool_grid=2)(images, torch.arange(4), PROMPTS[1:])

@@ -20,6 +20,7 @@ from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.diffusion.shards import key_fields, key_from_fields
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.methods.feddifrc import teacher
+from feddifrc_app.methods.feddifrc.projection import client_stats, fit_federated_basis, fuse
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
 
@@ -98,6 +99,45 @@ def test_only_an_upcast_vae_adds_a_key_field(teacher_cache):
         "float32",
         "cpu float16 (vae float32)",
     )
+
+
+def test_grid_pooling_is_a_spec_field_a_key_field_and_widens_the_features(teacher_cache):
+    """pooling = "grid": the spec's pool_grid (0 under mean, whatever pool-grid says), a key field
+    only then, features g^2 times wider, and a federated basis to the same fused width."""
+    base = dict(weights_hash="ab" * 32, resolution=16, timestep=300, blocks=(1, 2, 3), prompts=("a", ""))
+    base.update(seed=0, ensemble=1, dataset_fingerprint="cd" * 32, dtype="float32")
+    assert key_fields(**base, pool_grid=0) == key_fields(**base)
+    assert key_fields(**base, pool_grid=2) == {**key_fields(**base), "pool_grid": 2}
+    opts = {"model.width": 16, "diffusion.device": "cpu", "diffusion.channels": "64,32,32"}
+    mean = teacher_spec(make_config(**opts, **{"diffusion.pool-grid": 3}), teacher_cache)
+    cfg = make_config(**opts, **{"diffusion.pooling": "grid", "diffusion.pool-grid": 2})
+    grid = teacher_spec(cfg, teacher_cache)
+    assert (mean.pool_grid, grid.pool_grid) == (0, 2)
+    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    prompts = teacher_prompts(cfg, data.class_names)
+    ids = np.arange(6)
+    wide, _ = pooled_features(feature_set(grid, data, prompts), ids)
+    narrow, _ = pooled_features(feature_set(dataclasses.replace(mean, pool_grid=0), data, prompts), ids)
+    for b in (1, 2, 3):
+        assert wide[b].shape == (6, len(prompts), 4 * narrow[b].shape[-1])
+        # each channel's four cells average to its mean-pooled feature (float16 storage)
+        cells = wide[b].astype(np.float32).reshape(6, len(prompts), -1, 4).mean(-1)
+        np.testing.assert_allclose(cells, narrow[b].astype(np.float32), rtol=2e-3, atol=2e-3)
+    basis, _ = fit_federated_basis([client_stats(wide)], cfg.diffusion.channels, (1, 2, 3), cfg.embedding_dim)
+    assert fuse(wide, basis).shape == (6, len(prompts), cfg.embedding_dim)
+
+
+def test_the_mid_block_passes_the_config_rules_and_minus_two_does_not():
+    from feddifrc_app.casting import ConfigError
+
+    opts = {"model.width": 16, "diffusion.channels": "64,32,32"}
+    assert make_config(**opts, **{"diffusion.blocks": "-1,2,3"}).diffusion.blocks == (-1, 2, 3)
+    with pytest.raises(ConfigError, match="'diffusion.blocks' = '-2,2,3'.*-1: their mid-block"):
+        make_config(**opts, **{"diffusion.blocks": "-2,2,3"})
+    with pytest.raises(ConfigError, match="diffusion.pooling"):
+        make_config(**{"diffusion.pooling": "max"})
+    with pytest.raises(ConfigError, match="diffusion.pool-grid"):
+        make_config(**{"diffusion.pool-grid": 0})
 
 
 @pytest.mark.parametrize("condition", ["none", "global-model"])

@@ -25,7 +25,11 @@ adapter (``sd``, ``sdxl``, ``pixart``, ``sd3``) provides, as constants and plain
 - ``encode_prompts(teacher, prompts, resolution) -> Conditioning``;
 - ``noise_coeffs(teacher, timestep) -> (a, b, model_timestep)``: ``x_t = a x0 + b eps``;
 - ``denoise(teacher, sample, step, cond)``: one denoiser call (the hooks take the features);
-- ``pool(output, grid) -> (rows, C)``: a hooked layer's output, mean-pooled over the latent grid.
+- ``pool(output, grid, cells) -> (rows, C)``: a hooked layer's output, mean-pooled over the
+  latent grid (``cells = 0``) or a ``cells x cells`` grid of means (``pool_map``);
+- ``MID_ATTR`` (optional, absent = None): the denoiser's middle block (``"mid_block"`` for the
+  UNets, hooked as ``diffusion.blocks`` index ``MID_BLOCK = -1``) or None (the DiTs have none);
+  ``mid_width(denoiser)``: its output width.
 
 Image encoding (``encode_image``) is common: the VAE mean, shifted and scaled as the
 pipeline's VAE config says.
@@ -50,6 +54,11 @@ ADAPTERS: dict[str, str] = {
     "pixart": "feddifrc_app.diffusion.pixart",
     "sd3": "feddifrc_app.diffusion.sd3",
 }
+
+
+# diffusion.blocks index of the UNet's mid-block: it runs before up_blocks[0], so the largest
+# index is still the last layer a forward pass reaches.
+MID_BLOCK = -1
 
 
 class FamilyError(ValueError):
@@ -115,18 +124,36 @@ def layer_count(folder: Path, family: str) -> int:
     return len(value) if isinstance(value, list) else int(value)
 
 
-def check_layers(layers: tuple[int, ...], n: int, family: str) -> tuple[int, ...]:
-    """``layers`` if they are distinct indices of the model's ``n`` layers, else a FamilyError
-    that names the valid range and the family's default."""
+def has_mid_block(folder: Path, family: str) -> bool:
+    """Whether the folder's denoiser has a mid-block to hook (from its config.json, no network)."""
+    mod = family_module(family)
+    if getattr(mod, "MID_ATTR", None) is None:
+        return False
+    cfg = json.loads((Path(folder) / mod.DENOISER / "config.json").read_text())
+    return cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn") is not None  # diffusers' default
+
+
+def check_layers(layers: tuple[int, ...], n: int, family: str, mid: bool = False) -> tuple[int, ...]:
+    """``layers`` if they are distinct indices of the model's ``n`` layers (or ``MID_BLOCK`` when
+    ``mid``: the model has a mid-block), else a FamilyError that names the valid range and the
+    family's default."""
     mod = family_module(family)
     layers = tuple(int(b) for b in layers)
-    if not layers or len(set(layers)) != len(layers) or any(b < 0 or b >= n for b in layers):
+    ok = lambda b: 0 <= b < n or (b == MID_BLOCK and mid)  # noqa: E731
+    if not layers or len(set(layers)) != len(layers) or not all(ok(b) for b in layers):
         default = ",".join(map(str, mod.default_layers(n)))
+        has = f"{n}; {MID_BLOCK} is its mid-block" if mid else str(n)
+        none = f"; it has no mid-block ({MID_BLOCK})" if MID_BLOCK in layers and not mid else ""
         raise FamilyError(
             f"diffusion.blocks {layers} must be distinct {mod.LAYER_NAME} indices in 0..{n - 1} for this "
-            f"{family} teacher (it has {n}); its default is '{default}'"
+            f"{family} teacher (it has {has}); its default is '{default}'{none}"
         )
     return layers
+
+
+def layer_module(denoiser, mod: ModuleType, b: int):
+    """The module whose output is layer ``b``'s feature: ``LAYER_ATTR[b]``, or the mid-block."""
+    return getattr(denoiser, mod.MID_ATTR) if b == MID_BLOCK else getattr(denoiser, mod.LAYER_ATTR)[b]
 
 
 def vae_dtype(folder: Path, family: str, dtype: torch.dtype) -> torch.dtype:
@@ -155,14 +182,29 @@ def encode_image(vae, x: Tensor) -> Tensor:
     return lat * float(vae.config.scaling_factor)
 
 
-def pool_tokens(h: Tensor, grid: tuple[int, int]) -> Tensor:
-    """DiT tokens ``(rows, N, D)`` -> the latent patch grid ``(rows, D, h, w)`` -> mean ``(rows, D)``."""
+def pool_map(h: Tensor, cells: int) -> Tensor:
+    """A layer's map ``(rows, C, h, w)`` -> float32 ``(rows, C)``, its mean (``cells = 0``), or
+    ``(rows, C * g * g)`` for ``cells = g``: the means of a g x g grid of regions (adaptive
+    average pooling: region i of n rows spans ``floor(i n / g)`` to ``ceil((i + 1) n / g)``),
+    channel-major (channel c's g x g means, row by row, then channel c + 1's)."""
+    if not cells:
+        return h.mean(dim=(2, 3), dtype=torch.float32)
+    if cells > min(h.shape[-2:]):
+        raise ValueError(
+            f"diffusion.pool-grid = {cells} exceeds a hooked layer's {h.shape[-2]}x{h.shape[-1]} map; "
+            "choose a grid no larger than the smallest map of diffusion.blocks, or diffusion.pooling = 'mean'"
+        )
+    return torch.nn.functional.adaptive_avg_pool2d(h.float(), cells).flatten(1)
+
+
+def pool_tokens(h: Tensor, grid: tuple[int, int], cells: int = 0) -> Tensor:
+    """DiT tokens ``(rows, N, D)`` -> the latent patch grid ``(rows, D, h, w)`` -> ``pool_map``."""
     rows, n, d = h.shape
     if n != grid[0] * grid[1]:
         raise RuntimeError(
             f"a transformer block gave {n} tokens, expected the {grid[0]}x{grid[1]} patch grid"
         )
-    return h.reshape(rows, grid[0], grid[1], d).permute(0, 3, 1, 2).mean(dim=(2, 3), dtype=torch.float32)
+    return pool_map(h.reshape(rows, grid[0], grid[1], d).permute(0, 3, 1, 2), cells)
 
 
 def ddpm_coeffs(alphas_cumprod: Tensor, timestep: int) -> tuple[float, float]:

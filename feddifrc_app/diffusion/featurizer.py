@@ -1,4 +1,4 @@
-"""Images x prompts -> per-layer, spatially mean-pooled features of the frozen teacher.
+"""Images x prompts -> per-layer, spatially pooled features of the frozen teacher.
 
 The family-specific steps (prompt encoding, the noise law and the model timestep, the
 denoiser call, pooling a hooked layer) are the family module's (``family.py``); what follows
@@ -10,10 +10,12 @@ pixel mapping) and VAE-encoded once per image; prompt embeddings memoised per pr
 per noise draw, seeded noise per image (by ``(seed, dataset id, draw)``, so a feature never
 depends on its batch), ``l_t = sqrt(a_t) l0 + sqrt(1 - a_t) eps`` and ONE UNet call for all
 P x B rows in PROMPT-MAJOR order (row ``p * B + b`` = image b under prompt p), with forward
-hooks mean-pooling the needed ``unet.up_blocks`` and stopping the UNet after the last one;
-draws are averaged. ``speed.Shortcuts`` makes that call cheaper without changing its maths.
+hooks pooling the needed ``unet.up_blocks`` (and the mid-block, ``family.MID_BLOCK``) and
+stopping the UNet after the last one; draws are averaged. Pooling is the mean over the map
+(``pool_grid = 0``) or the means of a g x g grid of it (``pool_grid = g``: C g^2 features).
+``speed.Shortcuts`` makes that call cheaper without changing its maths.
 
-Mean pooling commutes with any linear projection, so the pooled per-block features are what
+Either pooling commutes with any linear projection, so the pooled per-block features are what
 the cache stores and any basis (PCA, random) is applied afterwards.
 """
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from feddifrc_app.diffusion.family import Conditioning, check_layers, encode_image
+from feddifrc_app.diffusion.family import MID_BLOCK, Conditioning, check_layers, encode_image, layer_module
 from feddifrc_app.diffusion.pipeline import Teacher, text_encoders_on
 from feddifrc_app.diffusion.sd import (
     encode_clip as encode_prompts,
@@ -86,9 +88,15 @@ class Featurizer:
         ensemble: int,
         seed: int,
         fast: bool = True,
+        pool_grid: int = 0,
     ) -> None:
         adapter = teacher.adapter
-        blocks = check_layers(blocks, len(getattr(teacher.unet, adapter.LAYER_ATTR)), teacher.family)
+        n, mid = len(getattr(teacher.unet, adapter.LAYER_ATTR)), getattr(adapter, "MID_ATTR", None)
+        blocks = check_layers(
+            blocks, n, teacher.family, mid=getattr(teacher.unet, mid or "", None) is not None
+        )
+        if int(pool_grid) < 0:
+            raise ValueError(f"pool_grid {pool_grid} must be >= 0 (0 = the mean over the map)")
         n_t = teacher.num_timesteps
         if not 0 <= int(timestep) < n_t:
             raise ValueError(f"timestep {timestep} must be in 0..{n_t - 1}")
@@ -104,6 +112,7 @@ class Featurizer:
         self.ensemble = int(ensemble)
         self.seed = int(seed)
         self.fast = bool(fast)
+        self.pool_grid = int(pool_grid)
         # x_t = a x0 + b eps by hand (sd, sdxl, pixart: DDPM's sqrt(a_t), sqrt(1 - a_t) in double,
         # not the scheduler's float32 add_noise; sd3: 1 - sigma, sigma of its flow-matching grid)
         # and the timestep the denoiser expects.
@@ -238,9 +247,15 @@ class Featurizer:
             cond = cond.rows(B, expand_tokens=not fast_cross)
         pooled = self._run(sample, cond, B, P, fast_cross)
         for b, v in pooled.items():
-            if int(v.shape[-1]) != t.block_channels[b]:  # pragma: no cover - a family module bug
-                raise RuntimeError(f"layer {b} gave width {v.shape[-1]}, declared {t.block_channels[b]}")
+            if int(v.shape[-1]) != self.width(b):  # pragma: no cover - a family module bug
+                raise RuntimeError(f"layer {b} gave width {v.shape[-1]}, declared {self.width(b)}")
         return {b: v.reshape(P, B, -1).transpose(0, 1) for b, v in pooled.items()}
+
+    def width(self, block: int) -> int:
+        """Layer ``block``'s pooled feature width: its channels, times g^2 under grid pooling."""
+        t = self.teacher
+        c = t.adapter.mid_width(t.unet) if block == MID_BLOCK else t.block_channels[block]
+        return c * max(1, self.pool_grid) ** 2
 
     def _run(self, sample: Tensor, cond: Conditioning, B: int, P: int, fast_cross: bool) -> dict[int, Tensor]:
         """The denoiser call with forward hooks pooling ``self.blocks``; stops after the last one."""
@@ -251,14 +266,13 @@ class Featurizer:
 
         def hook_for(b: int):
             def hook(_module, _inputs, output):
-                pooled[b] = adapter.pool(output, self._grid)
+                pooled[b] = adapter.pool(output, self._grid, self.pool_grid)
                 if b == last:
                     raise _StopUNet
 
             return hook
 
-        layers = getattr(t.unet, adapter.LAYER_ATTR)
-        handles = [layers[b].register_forward_hook(hook_for(b)) for b in self.blocks]
+        handles = [layer_module(t.unet, adapter, b).register_forward_hook(hook_for(b)) for b in self.blocks]
         try:
             with self._speed.installed(B, P, fast_cross):
                 adapter.denoise(t, sample, self._step, cond)

@@ -1,7 +1,8 @@
 """PixArt-alpha / PixArt-Sigma (``PixArtAlphaPipeline`` / ``PixArtSigmaPipeline``):
 PixArtTransformer2DModel (a DiT with cross-attention) on a T5 encoder's masked hidden
 states; DDPM noise (its scheduler's betas). Features: the token outputs of
-``transformer.transformer_blocks[i]``, reshaped to the latent patch grid and mean-pooled."""
+``transformer.transformer_blocks[i]``, reshaped to the latent patch grid and pooled there
+(``family.pool_map``); no mid-block."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LOAD_KWARGS: dict[str, Any] = {}
 DENOISER, LAYER_COUNT_KEY = "transformer", "num_layers"
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
+MID_ATTR = None  # a DiT has no mid-block
 TEXT_PARTS = ("text_encoder",)
 # PixArt's pipelines run the VAE (SD's) in the pipeline dtype
 AUTO_BF16 = False
@@ -73,5 +75,5 @@ def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
     )
 
 
-def pool(output, grid: tuple[int, int]) -> Tensor:
-    return pool_tokens(output, grid)
+def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
+    return pool_tokens(output, grid, cells)

@@ -1,5 +1,6 @@
 """Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``): UNet2DConditionModel, one CLIP text
-encoder, DDPM noise. Features: the decoder blocks ``unet.up_blocks[i]``, mean-pooled."""
+encoder, DDPM noise. Features: the decoder blocks ``unet.up_blocks[i]`` and the mid-block
+(``family.MID_BLOCK``), mean-pooled or grid-pooled (``family.pool_map``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from feddifrc_app.diffusion.family import Conditioning, ddpm_coeffs
+from feddifrc_app.diffusion.family import Conditioning, ddpm_coeffs, pool_map
 
 PIPELINES = ("StableDiffusionPipeline",)
 LOAD_KWARGS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 DENOISER, LAYER_COUNT_KEY = "unet", "up_block_types"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
+MID_ATTR = "mid_block"
 TEXT_PARTS = ("text_encoder",)
 # StableDiffusionPipeline never reads the VAE's force_upcast (SD 2.1's config sets it)
 AUTO_BF16 = False
@@ -29,6 +31,10 @@ def default_layers(n: int) -> tuple[int, ...]:
 
 def layer_widths(denoiser) -> tuple[int, ...]:
     return tuple(int(b.resnets[-1].out_channels) for b in denoiser.up_blocks)
+
+
+def mid_width(denoiser) -> int:
+    return int(denoiser.mid_block.resnets[-1].out_channels)
 
 
 def token_width(pipe, denoiser) -> int:
@@ -66,6 +72,6 @@ def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
     teacher.unet(sample, step, encoder_hidden_states=cond.tokens)
 
 
-def pool(output, grid: tuple[int, int]) -> Tensor:
+def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
     h = output[0] if isinstance(output, tuple) else output
-    return h.mean(dim=(2, 3), dtype=torch.float32)
+    return pool_map(h, cells)

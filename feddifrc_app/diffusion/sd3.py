@@ -2,7 +2,7 @@
 two CLIP encoders and T5 (the pipeline's ``encode_prompt``: joint tokens and pooled
 projections); rectified-flow noise as its FlowMatchEulerDiscreteScheduler defines it,
 ``x_t = (1 - sigma) x0 + sigma eps`` with the model timestep ``sigma * T``. Features: the
-image-token outputs of ``transformer.transformer_blocks[i]``, on the patch grid, mean-pooled."""
+image-token outputs of ``transformer.transformer_blocks[i]``, on the patch grid, pooled there."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ LOAD_KWARGS: dict[str, Any] = {}
 DENOISER, LAYER_COUNT_KEY = "transformer", "num_layers"
 LAYER_ATTR = "transformer_blocks"
 LAYER_NAME = "transformer.transformer_blocks"
+MID_ATTR = None  # a DiT has no mid-block
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 # bf16 where native (as SD3 is commonly run); its pipelines never read force_upcast
 AUTO_BF16 = True
@@ -78,7 +79,7 @@ def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
     )
 
 
-def pool(output, grid: tuple[int, int]) -> Tensor:
+def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
     """A joint block returns ``(text tokens, image tokens)`` (the last one ``(None, image tokens)``)."""
     h = output[1] if isinstance(output, tuple) else output
-    return pool_tokens(h, grid)
+    return pool_tokens(h, grid, cells)

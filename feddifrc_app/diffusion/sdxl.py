@@ -1,6 +1,6 @@
 """SDXL (``StableDiffusionXLPipeline``): UNet2DConditionModel with two CLIP text encoders (their
 penultimate hidden states concatenated), the second one's pooled projection and the added
-time ids as ``added_cond_kwargs``; DDPM noise. Features: ``unet.up_blocks[i]``, mean-pooled."""
+time ids as ``added_cond_kwargs``; DDPM noise. Features: ``unet.up_blocks[i]`` and the mid-block, as SD's."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ LOAD_KWARGS: dict[str, Any] = {}
 DENOISER, LAYER_COUNT_KEY = "unet", "up_block_types"
 LAYER_ATTR = "up_blocks"
 LAYER_NAME = "unet.up_blocks"
+MID_ATTR = sd.MID_ATTR
 TEXT_PARTS = ("text_encoder", "text_encoder_2")
 # bf16 where native: SDXL's activations can leave fp16's range; fp32 VAE under fp16, as diffusers
 AUTO_BF16 = True
@@ -23,6 +24,7 @@ VAE_FORCE_UPCAST = True
 SHORTCUTS = True
 noise_coeffs = sd.noise_coeffs
 layer_widths = sd.layer_widths
+mid_width = sd.mid_width
 pool = sd.pool
 
 

@@ -70,6 +70,7 @@ def key_fields(
     dtype: str = "",
     vae_dtype: str = "",
     family: str = "sd",
+    pool_grid: int = 0,
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
@@ -81,8 +82,8 @@ def key_fields(
     (``family.ADAPTERS``: which layers ``blocks`` index, how the image is noised) is a field
     of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
     is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
-    under float16, ``family.vae_dtype``): every other key is as it was before it existed.
-    """
+    under float16, ``family.vae_dtype``): every other key is as it was before it existed. So is
+    ``pool_grid`` (g x g grid pooling), when not 0 (the mean); the mid-block is one of ``blocks``."""
     fields = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -102,7 +103,7 @@ def key_fields(
         fields["vae_dtype"] = vae
     if family != "sd":
         fields["family"] = str(family)
-    return fields
+    return {**fields, "pool_grid": int(pool_grid)} if pool_grid else fields
 
 
 def key_from_fields(fields: Mapping[str, Any]) -> str:

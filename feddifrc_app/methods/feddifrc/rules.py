@@ -44,13 +44,13 @@ def _check_layers(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             f"config keys 'diffusion.blocks' = {raw['diffusion.blocks']!r} and "
             f"'diffusion.channels' = {raw['diffusion.channels']!r} must have the same length"
         )
-    if len(set(blocks)) != len(blocks) or any(b < 0 for b in blocks):
+    if len(set(blocks)) != len(blocks) or any(b < -1 for b in blocks):  # -1: the UNet's mid-block
         # the upper bound is the model's (4 up_blocks for SD 1.x/2.x, 3 for SDXL, the number of
         # transformer blocks for PixArt/SD3): checked against its config when the teacher is resolved
         raise invalid(
             "diffusion.blocks",
             raw["diffusion.blocks"],
-            "expected distinct non-negative layer indices (SD: unet.up_blocks 0..3; SDXL: 0..2; "
+            "expected distinct layer indices (SD: unet.up_blocks 0..3; SDXL: 0..2; -1: their mid-block; "
             "PixArt/SD3: transformer_blocks 0..num_layers-1)",
         )
     if any(c < 1 for c in channels):

@@ -32,7 +32,7 @@ from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
-from feddifrc_app.diffusion.family import check_layers, family_module, layer_count, vae_dtype
+from feddifrc_app.diffusion.family import check_layers, family_module, has_mid_block, layer_count, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
@@ -60,6 +60,7 @@ class TeacherSpec:
     seed: int
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
+    pool_grid: int = 0  # diffusion.pooling: 0 = the mean over each map, g = a g x g grid of means
 
     @functools.cached_property
     def vae_dtype(self) -> torch.dtype:
@@ -97,7 +98,8 @@ def _resolved(
     """``teacher_spec`` past the identity; ``where`` (the resolved cache folder) only keys the memo."""
     device = resolve_device(d.device, "diffusion.device")
     family = identity.family
-    check_layers(d.blocks, layer_count(identity.folder, family), family)
+    mid = has_mid_block(identity.folder, family)
+    check_layers(d.blocks, layer_count(identity.folder, family), family, mid=mid)
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
     return TeacherSpec(
         model=d.model,
@@ -112,6 +114,7 @@ def _resolved(
         seed=seed,
         batch_size=d.batch_size,
         resident=d.condition == "global-model",
+        pool_grid=d.pool_grid if d.pooling == "grid" else 0,
     )
 
 
@@ -140,6 +143,7 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         dtype=str(spec.dtype),
         vae_dtype=str(spec.vae_dtype),
         family=spec.identity.family,
+        pool_grid=spec.pool_grid,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 
@@ -173,6 +177,7 @@ def _featurizer(spec: TeacherSpec) -> Featurizer:
         blocks=spec.blocks,
         ensemble=spec.ensemble,
         seed=spec.seed,
+        pool_grid=spec.pool_grid,
     )
 
 
