@@ -27,7 +27,7 @@ from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
 from feddifrc_app.model import load_weights
-from feddifrc_app.records import record_to_state, state_to_record
+from feddifrc_app.records import MODEL, record_to_state, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
 from feddifrc_app.train import train_local
 
@@ -91,7 +91,7 @@ def train(msg: Message, context: Context) -> Message:
     torch.manual_seed(seed)
     device = resolve_device(cfg.train.device, "train.device")
     model = methods.model_for(cfg, data.num_classes)
-    load_weights(model, record_to_state(msg.content["arrays"]))
+    load_weights(model, record_to_state(msg.content[MODEL]))
 
     momentum = _momentum(cfg, context)
     loader = make_loader(
@@ -113,7 +113,7 @@ def train(msg: Message, context: Context) -> Message:
     extra = {k: v for h in halves for k, v in h.finish(model, metrics).items()}
     arrays = state_to_record(model.state_dict())
     log.info("train message: handled in %.2f s", time.perf_counter() - started)
-    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), **extra}), reply_to=msg)
+    return Message(RecordDict({MODEL: arrays, "metrics": MetricRecord(metrics), **extra}), reply_to=msg)
 
 
 def _momentum(cfg: Config, context: Context) -> dict[str, torch.Tensor] | None:
@@ -130,7 +130,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     if not len(ids):  # load_config refuses fraction-evaluate > 0 with none: a hand-made message
         raise ValueError("evaluate message, but evaluate-holdout = 0: this node holds out nothing")
     model = methods.model_for(cfg, data.num_classes)
-    load_weights(model, record_to_state(msg.content["arrays"]))
+    load_weights(model, record_to_state(msg.content[MODEL]))
     loader = make_loader(data, ids, train=False, batch_size=cfg.train.eval_batch_size, seed=cfg.seed)
     m = evaluate_model(model, loader, resolve_device(cfg.train.device, "train.device"))
     metrics = {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"], "num-examples": float(len(ids))}

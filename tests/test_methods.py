@@ -290,17 +290,38 @@ def node_half(msg, node):
 '''
 
 
+def _train_on_node(run_config: dict, config: dict) -> Message:
+    """One round-1 train message with ``config`` through the real ClientApp of partition 0 of 4."""
+    from flwr.app import Context
+
+    from feddifrc_app import client_app
+    from feddifrc_app.model import build_model
+    from feddifrc_app.records import state_to_record
+
+    content = RecordDict(
+        {
+            "arrays": state_to_record(build_model("resnet10", 10).state_dict()),
+            "config": ConfigRecord({"server-round": 1, **config}),
+        }
+    )
+    ctx = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 0, "num-partitions": 4},
+        state=RecordDict(),
+        run_config=run_config,
+    )
+    return client_app.app(Message(content=content, message_type="train", dst_node_id=1), ctx)
+
+
 def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
     """docs/architecture.md, "Add a method": its module in methods/ is all the server and the
     ClientApp need (a config section and defaults only for keys of its own); nothing names it."""
     import sys
 
     from conftest import default_run_config
-    from flwr.app import Context
 
-    from feddifrc_app import client_app, methods
-    from feddifrc_app.model import build_model
-    from feddifrc_app.records import state_to_record
+    from feddifrc_app import methods
 
     (tmp_path / "demo.py").write_text(NEW_METHOD)
     monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
@@ -310,20 +331,7 @@ def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
         rc = default_run_config(method="fedavg", dataset__train_limit=40, train__device="cpu")
         sent = methods.train_config(make_config(method="fedavg"))  # the server half
         assert sent == {"demo-weight": 0.5}
-        content = RecordDict(
-            {
-                "arrays": state_to_record(build_model("resnet10", 10).state_dict()),
-                "config": ConfigRecord({"server-round": 1, **sent}),
-            }
-        )
-        ctx = Context(
-            run_id=1,
-            node_id=1,
-            node_config={"partition-id": 0, "num-partitions": 4},
-            state=RecordDict(),
-            run_config=rc,
-        )
-        reply = client_app.app(Message(content=content, message_type="train", dst_node_id=1), ctx)
+        reply = _train_on_node(rc, sent)
         assert not reply.has_error(), reply.error.reason
         m = reply.content["metrics"]
         assert m["train-demo"] > 0 and m["demo-finished"] == 1.0  # its term and its reply metric
@@ -419,11 +427,6 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
     from pathlib import Path
 
     from conftest import default_run_config
-    from flwr.app import Context
-
-    from feddifrc_app import client_app
-    from feddifrc_app.model import build_model
-    from feddifrc_app.records import state_to_record
 
     copy = tmp_path / "methods"
     shutil.copytree(Path(methods.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -447,20 +450,7 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
             method=method, dataset__train_limit=40, train__device="cpu", train__batch_size=5
         )
         sent = methods.train_config(make_config(method=method))  # the server half
-        content = RecordDict(
-            {
-                "arrays": state_to_record(build_model("resnet10", 10).state_dict()),
-                "config": ConfigRecord({"server-round": 1, "proximal-mu": 1.0, **sent}),
-            }
-        )
-        ctx = Context(
-            run_id=1,
-            node_id=1,
-            node_config={"partition-id": 0, "num-partitions": 4},
-            state=RecordDict(),
-            run_config=rc,
-        )
-        reply = client_app.app(Message(content=content, message_type="train", dst_node_id=1), ctx)
+        reply = _train_on_node(rc, {"proximal-mu": 1.0, **sent})
         assert not reply.has_error(), reply.error.reason
         m = reply.content["metrics"]
         kept = "prox" if removed == "moon" else "moon"

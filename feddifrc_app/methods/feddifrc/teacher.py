@@ -88,15 +88,19 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
     device = resolve_device(d.device, "diffusion.device")
     resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
-    return _resolved(d, cfg.seed, Path(cache_dir), Path(cache_dir).resolve(), identity)
+    return _resolved(d, cfg.seed, Path(cache_dir), Path(cache_dir).resolve(), identity, device)
 
 
 @functools.lru_cache(maxsize=16)
 def _resolved(
-    d: DiffusionConfig, seed: int, cache_dir: Path, where: Path, identity: TeacherIdentity
+    d: DiffusionConfig,
+    seed: int,
+    cache_dir: Path,
+    where: Path,
+    identity: TeacherIdentity,
+    device: torch.device,
 ) -> TeacherSpec:
     """``teacher_spec`` past the identity; ``where`` (the resolved cache folder) only keys the memo."""
-    device = resolve_device(d.device, "diffusion.device")
     family = identity.family
     mid = has_mid_block(identity.folder, family)
     check_layers(d.blocks, layer_count(identity.folder, family), family, mid=mid)
