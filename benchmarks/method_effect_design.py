@@ -27,13 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # The TDCL-anchors control (issue 35 item 1): its overrides live HERE ONLY; rename at merge if the
 # option's key or value changes.
 TDCL_ANCHORS: dict[str, Any] = {"loss.tdcl-targets": "anchors"}
-# FedDifRC's NDCR target (issue 35 item 2), TO BE FILLED once the target is picked on the train or
-# validation split (never test), e.g. {"diffusion.pooling": "grid", "diffusion.pool-grid": 2}; {} =
-# today's target. None = not chosen yet: `plan` counts every teacher arm's cells as new, `run`
-# refuses to start. It goes to EVERY teacher arm: diffusion.pooling / blocks change the features TDCL
-# reads as well as NDCR's, and "FedDifRC vs TDCL-only" measures the NDCR term alone only if both
-# arms read the same features (an option that changed NDCR's target alone could go to feddifrc only).
-NDCR_TARGET: dict[str, Any] | None = None
+# FedDifRC's NDCR target (issue 35 item 2), picked on mnist-5k's TRAIN split (1,000 digits, never
+# test; docs/method-notes.md, "NDCR targets"): up_block 3's map unpooled (an 8 x 8 grid of its
+# 32 px map) at t = 25 scores 0.815 nearest-centroid as a run fuses it, the only option at or above
+# the centred pixels' 0.802 (t = 100: 0.751; t = 50: 0.786; today's target 0.550). It goes to
+# EVERY teacher arm: timestep, blocks and pooling change the features TDCL reads as well as NDCR's,
+# and "FedDifRC vs TDCL-only" measures the NDCR term alone only if both arms read the same features.
+NDCR_TARGET: dict[str, Any] | None = {
+    "diffusion.timestep": 25,
+    "diffusion.blocks": "3",
+    "diffusion.channels": "128",
+    "diffusion.pooling": "grid",
+    "diffusion.pool-grid": 8,
+}
 # ------------------------------------------------------------------------------------------------
 
 

@@ -79,7 +79,7 @@ def test_identity_ignores_what_a_method_never_reads():
     assert design.differences(fedavg, other) == []
     assert design.differences(fedavg, {**fedavg, "train.lr": 0.02}) == ["train.lr: 0.05 -> 0.02"]
     tdcl = design.current_config(arm["tdcl-only"], part, 0)
-    assert design.differences(tdcl, {**tdcl, "diffusion.timestep": 7}) == ["diffusion.timestep: 100 -> 7"]
+    assert design.differences(tdcl, {**tdcl, "diffusion.timestep": 7}) == ["diffusion.timestep: 25 -> 7"]
     old = {k: v for k, v in tdcl.items() if k != "loss.tdcl-targets"}
     assert design.differences(old, {**old, "loss.tdcl-targets": "image"}) == []  # neutral value
     assert design.differences(old, {**old, "loss.tdcl-targets": "anchors"}) == [
