@@ -19,6 +19,7 @@ replies, noise) is kept for the accountant (privacy_accounting.py). Two of Flowe
 changed so that the release is what the accountant assumes: the server optimisers (FedAvgM,
 FedOpt) step on the noisy mean (NoisyMean) instead of having the noise added after their step,
 and the adaptive modes scale the noise by the norm the round clipped to (_AdaptivePerRound).
+What ``strategy.dp`` may be combined with is checked at config load (strategy_rules.check_dp).
 """
 
 from __future__ import annotations

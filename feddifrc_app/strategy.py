@@ -2,11 +2,12 @@
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
 FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg), one entry each in
-``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` in
-``methods/scaffold.py``, ``fednova.py``); a method may replace it (``own_strategy``: FedNH).
+``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` of
+``methods/scaffold/``, ``fednova/``); a method may replace it (``own_strategy``: FedNH).
 The hyper-parameters are ``strategy.*`` config keys with Flower's defaults. The strategy's
 state (server momentum, control variates, a DP wrapper's clipping norm) is what a checkpoint
-keeps of it (``STATE``, ``CHECKPOINTED``).
+keeps of it (``STATE``, ``CHECKPOINTED``). The config's rules for ``strategy.*`` are in
+strategy_rules.py, which ``load_config`` imports where Flower is not installed.
 """
 
 from __future__ import annotations
