@@ -392,13 +392,12 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     """Rules that span keys, in the order they always ran: each method's (``methods.hooks``),
     the strategies' and DP's live in their modules."""
-    from feddifrc_app import methods, privacy, strategy
+    from feddifrc_app import methods, strategy_rules
 
     for check in methods.hooks("check_inputs"):
         check(v, raw)
     _check_data(v, raw)
-    strategy.check_config(v)
-    privacy.check_config(v)
+    strategy_rules.check_config(v)  # the strategy's, then DP's
     for check in methods.hooks("check_config"):
         check(v, raw)
     if v["resume-from"] and (node_state := _node_state(v)):

@@ -7,7 +7,6 @@ ids, so a resumed run repeats the uninterrupted one, and every failure is named.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import threading
@@ -22,6 +21,7 @@ from flwr.supercore.exit import add_exit_handler
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.methods import SETUP_WORK
+from feddifrc_app.strategy_rules import sampled_per_round  # (the config's rules use it too)
 
 SETUP = f"{MessageType.QUERY}.setup"
 # What a strategy knows of the federation beyond the nodes a round shows it (its Grid's
@@ -86,12 +86,6 @@ def watch_for_stop() -> None:
 def check_stop() -> None:
     if _stopping.is_set():
         raise RunStopped("the run was stopped (flwr stop, or the ServerApp process was signalled)")
-
-
-def sampled_per_round(fraction: float, num_nodes: int) -> int:
-    """Nodes sampled per round: ``fraction`` (``fraction-train``, or ``fraction-evaluate``) of the
-    connected nodes, at least 1."""
-    return max(1, int(math.floor(num_nodes * fraction + 1e-9)))
 
 
 class _Chosen:

@@ -19,12 +19,13 @@ replies, noise) is kept for the accountant (privacy_accounting.py). Two of Flowe
 changed so that the release is what the accountant assumes: the server optimisers (FedAvgM,
 FedOpt) step on the noisy mean (NoisyMean) instead of having the noise added after their step,
 and the adaptive modes scale the noise by the norm the round clipped to (_AdaptivePerRound).
+What ``strategy.dp`` may be combined with is checked at config load (strategy_rules.check_dp).
 """
 
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,49 +51,17 @@ from flwr.supercore.differential_privacy import (
     compute_stdv,
 )
 
-from feddifrc_app import log, methods
-from feddifrc_app.casting import invalid
+from feddifrc_app import log
 from feddifrc_app.config import Config, ConfigError, load_config
-from feddifrc_app.federation import POPULATION, sampled_per_round
+from feddifrc_app.federation import POPULATION
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import MODEL
+from feddifrc_app.strategy_rules import sampled_per_round
 
 # The reply metric the named strategy weighs by under DP, set by the server (never a node's
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
 # to; an evaluate reply's num-examples, so the federated accuracy stays example-weighted.
 WEIGHT = "dp-aggregation-weight"
-# Why a method whose replies carry more than the model cannot run under DP (its dp_refusal).
-TWO_RECORDS = "replies with a second ArrayRecord, which Flower's DP cannot clip"
-
-
-def check_config(v: Mapping[str, Any]) -> None:
-    """strategy.dp with what Flower's wrappers and client mods can handle: each method's
-    ``dp_refusal`` (methods.hooks), then adaptive clipping's count noise."""
-    dp = v["strategy.dp"]
-    if dp == "none":
-        return
-    for refusal in methods.hooks("dp_refusal"):
-        if why := refusal(v):
-            raise invalid("strategy.dp", dp, why)
-    given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]
-    if dp.endswith("adaptive") and given > (
-        most := 100 * sampled_per_round(v["fraction-train"], v["min-nodes"])
-    ):
-        # The noisy clipped fraction is (count + N(0, s)) / m: at s far above m it is noise alone,
-        # and Flower's exp(-lr (fraction - target)) overflows.
-        raise invalid(
-            "strategy.dp-clipped-count-stddev",
-            given,
-            f"at most 100 x the nodes a round samples (min-nodes x fraction-train: {most // 100}), "
-            "or 0 to derive it",
-        )
-    if dp.endswith("adaptive") and given and z >= 2 * given:  # 0 derives a value that works
-        raise ConfigError(
-            f"config keys 'strategy.dp-noise-multiplier' = {z:g} and "
-            f"'strategy.dp-clipped-count-stddev' = {given:g}: adaptive clipping needs the noise "
-            f"multiplier below 2 x that count noise ({2 * given:g}); raise "
-            "strategy.dp-clipped-count-stddev (0 derives one) or lower strategy.dp-noise-multiplier"
-        )
 
 
 def clipped_count_stddev(given: float, noise_multiplier: float, sampled: int) -> float:

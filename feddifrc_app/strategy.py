@@ -2,16 +2,17 @@
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
 FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg), one entry each in
-``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` in
-``methods/scaffold.py``, ``fednova.py``); a method may replace it (``own_strategy``: FedNH).
+``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` of
+``methods/scaffold/``, ``fednova/``); a method may replace it (``own_strategy``: FedNH).
 The hyper-parameters are ``strategy.*`` config keys with Flower's defaults. The strategy's
 state (server momentum, control variates, a DP wrapper's clipping norm) is what a checkpoint
-keeps of it (``STATE``, ``CHECKPOINTED``).
+keeps of it (``STATE``, ``CHECKPOINTED``). The config's rules for ``strategy.*`` are in
+strategy_rules.py, which ``load_config`` imports where Flower is not installed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from flwr.serverapp.strategy import (
 
 from feddifrc_app import methods, privacy
 from feddifrc_app.config import Config, ConfigError
-from feddifrc_app.federation import sampled_per_round
+from feddifrc_app.strategy_rules import robust_aggregation_error, sampled_per_round
 
 # The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
 # error names when the server's aggregate (not a node's training) went wrong.
@@ -79,46 +80,9 @@ def nodes_per_round(cfg: Config, num_nodes: int) -> int:
     return sampled_per_round(cfg.fraction_train, num_nodes)
 
 
-def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
-    """Why ``sampled`` nodes per round are too few for Krum / MultiKrum / Bulyan with ``f`` =
-    strategy.num-malicious-nodes and ``m`` = strategy.num-nodes-to-select ("" = enough).
-
-    Krum and MultiKrum tolerate f Byzantine nodes among n when n > 2f + 2 (Blanchard et al.,
-    2017; with f = 0 they are a selection rule, any n); MultiKrum averages m <= n - f of them.
-    Bulyan needs n >= 4f + 3 (El Mhamdi et al., 2018): Flower's Bulyan skips aggregation below.
-    """
-    tolerate = f"strategy '{name}' with strategy.num-malicious-nodes = {f} needs at least"
-    if name in ("krum", "multikrum") and f > 0 and sampled < 2 * f + 3:
-        return f"{tolerate} 2 * {f} + 3 = {2 * f + 3} nodes per round"
-    if name == "multikrum" and m > sampled - f:
-        return (
-            f"strategy 'multikrum' averages strategy.num-nodes-to-select = {m} updates, at most the "
-            f"sampled nodes minus strategy.num-malicious-nodes ({sampled} - {f} = {sampled - f})"
-        )
-    if name == "bulyan" and sampled < 4 * f + 3:
-        return f"{tolerate} 4 * {f} + 3 = {4 * f + 3} nodes per round"
-    return ""
-
-
-def check_config(v: Mapping[str, Any]) -> None:
-    """config.load_config's rule for Krum / MultiKrum / Bulyan, against the nodes a round samples
-    once min-nodes are connected (the ServerApp waits for them); the nodes really sampled are
-    checked again every round (RobustBound)."""
-    sampled = sampled_per_round(v["fraction-train"], v["min-nodes"])
-    why = robust_aggregation_error(
-        v["strategy.name"], v["strategy.num-malicious-nodes"], v["strategy.num-nodes-to-select"], sampled
-    )
-    if why:
-        raise ConfigError(
-            f"config keys 'strategy.num-malicious-nodes' / 'strategy.num-nodes-to-select': {why}, but "
-            f"min-nodes = {v['min-nodes']} with fraction-train = {v['fraction-train']:g} samples {sampled}; "
-            "lower them, or raise min-nodes (the SuperNodes you start) and fraction-train"
-        )
-
-
 class RobustBound:
     """Krum / MultiKrum / Bulyan that refuse a round with too few sampled nodes for
-    strategy.num-malicious-nodes (robust_aggregation_error), naming the keys, rather than
+    strategy.num-malicious-nodes (strategy_rules.robust_aggregation_error), naming the keys, rather than
     Flower's silent skip (Bulyan) or a selection with no Byzantine tolerance (Krum)."""
 
     def configure_train(

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -14,6 +18,7 @@ from feddifrc_app.casting import invalid
 from feddifrc_app.config import ConfigError, load_config, resumable
 from feddifrc_app.methods import fednh, fednova, moon, scaffold
 from feddifrc_app.methods.feddifrc import rules as feddifrc_rules
+from feddifrc_app.tools.run_config import app_defaults, parse_run_config
 
 NAMES = ("feddifrc", "moon", "fednh", "fedprox", "scaffold", "fednova")
 
@@ -131,3 +136,68 @@ def test_a_config_breaking_several_rules_reports_the_same_first_error(overrides,
     with pytest.raises(ConfigError) as e:
         load_config(default_run_config(**overrides))
     assert first in str(e.value)
+
+
+# A process where Flower (and ray) cannot be imported, as on a bare GPU host: every import of them
+# raises, so the failure names the import chain that reached Flower.
+_WITHOUT_FLOWER = """
+import json, sys
+
+class NoFlower:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("flwr", "ray"):
+            raise ImportError(f"{name} is blocked: config loading must not import Flower")
+        return None
+
+sys.meta_path.insert(0, NoFlower())
+from feddifrc_app import methods
+from feddifrc_app.config import ConfigError, load_config
+
+out = {}
+for name, rc in json.load(sys.stdin).items():
+    try:
+        out[name] = load_config(rc).to_flat()
+    except ConfigError as e:
+        out[name] = str(e)
+found = [m.__name__.rsplit(".", 1)[1] for m in methods.modules()]
+imported = sorted(m for m in sys.modules if m.partition(".")[0] in ("flwr", "ray"))
+print(json.dumps({"configs": out, "methods": found, "imported": imported}, default=str))
+"""
+
+
+def test_every_run_config_loads_without_flower():
+    """The default run config, every conf/*.toml and configs that break rules (strategy, DP,
+    methods), loaded in a new process that cannot import Flower: every method is found, none of
+    Flower is imported, and each config gives the same values or the same error as with Flower
+    (built as ``flwr run`` builds it). benchmarks/gpu_check.py's section F relies on this."""
+    configs = {"default": app_defaults(ROOT)}
+    for conf in sorted(Path(ROOT, "conf").glob("*.toml")):
+        configs[conf.name] = app_defaults(ROOT) | parse_run_config([str(conf)])
+    refused = [o for o, _ in FIRST_ERRORS] + [
+        {"method": "fednh", "strategy__dp": "server-fixed"},
+        {"strategy__name": "fednova", "strategy__dp": "client-fixed"},
+        {"strategy__name": "scaffold", "train__keep_momentum": True},
+        {"method": "moon", "resume_from": "/tmp/x"},
+    ]
+    configs |= {f"refused {i}": default_run_config(**o) for i, o in enumerate(refused)}
+    want = {}
+    for name, rc in configs.items():
+        try:
+            want[name] = load_config(rc).to_flat()
+        except ConfigError as e:
+            want[name] = str(e)
+    assert len([w for w in want.values() if isinstance(w, str)]) == len(refused)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cp = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_FLOWER],
+        input=json.dumps(configs),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert cp.returncode == 0, cp.stderr[-4000:]
+    got = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert got["imported"] == []
+    assert set(NAMES) <= set(got["methods"])
+    assert got["configs"] == json.loads(json.dumps(want, default=str))

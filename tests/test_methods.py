@@ -10,7 +10,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from feddifrc_app import methods
 from feddifrc_app.federation import NUM_NODES
-from feddifrc_app.methods import fednh, fednova, scaffold
+from feddifrc_app.methods import fednova, scaffold
+from feddifrc_app.methods.fednh import node as fednh_node
+from feddifrc_app.methods.fednh import server as fednh_server
+from feddifrc_app.methods.scaffold import node as scaffold_node
 from feddifrc_app.strategy import build_strategy
 
 
@@ -36,11 +39,11 @@ def test_scaffold_client_correction_and_option_ii_update():
     model = torch.nn.Linear(2, 1, bias=False)
     model.weight.grad = torch.tensor([[1.0, 1.0]])
     c, c_i = {"weight": torch.tensor([[0.1, 0.0]])}, {"weight": torch.tensor([[0.05, 0.2]])}
-    scaffold.correct_gradients(model, scaffold.correction(c, c_i, torch.device("cpu")))
+    scaffold_node.correct_gradients(model, scaffold_node.correction(c, c_i, torch.device("cpu")))
     torch.testing.assert_close(model.weight.grad, torch.tensor([[1.05, 0.8]]))  # grad + c - c_i
 
     x, y = {"weight": torch.tensor([[1.0, 2.0]])}, {"weight": torch.tensor([[0.8, 2.1]])}
-    new, delta = scaffold.control_update(x, y, c, c_i, steps=2, lr=0.1)
+    new, delta = scaffold_node.control_update(x, y, c, c_i, steps=2, lr=0.1)
     # c_i+ = c_i - c + (x - y) / (K lr) = [0.05 - 0.1 + 1.0, 0.2 - 0 - 0.5]
     torch.testing.assert_close(new["weight"], torch.tensor([[0.95, -0.3]]))
     torch.testing.assert_close(delta["weight"], torch.tensor([[0.9, -0.5]]))
@@ -113,7 +116,7 @@ def test_scaffold_c_and_c_i_agree_after_a_rejected_round():
         iter(s.configure_train(3, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
     )
     assert msg3.content["config"][scaffold.ACCEPTED] == 1
-    c_i = scaffold.confirmed_control(state, 1)
+    c_i = scaffold_node.confirmed_control(state, 1)
     np.testing.assert_allclose(c_i["weight"].numpy(), s.control["weight"], rtol=1e-6)  # c_7 == c
     assert scaffold.PENDING not in state
     # An accepted round 3 then moves both alike: c_7+ = c_7 - c + (x - y) / (K lr) = -0.1 / 0.5.
@@ -121,7 +124,7 @@ def test_scaffold_c_and_c_i_agree_after_a_rejected_round():
     msg4 = next(
         iter(s.configure_train(4, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
     )
-    c_i = scaffold.confirmed_control(state, int(msg4.content["config"][scaffold.ACCEPTED]))
+    c_i = scaffold_node.confirmed_control(state, int(msg4.content["config"][scaffold.ACCEPTED]))
     np.testing.assert_allclose(s.control["weight"], [[-0.2]], rtol=1e-6)
     np.testing.assert_allclose(c_i["weight"].numpy(), [[-0.2]], rtol=1e-6)
 
@@ -130,11 +133,11 @@ def test_scaffold_node_drops_a_c_i_whose_reply_never_counted():
     state = RecordDict({scaffold.OWN: ArrayRecord({"w": torch.tensor([1.0])})})
     state[scaffold.PENDING] = ArrayRecord({"w": torch.tensor([5.0])})
     state[scaffold.PENDING_ROUND] = ConfigRecord({"round": 4})
-    assert scaffold.confirmed_control(state, 3)["w"].tolist() == [1.0]  # round 4's reply was lost
+    assert scaffold_node.confirmed_control(state, 3)["w"].tolist() == [1.0]  # round 4's reply was lost
     assert scaffold.PENDING not in state and scaffold.PENDING_ROUND not in state
     state[scaffold.PENDING] = ArrayRecord({"w": torch.tensor([5.0])})
     state[scaffold.PENDING_ROUND] = ConfigRecord({"round": 6})
-    assert scaffold.confirmed_control(state, 6)["w"].tolist() == [5.0]  # round 6's was added to c
+    assert scaffold_node.confirmed_control(state, 6)["w"].tolist() == [5.0]  # round 6's was added to c
     assert state[scaffold.OWN]["w"].numpy().tolist() == [5.0]
 
 
@@ -212,7 +215,7 @@ class _Identity(torch.nn.Module):
 
 def test_fednh_client_upload_by_hand():
     batches = [(torch.tensor([[3.0, 4.0], [0.0, 2.0], [1.0, 0.0]]), torch.tensor([0, 0, 1]), torch.arange(3))]
-    scaled, counts = fednh.class_prototypes(_Identity(), batches, 3, torch.device("cpu"))
+    scaled, counts = fednh_node.class_prototypes(_Identity(), batches, 3, torch.device("cpu"))
     # class 0: mean of [0.6, 0.8] and [0, 1] = [0.3, 0.9] -> normalised, times n = 2
     np.testing.assert_allclose(scaled[0], 2 * np.array([0.3, 0.9]) / np.hypot(0.3, 0.9), rtol=1e-6)
     np.testing.assert_allclose(scaled[1], [1.0, 0.0])
@@ -224,7 +227,7 @@ def test_fednh_server_smoothing_by_hand():
     old = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
     scaled = [np.array([[0.0, 2.0], [0.0, 0.0]]), np.zeros((2, 2))]
     counts = [np.array([2.0, 0.0]), np.array([0.0, 0.0])]
-    new = fednh.smooth(old, scaled, counts, rho=0.9)
+    new = fednh_server.smooth(old, scaled, counts, rho=0.9)
     # class 0: avg = [0, 1]; 0.9 [1, 0] + 0.1 [0, 1] normalised; class 1: held by no node, kept
     np.testing.assert_allclose(new[0], np.array([0.9, 0.1]) / np.hypot(0.9, 0.1), rtol=1e-6)
     np.testing.assert_allclose(new[1], [0.0, 1.0])
@@ -246,13 +249,13 @@ def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
     model.weight.grad = torch.full((2, 2), 30.0)  # norm 60
     model.bias.grad = torch.full((2,), 7.0)  # frozen (as the prototypes are): untouched
     node = methods.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
-    fednh.Prototypes(node).before_step(model)
+    fednh_node.Prototypes(node).before_step(model)
     assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
     torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
     model.weight.grad = torch.full((2, 2), 1.0)  # norm 2 < 10: unchanged
-    fednh.clip_gradients(model, 10.0)
+    fednh_node.clip_gradients(model, 10.0)
     torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 1.0))
-    fednh.clip_gradients(model, 0.0)  # 0 = no clipping
+    fednh_node.clip_gradients(model, 0.0)  # 0 = no clipping
 
 
 # ----------------------------------------------------------------------------- a new method
@@ -418,10 +421,10 @@ def test_the_orchestrators_name_no_method_and_read_no_method_flag():
 
 @pytest.mark.parametrize("removed", ["moon", "fedprox", "scaffold", "fednova", "fednh"])
 def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, monkeypatch):
-    """The package without ``methods/<removed>.py``: discovery no longer finds it, the server still
-    builds every other strategy (SCAFFOLD's and FedNova's come from their modules' ``strategies``),
-    and a node still trains under the other client-side method (MOON's term, FedProx's term),
-    from the message alone."""
+    """The package without ``methods/<removed>.py`` (or the package ``methods/<removed>/``):
+    discovery no longer finds it, the server still builds every other strategy (SCAFFOLD's and
+    FedNova's come from their packages' ``strategies``), and a node still trains under the other
+    client-side method (MOON's term, FedProx's term), from the message alone."""
     import shutil
     import sys
     from pathlib import Path
@@ -430,7 +433,11 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
 
     copy = tmp_path / "methods"
     shutil.copytree(Path(methods.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / f"{removed}.py").unlink()
+    module, package = copy / f"{removed}.py", copy / removed
+    if package.is_dir():
+        shutil.rmtree(package)
+    else:
+        module.unlink()
     monkeypatch.setattr(methods, "__path__", [str(copy)])
     for name in [n for n in sys.modules if n.startswith("feddifrc_app.methods.")]:
         monkeypatch.delitem(sys.modules, name)

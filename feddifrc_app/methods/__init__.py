@@ -26,7 +26,14 @@ proximal term. A module in this package is picked up by being here; it may defin
   that cannot work together; ``node_state(values) -> str`` names the setting that keeps per-node
   state across rounds ("" = none: a resumed run can repeat it); ``dp_refusal(values) -> str``
   says why ``strategy.dp`` cannot wrap it ("" = it can). A method package keeps them in its
-  ``rules`` module (``feddifrc/rules.py``).
+  ``__init__`` or its ``rules`` module (``feddifrc/rules.py``).
+
+``load_config`` imports every method module (and a package's ``rules``) to run those rules, and
+it runs where Flower is not installed (a GPU host's check): a method module, a package's
+``__init__`` and ``rules`` import Flower only for types or inside a hook; a package keeps its
+Flower code in submodules its hooks import when called (``scaffold/server.py``: the strategy,
+``scaffold/node.py``: the node half). ``tests/test_method_rules.py`` loads every run config
+without Flower.
 
 The ClientApp, the ServerApp, ``rounds`` and ``train.train_local`` name no method: they run
 every half returned. Adding a method takes its module here, its config section (config.py,

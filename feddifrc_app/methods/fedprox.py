@@ -7,10 +7,14 @@ trainable parameters to every step's loss; ``mu = 0`` (or no key) is plain train
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from flwr.app import Message
 
 from feddifrc_app.methods import Batch, Node, NodeHalf
+
+if TYPE_CHECKING:  # Flower only in types: load_config runs the methods' rules without Flower
+    from flwr.app import Message
 
 MU = "proximal-mu"  # server -> node (Flower's FedProx.configure_train): the term's weight
 

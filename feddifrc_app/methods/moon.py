@@ -13,17 +13,20 @@ under any strategy.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from flwr.app import Message
 from torch import Tensor, nn
 
 from feddifrc_app.config import Config
 from feddifrc_app.methods import Batch, Node, NodeHalf, model_for
 from feddifrc_app.model import load_weights
-from feddifrc_app.records import record_to_state, state_to_record
+
+# Flower only in types and where a node trains (records, imported in Moon): load_config runs
+# node_state where Flower is not installed.
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 PREVIOUS = "moon-previous"  # Context.state: this node's model after its last local training
 MU, TAU = "moon-mu", "moon-tau"  # server -> node: the term's weight and temperature
@@ -74,6 +77,8 @@ class Moon(NodeHalf):
         """The received global model and this node's previous local model, frozen (if it has one)."""
         if PREVIOUS not in self.node.state:
             return
+        from feddifrc_app.records import record_to_state  # Flower's records (see above)
+
         cfg, num_classes = self.node.cfg, self.node.data.num_classes
         global_model, previous = model_for(cfg, num_classes), model_for(cfg, num_classes)
         global_model.load_state_dict(model.state_dict())
@@ -84,6 +89,8 @@ class Moon(NodeHalf):
         return None if self.reg is None else self.reg(batch.x, batch.z)
 
     def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
+        from feddifrc_app.records import state_to_record  # Flower's records (see above)
+
         self.node.state[PREVIOUS] = state_to_record(model.state_dict())
         return {}
 

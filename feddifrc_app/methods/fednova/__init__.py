@@ -5,22 +5,23 @@ factor is ``a_i = (tau_i - rho (1 - rho^tau_i) / (1 - rho)) / (1 - rho)`` (= tau
 momentum). Server, with p_i the example weights: ``d_i = (x - y_i) / a_i``,
 ``tau_eff = sum_i p_i a_i``, ``x <- x - tau_eff * sum_i p_i d_i``. BatchNorm running
 statistics are not gradient steps: they are averaged as in FedAvg.
+
+Here: the record key, the config rules and the node half (Flower-free: ``load_config`` runs the
+rules where Flower is not installed); the strategy in ``server.py``, imported when one is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.methods._local_steps import fresh_momentum, normalising_factor
-from feddifrc_app.records import arrays_to_record, example_weights, is_bn_statistic
+
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 A_KEY = "fednova-a"  # server -> node config: "report a_i"; node -> server metric: a_i
 
@@ -57,45 +58,10 @@ def node_half(msg: Message, node: Node) -> Normalised | None:
     return Normalised(node.cfg.train.momentum) if msg.content["config"].get(A_KEY) else None
 
 
-class FedNova(FedAvg):
-    """FedAvg's sampling and metrics, FedNova's normalised model update."""
-
-    CHECKPOINTED = ("current_arrays",)  # the server state resume restores
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.current_arrays: dict[str, np.ndarray] | None = None
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self.current_arrays = {k: v.numpy() for k, v in arrays.items()}
-        config[A_KEY] = True
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        averaged, metrics = super().aggregate_train(server_round, replies)
-        p = example_weights([r.content for r in replies])
-        a = np.array([float(r.content["metrics"][A_KEY]) for r in replies])
-        tau_eff = float(p @ a)
-        new = {}
-        for k, x_k in self.current_arrays.items():
-            if is_bn_statistic(k):
-                new[k] = averaged[k].numpy()
-                continue
-            d = sum(
-                p_i / a_i * (x_k - r.content["arrays"][k].numpy())
-                for p_i, a_i, r in zip(p, a, replies, strict=True)
-            )
-            new[k] = (x_k - tau_eff * d).astype(x_k.dtype)
-        return arrays_to_record(new), metrics
-
-
 def strategies() -> dict[str, Any]:
     """``strategy.name`` -> (the run config, the arguments every strategy takes) -> FedNova."""
+    from feddifrc_app.methods.fednova.server import FedNova
+
     return {"fednova": lambda c, k: FedNova(**k)}
 
 
