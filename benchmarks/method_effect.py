@@ -38,7 +38,7 @@ as data and `plan` prints it):
 - Budget: about 100 s per 16-round cell and 190 s per 30-round cell on 2 idle cores; `plan`
   prints the total before anything runs (limit: about six hours); run nothing heavy beside it.
 - The earlier run's design (FedAvg as the only reference, test accuracy at the validation-best
-  round, an untrained-teacher control) is in git history and the README.
+  round, an untrained-teacher control) is in git history and docs/evidence.md.
 """
 
 from __future__ import annotations
