@@ -373,7 +373,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     unknown = sorted(set(run_config) - set(KEYS))
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {', '.join(map(repr, unknown))}; "
+            f"unknown config key(s) {', '.join(casting.did_you_mean(k, KEYS) for k in unknown)}; "
             "valid keys are listed in [tool.flwr.app.config] of pyproject.toml"
         )
     missing = [k for k in KEYS if k not in run_config]
