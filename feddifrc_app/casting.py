@@ -107,6 +107,13 @@ def _bound(x: float) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
+def bounds(typ: type, rng: tuple[float | None, float | None, bool, bool]) -> tuple[Any, Any, bool, bool]:
+    """A number key's range ``(lo, hi, lo_open, hi_open)`` as checked: no upper bound of its own
+    means MAX_INT (int) or MAX_FLOAT (float); the reference page (tools/reference.py) reads it too."""
+    lo, hi, lo_open, hi_open = rng
+    return lo, (MAX_INT if typ is int else MAX_FLOAT) if hi is None else hi, lo_open, hi_open
+
+
 def check_range(key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> None:
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (
         hi is not None and (v >= hi if hi_open else v > hi)

@@ -15,6 +15,7 @@ from conftest import ROOT
 
 from feddifrc_app.tools import cli
 from feddifrc_app.tools.cmd_common import shown_default
+from feddifrc_app.tools.reference import subparsers
 
 HEAVY = ("torch", "diffusers", "transformers", "flwr", "datasets", "ray", "matplotlib", "numpy")
 
@@ -34,11 +35,6 @@ print(json.dumps(out))
 """
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
 def test_help_of_feddifrc_and_of_every_command_imports_no_heavy_package():
     argvs = [["--help"], ["--version"]] + [[name, "--help"] for name in cli.COMMANDS]
     cp = subprocess.run(
@@ -56,7 +52,7 @@ def test_help_of_feddifrc_and_of_every_command_imports_no_heavy_package():
 
 def test_every_flag_of_every_command_has_a_help_text_and_every_command_an_example():
     parser = cli.build_parser()
-    subs = _subparsers(parser)
+    subs = subparsers(parser)
     assert list(subs) == list(cli.COMMANDS)
     missing = [
         f"{name} {'/'.join(a.option_strings) or a.dest}"

@@ -47,7 +47,7 @@ COMMANDS: dict[
 ] = {
     "extract": ("fill the teacher-feature cache for a run config (resumable)", add_extract, cmd_extract),
     "pretrain-teacher": (
-        "train the tiny text-to-image teacher on the public split and write an SD folder",
+        "train the tiny text-to-image teacher on the public split and write its diffusers folder",
         add_pretrain,
         cmd_pretrain,
     ),
