@@ -94,7 +94,7 @@ def allowed(typ: Any, rule: Mapping[str, Any]) -> str:
     if typ == tuple[int, ...]:
         return "comma-separated integers"
     if typ == tuple[str, ...]:
-        return 'comma-separated names ("" = none)'
+        return "comma-separated names"
     if rule["path"]:
         return "folder path" + (f' ("" = `{rule["empty"]}`)' if rule["empty"] else "")
     return "text"
@@ -102,7 +102,12 @@ def allowed(typ: Any, rule: Mapping[str, Any]) -> str:
 
 def _cell(text: str) -> str:
     """Text safe inside a markdown table cell."""
-    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _code(text: str) -> str:
+    """``text`` as a code span inside a table cell (GitHub reads ``\\|`` there as ``|``)."""
+    return "`" + text.replace("|", "\\|") + "`"
 
 
 def _section(key: str) -> str:
@@ -117,15 +122,15 @@ lives), updated with `--run-config` of `flwr run` (and of every `feddifrc` comma
 read the same way): **either** one TOML file (`--run-config conf/X.toml`) **or** space-separated
 `key=value` pairs (`--run-config "train.lr=0.01 method='moon'"`, strings quoted, repeatable, a
 later pair wins), never both in one run (Flower refuses a file beside pairs). A key not given
-keeps its default; an unknown key is refused with the nearest known one named.
+keeps its default; an unknown key is refused (with the nearest known key, if one is close).
 `feddifrc sweep` builds each cell as defaults < its conf file < `--set` < its `--grid` values <
 the keys the sweep sets itself (`seed`, `outputs-dir`, `run-name`, `resume-from`).
 
-Flower passes scalars only: a list is a comma-separated string. Every value is cast to its type
-and checked against the range or choices below before any data or model is touched, then the
-rules that span keys (a method's, a strategy's, DP's, evaluation's) run; each refusal is one line
-naming the key, the value and what is allowed. A node's own settings (`partition-id`,
-`num-partitions`, `data-dir`, `cache-dir`) are the SuperNode's `--node-config`, not run config.
+Every value is cast to its type and checked against the range or choices below before any data
+or model is touched, then the rules that span keys (a method's, a strategy's, DP's, evaluation's)
+run; each refusal is one line naming the key, the value and what is allowed. A node's own
+settings (`partition-id`, `num-partitions`, `data-dir`, `cache-dir`) are the SuperNode's
+`--node-config`, not run config.
 
 On resume (`resume-from`), keys marked **may change** in the last column may differ from the run's
 own `config.json`; every other key must match it.
@@ -149,12 +154,13 @@ def configuration_page(pyproject: str) -> str:
         if _section(k.key) != section:
             section = _section(k.key)
             out.append(f"\n## {f'`{section}.*`' if section else 'The run'}\n\n")
+            out.append(f"{_cell(k.note)}\n\n" if k.note else "")  # a group's introduction
             out.append("| key | default | allowed | meaning | on resume |\n|---|---|---|---|---|\n")
-        if k.note:
+        elif k.note:
             out.append(f"| | | | *{_cell(k.note)}* | |\n")
         typ, rule = config.KEYS[k.key]
         resume = "may change" if rule["resume"] else "must match"
-        cells = (f"`{k.key}`", f"`{_cell(k.default)}`", _cell(allowed(typ, rule)), _cell(k.comment), resume)
+        cells = (_code(k.key), _code(k.default), _cell(allowed(typ, rule)), _cell(k.comment), resume)
         out.append(f"| {' | '.join(cells)} |\n")
     return "".join(out)
 
@@ -189,9 +195,9 @@ def _arguments(p: argparse.ArgumentParser, with_help: bool = False) -> Iterator[
         default = shown_default(a)
         needed = a.required if a.option_strings else a.nargs not in ("*", "?")  # "*": required=True
         required = "required" if needed else ""
-        shown = f"`{_cell(default)}`" if default else required
+        shown = _code(default) if default else required
         help_ = (a.help or "") % {"default": a.default} if "%(" in (a.help or "") else a.help or ""
-        yield f"| `{_cell(_flag(a))}` | {shown} | {_cell(help_)} |\n"
+        yield f"| {_code(_flag(a))} | {shown} | {_cell(help_)} |\n"
 
 
 def cli_page() -> str:
