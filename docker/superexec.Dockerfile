@@ -47,7 +47,7 @@ RUN python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TOR
 #    so the torch build from step 1 is kept.
 #    The check runs after the LAST install: it is the torch that stays in the image
 #    (docker/check_image.py: flwr still the pinned one, torch the CUDA or CPU build required).
-COPY --chown=app:app pyproject.toml README.md docker/check_image.py /app/src/
+COPY --chown=app:app pyproject.toml README.md LICENSE docker/check_image.py /app/src/
 COPY --chown=app:app feddifrc_app /app/src/feddifrc_app
 RUN sed -i '/"flwr\[simulation\]/d' /app/src/pyproject.toml \
  && python -m pip install --no-cache-dir /app/src \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,19 @@ class ConfigError(ValueError):
 
 def invalid(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+
+
+def did_you_mean(unknown: str, known: Iterable[str]) -> str:
+    """``'train.lrr' (did you mean 'train.lr'?)``: an unknown key named with the nearest known one,
+    else with the known keys of the same last part (``lr`` -> ``train.lr``), if any."""
+    import difflib
+
+    known = list(known)
+    leaf = unknown.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.7) or [
+        k for k in known if k.rsplit(".", 1)[-1] == leaf
+    ]
+    return f"{unknown!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(unknown)
 
 
 def as_int(key: str, v: Any) -> int:
@@ -91,6 +105,13 @@ def int_list(key: str, v: Any) -> tuple[int, ...]:
 def _bound(x: float) -> str:
     """A range end as written: an int bound in full (2147483647, not 2.14748e+09), a float as :g."""
     return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def bounds(typ: type, rng: tuple[float | None, float | None, bool, bool]) -> tuple[Any, Any, bool, bool]:
+    """A number key's range ``(lo, hi, lo_open, hi_open)`` as checked: no upper bound of its own
+    means MAX_INT (int) or MAX_FLOAT (float); the reference page (tools/reference.py) reads it too."""
+    lo, hi, lo_open, hi_open = rng
+    return lo, (MAX_INT if typ is int else MAX_FLOAT) if hi is None else hi, lo_open, hi_open
 
 
 def check_range(key: str, v: float, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> None:

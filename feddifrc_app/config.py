@@ -18,8 +18,6 @@ from typing import Any, get_type_hints
 from feddifrc_app import casting
 from feddifrc_app.casting import (
     FLOAT32_TINY,
-    MAX_FLOAT,
-    MAX_INT,
     MAX_Q,
     MAX_STEP,
     MAX_TIMEOUT_S,
@@ -334,10 +332,7 @@ def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
         return casting.as_bool(key, raw)
     if typ in (int, float):
         v = casting.as_int(key, raw) if typ is int else casting.as_float(key, raw)
-        lo, hi, lo_open, hi_open = rule["range"]
-        if hi is None:
-            hi = MAX_INT if typ is int else MAX_FLOAT
-        casting.check_range(key, v, lo, hi, lo_open, hi_open)
+        casting.check_range(key, v, *casting.bounds(typ, rule["range"]))
         return v
     if typ == tuple[int, ...]:
         return casting.int_list(key, raw)
@@ -373,7 +368,7 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     unknown = sorted(set(run_config) - set(KEYS))
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {', '.join(map(repr, unknown))}; "
+            f"unknown config key(s) {', '.join(casting.did_you_mean(k, KEYS) for k in unknown)}; "
             "valid keys are listed in [tool.flwr.app.config] of pyproject.toml"
         )
     missing = [k for k in KEYS if k not in run_config]

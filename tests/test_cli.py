@@ -391,3 +391,38 @@ def test_fetch_and_extract_refuse_a_teacher_they_could_not_use_in_one_line(tmp_p
     )
     err = capsys.readouterr().err
     assert err.startswith("feddifrc extract: error: ") and "diffusion.blocks" in err and err.count("\n") == 1
+
+
+def test_an_unknown_key_says_which_known_key_was_meant(capsys):
+    argv = ["extract", "--app", str(ROOT), "--run-config"]
+    assert cli.main([*argv, "diffusion.timesteps=300 trian.lr=0.1 lr=0.1 tau=1 zzz=1"]) == 2
+    assert capsys.readouterr().err == (
+        "feddifrc extract: error: unknown config key(s) 'diffusion.timesteps' (did you mean "
+        "'diffusion.timestep'?), 'lr' (did you mean 'train.lr'?), 'tau' (did you mean 'strategy.tau' "
+        "or 'moon.tau'?), 'trian.lr' (did you mean 'train.lr'?), 'zzz'; valid keys are listed in "
+        "[tool.flwr.app.config] of pyproject.toml\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--set", "num-server-rounds=3 train.lrr=0.1"], "'train.lrr' (did you mean 'train.lr'?)"),
+        (["--grid", "partition.alpha=0.5,-1"], "config key 'partition.alpha' = -1.0 is invalid"),
+        (["--set", "seed=3"], "--set: key 'seed' is set by the sweep"),
+        (["--set", "min-nodes=3", "--federation-config", "num-supernodes=2"], "min-nodes = 3 but"),
+        (["--seeds", "0"], "--seeds 0: expected >= 1"),
+    ],
+)
+def test_a_refused_command_writes_nothing(tmp_path, capsys, argv, said):
+    """Validation comes before any folder: a refused sweep leaves no --out (nor its .lock), a
+    refused pretrain-teacher or extract no --out or cache folder."""
+    out = tmp_path / "a" / "sweep"
+    assert cli.main(["sweep", "--app", str(ROOT), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feddifrc sweep: error: ") and said in err and err.count("\n") == 1
+    bad = ["--run-config", "diffusion.timesteps=3"]
+    assert cli.main(["pretrain-teacher", "--app", str(ROOT), "--out", str(tmp_path / "a" / "t"), *bad]) == 2
+    assert cli.main(["extract", "--app", str(ROOT), "--cache-dir", str(tmp_path / "a" / "c"), *bad]) == 2
+    assert cli.main(["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path / "a" / "c"), *bad]) == 2
+    assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,8 @@ import torch
 
 from feddifrc_app.diffusion.digests import folder_digests
 from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND
-from feddifrc_app.diffusion.recipe import FAMILIES, PretrainRecipe, train_teacher
+from feddifrc_app.diffusion.recipe import train_teacher
+from feddifrc_app.diffusion.recipe_numbers import FAMILIES, PretrainRecipe
 from feddifrc_app.diffusion.tiny import MARKER, quiet, save_tiny_pipeline
 from feddifrc_app.files import atomic_folder, stale_siblings
 

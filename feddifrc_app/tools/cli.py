@@ -9,11 +9,14 @@
     sweep             conf files x grid values x seeds as real ``flwr run``s (resumable)
     table             a sweep's markdown/CSV table and accuracy curves
 
-``feddifrc COMMAND --help`` gives each one's flags. Subcommands live in :data:`COMMANDS`
-(name -> help, argument adder, runner); add a row to add one. The run config is read by
-``run_config`` (the app's defaults plus ``--run-config``, as ``flwr run`` reads them). Heavy
-modules (torch, diffusers, datasets) are imported inside the runners, so ``feddifrc --help``
-is instant.
+``feddifrc COMMAND --help`` gives each one's flags, defaults and an example (docs/cli.md is
+generated from these parsers: ``python -m feddifrc_app.tools.reference``). Subcommands live in
+:data:`COMMANDS` (name -> help, argument adder, runner); add a row to add one; its adder gives
+every flag a help text and the parser an example (``cmd_common.examples``). The run config is
+read by ``run_config`` (the app's defaults plus ``--run-config``, as ``flwr run`` reads them).
+Heavy modules (torch, diffusers, datasets, Flower) are imported inside the runners, never by an
+adder: ``feddifrc --help`` and every ``feddifrc COMMAND --help`` import none of them
+(tests/test_cli_help.py checks it in a new process).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from feddifrc_app.casting import PathError
-from feddifrc_app.tools.cmd_common import CLIError
+from feddifrc_app.tools.cmd_common import CLIError, HelpFormatter
 from feddifrc_app.tools.cmd_node import (
     add_extract,
     add_fetch,
@@ -43,7 +47,7 @@ COMMANDS: dict[
 ] = {
     "extract": ("fill the teacher-feature cache for a run config (resumable)", add_extract, cmd_extract),
     "pretrain-teacher": (
-        "train the tiny text-to-image teacher on the public split and write an SD folder",
+        "train the tiny text-to-image teacher on the public split and write its diffusers folder",
         add_pretrain,
         cmd_pretrain,
     ),
@@ -85,12 +89,35 @@ INTERRUPTED = {
 }
 
 
+class _Version(argparse.Action):
+    """``--version``: the installed package's version, read only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("feddifrc-app")
+        except PackageNotFoundError:
+            v = "unknown (feddifrc-app is not installed: pip install -e .)"
+        print(f"feddifrc {v}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="feddifrc", description="FedDifRC tools outside `flwr run`.")
+    parser = argparse.ArgumentParser(
+        prog="feddifrc",
+        description="FedDifRC tools outside `flwr run`.",
+        epilog="`feddifrc COMMAND --help` for a command's flags and an example.",
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add, run) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         add(sp)
         sp.set_defaults(func=run)
     return parser

@@ -5,6 +5,34 @@ from __future__ import annotations
 import argparse
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's default after its help (unless there is none, or the help says it); the
+    description and the examples keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return (action.help or "") + (" (default: %(default)s)" if shown_default(action) else "")
+
+
+def shown_default(action: argparse.Action) -> str:
+    """The default ``--help`` shows for ``action`` ("" = none worth showing: unset, a flag, an
+    empty list, or a help text that says the default itself)."""
+    d = action.default
+    if (
+        d is None
+        or d is argparse.SUPPRESS
+        or isinstance(d, bool)
+        or d == []
+        or "(default" in (action.help or "")
+    ):
+        return ""
+    return str(d)
+
+
+def examples(p: argparse.ArgumentParser, *commands: str) -> None:
+    """The command's examples, shown by ``--help`` and docs/cli.md."""
+    p.epilog = "examples:\n" + "\n".join(f"  {c}" for c in commands)
+
+
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 

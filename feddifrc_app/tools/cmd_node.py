@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import DEFAULT_CACHE_DIR, Config, resolve_cache_dir
-from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, int_list, split_names
+from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, examples, int_list, split_names
 from feddifrc_app.tools.run_config import load_app_config
 
 if TYPE_CHECKING:  # torch-free at import: `feddifrc --help` stays fast
@@ -30,6 +30,12 @@ def add_extract(p: argparse.ArgumentParser) -> None:
         "--check",
         action="store_true",
         help="report the cache hit ratio and the key; extract nothing",
+    )
+    examples(
+        p,
+        "feddifrc extract --run-config conf/mnist5k-feddifrc.toml",
+        'feddifrc extract --run-config "diffusion.timestep=300" --partitions 0,3 --split train,test',
+        "feddifrc extract --run-config conf/cifar10-nid1-a0.5-feddifrc.toml --check",
     )
 
 
@@ -153,6 +159,11 @@ def _check(features: FeatureSet, split: str, ids: Any, which: str) -> None:
 def add_fetch(p: argparse.ArgumentParser) -> None:
     add_run_config_args(p)
     p.add_argument("--split", default="train,test", help="dataset splits to fetch: train, test or train,test")
+    examples(
+        p,
+        "feddifrc fetch --run-config conf/cifar10-nid1-a0.5-feddifrc.toml",
+        "HF_HUB_OFFLINE=1 feddifrc fetch --run-config conf/cifar10-nid1-a0.5-feddifrc.toml  # verify offline",
+    )
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -196,6 +207,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def add_make_tiny(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help=f"cache folder (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--seed", type=int, default=0, help="weight seed (diffusion.model = tiny-seedN)")
+    examples(p, "feddifrc make-tiny", 'feddifrc make-tiny --seed 1  # then diffusion.model = "tiny-seed1"')
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING
 
 from feddifrc_app.casting import resolve_path
-from feddifrc_app.tools.cmd_common import CLIError
+from feddifrc_app.diffusion.recipe_numbers import FAMILIES, PretrainRecipe  # torch-free
+from feddifrc_app.tools.cmd_common import CLIError, examples
 from feddifrc_app.tools.run_config import load_app_config
-
-if TYPE_CHECKING:  # torch-free at import: `feddifrc --help` stays fast
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe
 
 
 def add_pretrain(p: argparse.ArgumentParser) -> None:
-    from feddifrc_app.diffusion.pretrain import FAMILIES, PretrainRecipe
-
     d = PretrainRecipe()
     p.add_argument(
         "--out",
@@ -43,16 +38,21 @@ def add_pretrain(p: argparse.ArgumentParser) -> None:
         default=d.family,
         help="sd: UNet + CLIP (tiny-mnist); pixart: a PixArt DiT of the same size + T5, same recipe",
     )
-    p.add_argument("--vae-steps", type=int, default=d.vae_steps)
+    p.add_argument("--vae-steps", type=int, default=d.vae_steps, help="VAE training steps (phase 1)")
     p.add_argument(
         "--unet-steps",
         type=int,
         default=d.unet_steps,
         help="denoiser (UNet or DiT) steps; 0 with --vae-steps 0: the untrained control",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="images per step, both phases")
     p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    examples(
+        p,
+        "feddifrc pretrain-teacher --out ~/teachers/tiny-mnist-seed1 --seed 1",
+        "feddifrc pretrain-teacher --out ~/teachers/tiny-pixart --family pixart",
+    )
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -102,8 +102,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _recipe(args: argparse.Namespace, resolution: int) -> PretrainRecipe:
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe
-
     try:
         return PretrainRecipe(
             seed=args.seed,

@@ -11,12 +11,15 @@ from typing import Any
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import DEFAULT_OUTPUTS_DIR
 from feddifrc_app.results import Results
-from feddifrc_app.tools.cmd_common import CLIError
+from feddifrc_app.tools.cmd_common import CLIError, examples
 
 
 def add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run directory (<outputs-dir>/<run-name>) holding results.json")
     p.add_argument("--plots", action="store_true", help="(re)draw accuracy.png from results.json")
+    examples(
+        p, "feddifrc report ~/feddifrc-runs/<run-name>", "feddifrc report ~/feddifrc-runs/<run-name> --plots"
+    )
 
 
 def _read_results(run_dir: Path) -> Results:
@@ -76,6 +79,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def add_status(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outputs-dir", default=DEFAULT_OUTPUTS_DIR, help="the run config's outputs-dir")
     p.add_argument("--last", type=int, default=10, help="show the newest N runs")
+    examples(p, "feddifrc status", "feddifrc status --outputs-dir sweeps/mnist/runs --last 30")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import Config, ConfigError
-from feddifrc_app.tools.cmd_common import CLIError
+from feddifrc_app.tools.cmd_common import CLIError, examples
 from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config
 
 
@@ -39,6 +39,12 @@ def add_sweep(p: argparse.ArgumentParser) -> None:
         help="passed to every flwr run",
     )
     p.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds before a cell is stopped")
+    examples(
+        p,
+        "feddifrc sweep conf/mnist5k-fedavg.toml conf/mnist5k-feddifrc.toml --seeds 3 --out sweeps/mnist",
+        "feddifrc sweep conf/mnist5k-feddifrc.toml --out sweeps/alpha --grid partition.alpha=0.05,0.5 "
+        '--set "num-server-rounds=20"',
+    )
 
 
 def _grid(values: list[str]) -> dict[str, list[Any]]:
@@ -77,7 +83,7 @@ def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> Non
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from feddifrc_app.tools.report import write_sweep_table
-    from feddifrc_app.tools.sweep import Flower, Sweep, SweepError, make_cells, run_sweep
+    from feddifrc_app.tools.sweep import Flower, Sweep, SweepError, make_cells, run_sweep, validate_cells
 
     if args.seeds < 1:
         raise CLIError(f"--seeds {args.seeds}: expected >= 1")
@@ -85,14 +91,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if missing:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
     app, out = resolve_path(args.app, "--app"), resolve_path(args.out, "--out")
-    try:
-        sweep = Sweep(out, app, app_defaults(app), parse_run_config(args.set))
+    try:  # every check before --out is created: a refused sweep leaves nothing behind
+        defaults, overrides = app_defaults(app), parse_run_config(args.set)
         confs = [str(resolve_path(c, "override file")) for c in args.confs]
         cells = make_cells(confs, list(range(args.seeds)), _grid(args.grid))
-        configs = sweep.validate(cells)
+        _check_supernodes(args.federation_config, validate_cells(cells, defaults, overrides, out / "runs"))
+        sweep = Sweep(out, app, defaults, overrides)
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
-    _check_supernodes(args.federation_config, configs)
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
     try:
         failures = run_sweep(sweep, cells, flower, args.cell_timeout)
@@ -106,6 +112,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def add_table(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep_dir", help="a `feddifrc sweep` folder")
+    examples(p, "feddifrc table sweeps/mnist")
 
 
 def cmd_table(args: argparse.Namespace) -> int:

@@ -109,6 +109,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cell_config(cell: Cell, overrides: dict[str, Any], runs: Path) -> dict[str, Any]:
+    """The flat run config of ``cell`` (without resume-from) in a sweep whose runs go to ``runs``:
+    the conf file, then ``--set``, then the grid values, then the keys the sweep owns."""
+    conf = parse_run_config([cell.conf]) if cell.conf else {}
+    refuse_owned_keys(conf, cell.conf)
+    return {
+        **conf,
+        **overrides,
+        **cell.grid,
+        "seed": cell.seed,
+        "outputs-dir": str(runs),
+        "run-name": cell.name,
+    }
+
+
+def validate_cells(
+    cells: list[Cell], defaults: dict[str, Any], overrides: dict[str, Any], runs: Path
+) -> dict[str, Config]:
+    """Every cell's config, checked before any run or folder: a typo fails the sweep, not cell 17,
+    and leaves nothing on disk."""
+    refuse_owned_keys(overrides, "--set")
+    return {c.name: load_config({**defaults, **cell_config(c, overrides, runs)}) for c in cells}
+
+
 class Flower:
     """`flwr` with its own FLWR_HOME; stops the local SuperLink it started."""
 
@@ -264,21 +288,10 @@ class Sweep:
                 ) from None
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
-        """The flat run config of ``cell`` (without resume-from)."""
-        conf = parse_run_config([cell.conf]) if cell.conf else {}
-        refuse_owned_keys(conf, cell.conf)
-        return {
-            **conf,
-            **self.overrides,
-            **cell.grid,
-            "seed": cell.seed,
-            "outputs-dir": str(self.runs),
-            "run-name": cell.name,
-        }
+        return cell_config(cell, self.overrides, self.runs)
 
     def validate(self, cells: list[Cell]) -> dict[str, Config]:
-        """Every cell's config, checked before any run: a typo fails the sweep, not cell 17."""
-        return {c.name: load_config({**self.defaults, **self.cell_config(c)}) for c in cells}
+        return validate_cells(cells, self.defaults, self.overrides, self.runs)
 
     def stale(self, cell: Cell, cfg: Config) -> str:
         """Why the cell's run directory holds a run of other settings ("" if it does not)."""
