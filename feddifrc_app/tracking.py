@@ -134,8 +134,9 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        # purge_step: events an earlier process wrote at or after this step are dropped on reading.
-        self.writer = SummaryWriter(str(where / "tensorboard" / run_dir.name), purge_step=first or None)
+        # purge_step: a session start at this step (0 for a new run: TensorBoard takes the first start
+        # as the run's); a later one drops the steps at or after it that an earlier process wrote.
+        self.writer = SummaryWriter(str(where / "tensorboard" / run_dir.name), purge_step=first)
         for summary in hparams(cfg.to_flat(), dict.fromkeys(_HPARAM_METRICS, 0.0)):
             self.writer.file_writer.add_summary(summary)
         if cfg.tracking.tags:

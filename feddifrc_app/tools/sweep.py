@@ -30,6 +30,8 @@ from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumabl
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.tools.run_config import parse_run_config
+from feddifrc_app.tracking import cell_tags
+from feddifrc_app.tracking import check as check_tracking
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -267,18 +269,23 @@ class Sweep:
         """The flat run config of ``cell`` (without resume-from)."""
         conf = parse_run_config([cell.conf]) if cell.conf else {}
         refuse_owned_keys(conf, cell.conf)
+        flat = {**conf, **self.overrides, **cell.grid}
+        # The cell's conf, seed and grid values as tracker tags, after the user's own.
+        tags = [str(flat.get("tracking.tags", "")), *cell_tags(cell.conf, cell.seed, cell.grid)]
         return {
-            **conf,
-            **self.overrides,
-            **cell.grid,
+            **flat,
             "seed": cell.seed,
             "outputs-dir": str(self.runs),
             "run-name": cell.name,
+            "tracking.tags": ",".join(t for t in tags if t),
         }
 
     def validate(self, cells: list[Cell]) -> dict[str, Config]:
         """Every cell's config, checked before any run: a typo fails the sweep, not cell 17."""
-        return {c.name: load_config({**self.defaults, **self.cell_config(c)}) for c in cells}
+        configs = {c.name: load_config({**self.defaults, **self.cell_config(c)}) for c in cells}
+        for cfg in configs.values():  # a tracking extra missing here fails the sweep, not each cell
+            check_tracking(cfg)
+        return configs
 
     def stale(self, cell: Cell, cfg: Config) -> str:
         """Why the cell's run directory holds a run of other settings ("" if it does not)."""
