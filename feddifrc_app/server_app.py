@@ -31,10 +31,11 @@ def main(grid: Grid, context: Context) -> None:
     run = RunDir.for_config(cfg, context.run_id)
     log.info("run directory: %s", run.path)
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
-    tracker = tracking.start(cfg, run.path, results)
     # From here the folder is this run's: however setup ends, results.json says so (the round
-    # loop records its own end).
+    # loop records its own end), and so does the tracker once started.
+    tracker: tracking.Tracker = tracking.NoTracker()
     try:
+        tracker = tracking.start(cfg, run.path, results)
         rounds = prepare(grid, cfg, run, results, checkpoint)
     except BaseException as e:
         record_end(run, results, e)
