@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from feddifrc_app.casting import ConfigError, invalid
-from feddifrc_app.results import RoundRow, finite_or_none
+from feddifrc_app.results import RoundRow, finite_or_none, json_key
 
 if TYPE_CHECKING:
     from feddifrc_app.config import Config
@@ -38,7 +38,7 @@ MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 MAX_TAG = 64  # W&B's limit on a tag's length
 _TAG_NAME = re.compile(r"^[A-Za-z0-9_.\- /]+$")  # what MLflow accepts in a tag's key
 # The scores the TensorBoard HParams table shows beside each run's config (their last values).
-_HPARAM_METRICS = ("val-accuracy", "test-accuracy", "federated-accuracy")
+_HPARAM_METRICS = tuple(json_key(n) for n in ("val_accuracy", "test_accuracy", "federated_accuracy"))
 
 
 class Tracker(Protocol):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from conftest import ROOT, make_config
 from flwr.app import Error, Message, MetricRecord
 from flwr.common.constant import ErrorCode
 from test_rounds import _central, _loop, _shifted, _TwoNodes
@@ -27,6 +27,7 @@ from feddifrc_app.casting import ConfigError
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.results import RoundRow
 from feddifrc_app.rounds import RoundLoop
+from feddifrc_app.tools.run_config import app_defaults
 from feddifrc_app.tools.sweep import Cell, Sweep
 
 
@@ -220,6 +221,9 @@ def test_a_missing_extra_is_one_line_naming_the_install_before_the_run_folder(tm
         "pip install 'feddifrc-app[mlflow]' (or set tracking.backend = 'none')"
     )
     assert grid.calls == [] and not (tmp_path / "runs").exists()
+    sweep = Sweep(tmp_path / "sweep", ROOT, app_defaults(ROOT), {"tracking.backend": "mlflow"})
+    with pytest.raises(ConfigError, match=r"pip install 'feddifrc-app\[mlflow\]'"):
+        sweep.validate([Cell("", 0)])  # before the sweep's first cell
     tracking.check(make_config(tracking__backend="none"))  # none needs nothing
 
 
@@ -268,6 +272,8 @@ def test_a_sweep_tags_each_cell_with_its_conf_seed_and_grid_values(tmp_path) -> 
     conf = tmp_path / "cifar10-x.toml"
     conf.write_text('method = "fedavg"\n')
     sweep = Sweep(tmp_path / "out", tmp_path, {}, {"tracking.tags": "study:a"})
+    assert "tracking.tags" not in Sweep(tmp_path / "off", tmp_path, {}, {}).cell_config(Cell("", 0))
+    sweep.overrides["tracking.backend"] = "tensorboard"  # tagged only when tracked
     flat = sweep.cell_config(Cell(str(conf), 2, {"train.lr": 0.1, "diffusion.timestep": 300}))
     assert flat["tracking.tags"] == "study:a,conf:cifar10-x,seed:2,diffusion.timestep:300,train.lr:0.1"
     cfg = make_config(**{k.replace(".", "__").replace("-", "_"): v for k, v in flat.items()})

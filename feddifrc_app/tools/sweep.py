@@ -270,14 +270,15 @@ class Sweep:
         conf = parse_run_config([cell.conf]) if cell.conf else {}
         refuse_owned_keys(conf, cell.conf)
         flat = {**conf, **self.overrides, **cell.grid}
-        # The cell's conf, seed and grid values as tracker tags, after the user's own.
-        tags = [str(flat.get("tracking.tags", "")), *cell_tags(cell.conf, cell.seed, cell.grid)]
+        if str({**self.defaults, **flat}.get("tracking.backend", "none")).strip().lower() != "none":
+            # A tracked cell is tagged with its conf, seed and grid values, after the user's tags.
+            tags = [str(flat.get("tracking.tags", "")), *cell_tags(cell.conf, cell.seed, cell.grid)]
+            flat["tracking.tags"] = ",".join(t for t in tags if t)
         return {
             **flat,
             "seed": cell.seed,
             "outputs-dir": str(self.runs),
             "run-name": cell.name,
-            "tracking.tags": ",".join(t for t in tags if t),
         }
 
     def validate(self, cells: list[Cell]) -> dict[str, Config]:
