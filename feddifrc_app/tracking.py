@@ -169,21 +169,14 @@ class MLflowTracker:
         folder.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
         exp = self.client.get_experiment_by_name(cfg.tracking.project)
-        eid = (
-            exp.experiment_id
-            if exp
-            else self.client.create_experiment(
-                cfg.tracking.project, artifact_location=(folder / "artifacts").as_uri()
-            )
-        )
-        quote = '"' if "'" in str(run_dir) else "'"
-        found = (
-            self.client.search_runs([eid], f"tags.`{self.RUN_DIR}` = {quote}{run_dir}{quote}", max_results=1)
-            if first
-            else []
-        )
+        if exp is None:
+            where_to = (folder / "artifacts").as_uri()  # not ./mlruns in the server's cwd
+            eid = self.client.create_experiment(cfg.tracking.project, artifact_location=where_to)
+        else:
+            eid = exp.experiment_id
+        found = self._newest_run(eid, run_dir) if first else None
         if found:  # a resumed run: the same MLflow run, whose params (the first start's) stay
-            self.run_id = found[0].info.run_id
+            self.run_id = found
             self.client.update_run(self.run_id, status="RUNNING")
             self.client.set_tag(self.run_id, "feddifrc.resumed-at-round", str(first))
             return
@@ -192,6 +185,13 @@ class MLflowTracker:
         params = [Param(k, str(v)) for k, v in cfg.to_flat().items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def _newest_run(self, eid: str, run_dir: Path) -> str | None:
+        """The id of the newest MLflow run of ``run_dir`` (a sweep cell started over left an older one)."""
+        quote = '"' if "'" in str(run_dir) else "'"
+        by_folder = f"tags.`{self.RUN_DIR}` = {quote}{run_dir}{quote}"
+        runs = self.client.search_runs([eid], by_folder, max_results=1, order_by=["start_time DESC"])
+        return runs[0].info.run_id if runs else None
 
     def log(self, row: RoundRow) -> None:
         from mlflow.entities import Metric
