@@ -127,8 +127,9 @@ def _tags(cfg: Config) -> dict[str, str]:
 
 
 class TensorBoardTracker:
-    """Event files under ``<dir>/tensorboard/<run-name>/``: one scalar per number of the row, in
-    double precision (the value results.json holds), the config in the HParams dashboard."""
+    """Event files under ``<dir>/tensorboard/<run-name>/``: one scalar per number of the row, as
+    float32 (TensorBoard's default reader, its Rust data server, shows no float64 scalar), the
+    config in the HParams dashboard."""
 
     def __init__(self, cfg: Config, where: Path, run_dir: Path, first: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -145,7 +146,7 @@ class TensorBoardTracker:
 
     def log(self, row: RoundRow) -> None:
         for key, value in scalars(row).items():
-            self.writer.add_scalar(key, value, row.round, new_style=True, double_precision=True)
+            self.writer.add_scalar(key, value, row.round, new_style=True)
         self.writer.flush()  # on disk before the next round: a killed server loses no logged row
 
     def close(self, status: str) -> None:

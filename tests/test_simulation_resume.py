@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT
 from flower_procs import cmdline, descendants
 from simulation_runs import EVAL, FED, results, run_ok
-from test_tracking import _expected, _read_tensorboard
+from test_tracking import _expected, _read_tensorboard, f32
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
     ckpts = sorted(p.name for p in (out / "part" / "checkpoints").glob("round-*.pt"))
     assert ckpts[-1] == f"round-{last:04d}.pt", ckpts
     assert not [p for p in (out / "part").rglob("*") if ".tmp" in p.name], "a partial file was left"
-    assert _read_tensorboard(out / "part") == _expected(out / "part")  # every saved row, once
+    assert _read_tensorboard(out / "part") == _expected(out / "part", f32)  # every saved row, once
 
     # Resumed to one round more, it matches a run that was never stopped.
     rounds = last + 1
@@ -67,7 +67,7 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
     assert [x["round"] for x in resumed["rounds"]] == list(range(rounds + 1))
     assert resumed["resumed"][0]["after-round"] == last
     # Tracking: one event per number and round over both processes, equal to results.json's rows.
-    assert _read_tensorboard(out / "part") == _expected(out / "part")
+    assert _read_tensorboard(out / "part") == _expected(out / "part", f32)
     for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
         assert a.get("nodes") == b.get("nodes")
         assert a["test-accuracy"] == pytest.approx(b["test-accuracy"], abs=1e-9)

@@ -15,6 +15,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT, make_config
 from flwr.app import Error, Message, MetricRecord
@@ -63,7 +64,6 @@ def test_the_tracked_scalars_are_the_numbers_of_the_results_json_row() -> None:
 
 def _read_tensorboard(base: Path) -> dict[tuple[str, int], list[float]]:
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.compat.proto import types_pb2
     from tensorboard.util import tensor_util
 
     out: dict[tuple[str, int], list[float]] = {}
@@ -72,7 +72,7 @@ def _read_tensorboard(base: Path) -> dict[tuple[str, int], list[float]]:
     for f in files:
         for event in EventFileLoader(str(f)).Load():
             for v in event.summary.value:
-                if v.HasField("tensor") and v.tensor.dtype == types_pb2.DT_DOUBLE:  # the scalars
+                if v.metadata.plugin_data.plugin_name == "scalars":
                     out.setdefault((v.tag, event.step), []).append(tensor_util.make_ndarray(v.tensor).item())
     return out
 
@@ -124,13 +124,25 @@ def _read_wandb(base: Path) -> dict[tuple[str, int], list[float]]:
     return out
 
 
-READERS = {"tensorboard": _read_tensorboard, "mlflow": _read_mlflow, "wandb": _read_wandb}
+def f32(x: float) -> float:
+    """TensorBoard's scalars are float32 (the only float its Rust data server shows)."""
+    return float(np.float32(x))
 
 
-def _expected(run_dir: Path) -> dict[tuple[str, int], list[float]]:
+# Each backend's reader, and what it holds of a float of results.json.
+READERS = {
+    "tensorboard": (_read_tensorboard, f32),
+    "mlflow": (_read_mlflow, float),
+    "wandb": (_read_wandb, float),
+}
+
+
+def _expected(run_dir: Path, stored=float) -> dict[tuple[str, int], list[float]]:
     rows = json.loads((run_dir / "results.json").read_text())["rounds"]
     return {
-        (k, row["round"]): [v] for row in rows for k, v in tracking.scalars(RoundRow.from_json(row)).items()
+        (k, row["round"]): [stored(v)]
+        for row in rows
+        for k, v in tracking.scalars(RoundRow.from_json(row)).items()
     }
 
 
@@ -150,9 +162,10 @@ def test_a_tracked_run_and_its_resume_log_every_row_of_results_json_once(tmp_pat
     scores = iter([0.1, 0.2, 0.3, 0.4])
     loop = _loop(tmp_path, lambda m: _central(2.0 + next(scores)), tracking__backend=backend)
     _moving(loop)
+    read, stored = READERS[backend]
     loop.run_all(tracking.start(loop.cfg, loop.run.path, loop.results))
-    first = _expected(loop.run.path)
-    assert READERS[backend](loop.run.path) == first and {s for _, s in first} == {0, 1, 2}
+    first = _expected(loop.run.path, stored)
+    assert read(loop.run.path) == first and {s for _, s in first} == {0, 1, 2}
 
     run = loop.run.path
     cfg = make_config(method="fedavg", num_server_rounds=3, resume_from=str(run), tracking__backend=backend)
@@ -160,9 +173,9 @@ def test_a_tracked_run_and_its_resume_log_every_row_of_results_json_once(tmp_pat
     resumed = RoundLoop(cfg, _TwoNodes(), RunDir(run), results, loop.evaluator, 10, checkpoint=checkpoint)
     _moving(resumed)
     resumed.run_all(tracking.start(cfg, run, results))
-    both = _expected(run)
-    assert {s for _, s in both} == {0, 1, 2, 3} and both[("test-loss", 3)] == [2.4]
-    assert READERS[backend](run) == both
+    both = _expected(run, stored)
+    assert {s for _, s in both} == {0, 1, 2, 3} and both[("test-loss", 3)] == [stored(2.4)]
+    assert read(run) == both
     assert both[("train-metrics/train-total", 3)] == [5.0]  # MetricRecord of round 3
 
 
@@ -186,9 +199,9 @@ def test_tensorboard_drops_steps_an_earlier_process_wrote_after_the_checkpoint(t
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "run"))
     events = acc.Reload().Tensors("test-accuracy")
     assert [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in events] == [
-        (0, 0.1),
-        (1, 0.2),
-        (2, 0.5),
+        (0, f32(0.1)),
+        (1, f32(0.2)),
+        (2, f32(0.5)),
     ]
 
 
