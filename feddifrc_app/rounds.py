@@ -169,6 +169,7 @@ class RoundLoop:
         self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
         self.frozen_rounds = 0  # consecutive trained rounds whose aggregate changed nothing
         self.diverged_cause: str | None = None  # the first diverged round's reason
+        self.tracker: Tracker = NoTracker()  # tracking.py: gets each committed row (run_all's)
 
     def evaluate(self) -> dict[str, float | None]:
         load_weights(self.model, record_to_state(self.arrays))
@@ -176,7 +177,7 @@ class RoundLoop:
 
     def run_all(self, tracker: Tracker | None = None) -> None:
         """``tracker`` (tracking.py) gets each row once it is committed, and the run's end."""
-        self.tracker = tracker or NoTracker()
+        self.tracker = tracker or self.tracker
         self.results.status = "running"
         # Who runs it: with the run directory's lock (files.lock_folder), how `feddifrc status`
         # tells a live run from one whose process died without a word.
