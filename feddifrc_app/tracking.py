@@ -213,7 +213,8 @@ class WandbTracker:
     its config, ``tracking.tags`` as its tags; ``wandb sync`` uploads it when the user chooses."""
 
     def __init__(self, cfg: Config, where: Path, run_dir: Path, first: int) -> None:
-        os.environ["WANDB_MODE"] = "offline"  # no network, ever (also for anything wandb starts)
+        # No network, ever, also for what wandb starts: offline runs, no error reports to Sentry.
+        os.environ.update(WANDB_MODE="offline", WANDB_ERROR_REPORTING="false")
         import wandb
 
         where.mkdir(parents=True, exist_ok=True)
