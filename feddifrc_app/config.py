@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -228,6 +229,14 @@ class FedNHConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:  # tracking.py: the server streams rows and config; never what a run computes
+    backend: str = key(choices=("none", "tensorboard", "mlflow", "wandb"), resume=True)
+    dir: str = key(path=True, resume=True)  # "" = the run folder
+    project: str = key(resume=True)  # MLflow's experiment, W&B's project
+    tags: tuple[str, ...] = key(resume=True)  # "name:value" or "name"; a sweep adds its cell's
+
+
+@dataclass(frozen=True)
 class Config:
     method: str = key(choices=METHODS)
     seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
@@ -253,6 +262,7 @@ class Config:
     ssl: SSLConfig = key()
     moon: MoonConfig = key()
     fednh: FedNHConfig = key()
+    tracking: TrackingConfig = key()
 
     @property
     def embedding_dim(self) -> int:
@@ -270,7 +280,8 @@ class Config:
 
     def to_flat(self) -> dict[str, Any]:
         """Back to the flat dotted-key form (lists joined by commas); round-trips load_config."""
-        return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in _walk(self)}
+        flat = {k: reduce(getattr, k.replace("-", "_").split("."), self) for k in KEYS}
+        return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in flat.items()}
 
 
 @dataclass(frozen=True)
@@ -298,16 +309,6 @@ def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         yield f.name, f, hints[f.name]
-
-
-def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every leaf of a Config."""
-    for name, _, _ in _fields(type(obj)):
-        val = getattr(obj, name)
-        if dataclasses.is_dataclass(val):
-            yield from _walk(val, f"{prefix}{name}.")
-        else:
-            yield prefix + name.replace("_", "-"), val
 
 
 def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:

@@ -43,6 +43,7 @@ from feddifrc_app.strategy import (
     strategy_state,
 )
 from feddifrc_app.tools import report
+from feddifrc_app.tracking import NoTracker, Tracker
 from feddifrc_app.train import DivergedError, evaluate, lr_remedy
 
 # A round in which no node returns a usable update (every node failed or timed out, or nothing
@@ -168,12 +169,15 @@ class RoundLoop:
         self.empty_rounds = 0  # consecutive rounds without a usable update (MAX_EMPTY_ROUNDS)
         self.frozen_rounds = 0  # consecutive trained rounds whose aggregate changed nothing
         self.diverged_cause: str | None = None  # the first diverged round's reason
+        self.tracker: Tracker = NoTracker()  # tracking.py: gets each committed row (run_all's)
 
     def evaluate(self) -> dict[str, float | None]:
         load_weights(self.model, record_to_state(self.arrays))
         return self.evaluator(self.model)
 
-    def run_all(self) -> None:
+    def run_all(self, tracker: Tracker | None = None) -> None:
+        """``tracker`` (tracking.py) gets each row once it is committed, and the run's end."""
+        self.tracker = tracker or self.tracker
         self.results.status = "running"
         # Who runs it: with the run directory's lock (files.lock_folder), how `feddifrc status`
         # tells a live run from one whose process died without a word.
@@ -184,6 +188,7 @@ class RoundLoop:
                 initial.set_scores(self.evaluate())
                 self.results.rounds = [initial]
                 self.run.save_results(self.results)
+                self.tracker.log(initial)
             for rnd in range(self.first, self.cfg.num_server_rounds + 1):
                 check_stop()
                 row = self.train_round(rnd)
@@ -203,9 +208,11 @@ class RoundLoop:
                 )
         except BaseException as e:
             record_end(self.run, self.results, e)
+            self.tracker.close(self.results.status)
             raise
         self.results.status = "diverged" if self.results.diverged_rounds else "completed"
         self.run.save_results(self.results)
+        self.tracker.close(self.results.status)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")
         if self.results.status == "diverged":
             # Reported as a failed run (flwr ls), after every result is on disk, with the first cause.
@@ -360,4 +367,5 @@ class RoundLoop:
         # Results first: killed in between, resume repeats this round rather than losing its row.
         self.run.save_results(self.results)
         self.run.save_checkpoint(rnd, payload, keep=self.cfg.keep_checkpoints)
+        self.tracker.log(self.results.rounds[-1])  # committed: a resume starts after this round
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")

@@ -9,7 +9,7 @@ import numpy as np
 from flwr.app import Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, methods, privacy, privacy_accounting
+from feddifrc_app import log, methods, privacy, privacy_accounting, tracking
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.registry import load_dataset, load_validation
@@ -26,18 +26,22 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = load_config(context.run_config)  # fails before any work on a bad value
+    tracking.check(cfg)  # the tracking extra is the server's alone: checked here, not in load_config
     watch_for_stop()
     run = RunDir.for_config(cfg, context.run_id)
     log.info("run directory: %s", run.path)
     results, checkpoint = run.begin(cfg, context.run_id)  # checkpoint: None unless resume-from
     # From here the folder is this run's: however setup ends, results.json says so (the round
-    # loop records its own end).
+    # loop records its own end), and so does the tracker once started.
+    tracker: tracking.Tracker = tracking.NoTracker()
     try:
+        tracker = tracking.start(cfg, run.path, results)
         rounds = prepare(grid, cfg, run, results, checkpoint)
     except BaseException as e:
         record_end(run, results, e)
+        tracker.close(results.status)
         raise
-    rounds.run_all()
+    rounds.run_all(tracker)
 
 
 def prepare(

@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT
 from flower_procs import cmdline, descendants
 from simulation_runs import EVAL, FED, results, run_ok
+from test_tracking import _expected, _read_tensorboard, f32
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,8 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
         f"method='fedavg' dataset.train-limit=100 {EVAL} outputs-dir='{out}' "
         # FedYogi: the server's own state (Adam-style moments m_t, v_t) must survive the resume
         # too, or the resumed rounds step differently from the uninterrupted ones.
-        "partition.name='dirichlet' partition.alpha=0.5 strategy.name='fedyogi'"
+        "partition.name='dirichlet' partition.alpha=0.5 strategy.name='fedyogi' "
+        "tracking.backend='tensorboard'"  # its event files mirror results.json across the resume
     )
     # `flwr stop`: no round is run or saved once the ServerApp knows (it used to run on to the
     # forced exit, saving rounds after the stop, and results.json never said "stopped").
@@ -54,6 +56,7 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
     ckpts = sorted(p.name for p in (out / "part" / "checkpoints").glob("round-*.pt"))
     assert ckpts[-1] == f"round-{last:04d}.pt", ckpts
     assert not [p for p in (out / "part").rglob("*") if ".tmp" in p.name], "a partial file was left"
+    assert _read_tensorboard(out / "part") == _expected(out / "part", f32)  # every saved row, once
 
     # Resumed to one round more, it matches a run that was never stopped.
     rounds = last + 1
@@ -63,6 +66,8 @@ def test_a_stopped_run_says_so_and_resumes_like_an_uninterrupted_one(flower_proc
     assert resumed["status"] == "completed" and "error" not in resumed
     assert [x["round"] for x in resumed["rounds"]] == list(range(rounds + 1))
     assert resumed["resumed"][0]["after-round"] == last
+    # Tracking: one event per number and round over both processes, equal to results.json's rows.
+    assert _read_tensorboard(out / "part") == _expected(out / "part", f32)
     for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
         assert a.get("nodes") == b.get("nodes")
         assert a["test-accuracy"] == pytest.approx(b["test-accuracy"], abs=1e-9)

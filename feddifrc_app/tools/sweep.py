@@ -30,6 +30,8 @@ from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumabl
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.tools.run_config import parse_run_config
+from feddifrc_app.tracking import cell_tags
+from feddifrc_app.tracking import check as check_tracking
 
 _PAPER = re.compile(r"^#.*Paper accuracy[^:]*:\s*([0-9.]+)%", re.MULTILINE)
 
@@ -109,19 +111,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cell_config(cell: Cell, overrides: dict[str, Any], runs: Path) -> dict[str, Any]:
+def cell_config(
+    cell: Cell, overrides: dict[str, Any], runs: Path, defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The flat run config of ``cell`` (without resume-from) in a sweep whose runs go to ``runs``:
     the conf file, then ``--set``, then the grid values, then the keys the sweep owns."""
     conf = parse_run_config([cell.conf]) if cell.conf else {}
     refuse_owned_keys(conf, cell.conf)
-    return {
-        **conf,
-        **overrides,
-        **cell.grid,
-        "seed": cell.seed,
-        "outputs-dir": str(runs),
-        "run-name": cell.name,
-    }
+    flat = {**conf, **overrides, **cell.grid}
+    if str({**(defaults or {}), **flat}.get("tracking.backend", "none")).strip().lower() != "none":
+        # A tracked cell is tagged with its conf, seed and grid values, after the user's tags.
+        tags = [str(flat.get("tracking.tags", "")), *cell_tags(cell.conf, cell.seed, cell.grid)]
+        flat["tracking.tags"] = ",".join(t for t in tags if t)
+    return {**flat, "seed": cell.seed, "outputs-dir": str(runs), "run-name": cell.name}
 
 
 def validate_cells(
@@ -130,7 +132,10 @@ def validate_cells(
     """Every cell's config, checked before any run or folder: a typo fails the sweep, not cell 17,
     and leaves nothing on disk."""
     refuse_owned_keys(overrides, "--set")
-    return {c.name: load_config({**defaults, **cell_config(c, overrides, runs)}) for c in cells}
+    configs = {c.name: load_config({**defaults, **cell_config(c, overrides, runs, defaults)}) for c in cells}
+    for cfg in configs.values():  # a tracking extra missing here fails the sweep, not each cell
+        check_tracking(cfg)
+    return configs
 
 
 class Flower:
@@ -288,7 +293,7 @@ class Sweep:
                 ) from None
 
     def cell_config(self, cell: Cell) -> dict[str, Any]:
-        return cell_config(cell, self.overrides, self.runs)
+        return cell_config(cell, self.overrides, self.runs, self.defaults)
 
     def validate(self, cells: list[Cell]) -> dict[str, Config]:
         return validate_cells(cells, self.defaults, self.overrides, self.runs)
