@@ -34,6 +34,7 @@ from feddifrc_app.tools.cmd_node import (
     cmd_make_tiny,
 )
 from feddifrc_app.tools.cmd_pretrain import add_pretrain, cmd_pretrain
+from feddifrc_app.tools.cmd_probe import add_probe, cmd_probe
 from feddifrc_app.tools.cmd_runs import add_report, add_status, cmd_report, cmd_status
 from feddifrc_app.tools.cmd_sweep import add_sweep, add_table, cmd_sweep, cmd_table
 from feddifrc_app.tools.run_config import RunConfigError
@@ -46,6 +47,11 @@ COMMANDS: dict[
         "train the tiny text-to-image teacher on the public split and write an SD folder",
         add_pretrain,
         cmd_pretrain,
+    ),
+    "probe-teacher": (
+        "score every layer x timestep x pooling of the teacher; recommend",
+        add_probe,
+        cmd_probe,
     ),
     "make-tiny": (
         "build the embedded tiny random-weight teacher and print its folder",
