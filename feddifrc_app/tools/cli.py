@@ -49,7 +49,7 @@ COMMANDS: dict[
         cmd_pretrain,
     ),
     "probe-teacher": (
-        "score every layer x timestep x pooling of the teacher; recommend",
+        "score the teacher's layers x timesteps x poolings on train/val images; recommend blocks, timestep",
         add_probe,
         cmd_probe,
     ),
