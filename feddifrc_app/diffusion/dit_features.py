@@ -21,9 +21,10 @@ large on every token) that dominate a pooled vector. Modes:
 Massive channels are found per row (one image under one prompt), from the row's tokens alone,
 so a feature never depends on its batch: channel c is massive when the median over tokens of
 ``|h_c|`` exceeds ``MASSIVE_RATIO`` times the median of that over channels, i.e. it is that much
-larger than a typical channel on at least half the tokens. 100 follows the massive-activation
-literature's threshold (magnitudes about 1000x the median, Sun et al. 2024); a heavy-tailed but
-ordinary channel (10x) or one spiking on a few tokens is not massive.
+larger than a typical channel on at least half the tokens. Sun et al. (2024) call activations
+massive at about 1000x the median magnitude; 100x leaves a factor 10 of margin below that while
+staying far above an ordinary heavy-tailed channel (10x), and the median over tokens ignores a
+channel that spikes on a few tokens only.
 
 A family opts in with ``DIT_COND_ATTR`` (the denoiser module whose output is the conditioning
 the modulations are computed from) and ``modulation(denoiser, b, cond) -> (shift, scale, eps)``.
