@@ -71,7 +71,6 @@ import torch
 from feddifrc_app.data.images import PUBLIC_SPLIT
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import write_json
-from feddifrc_app.methods.feddifrc.losses import tdcl_paper
 from feddifrc_app.methods.feddifrc.projection import (
     client_stats,
     clip_widths,
@@ -81,6 +80,7 @@ from feddifrc_app.methods.feddifrc.projection import (
 )
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher_probe import ndcr_geometry, prompt_effect, student_tdcl, unit
 from feddifrc_app.tools.run_config import load_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,56 +137,6 @@ def probe_accuracy(x: np.ndarray, y: np.ndarray, folds: int) -> float:
     return float(cross_val_score(clf, x, y, cv=cv).mean())
 
 
-def prompt_effect(reps: np.ndarray) -> float:
-    """Mean 1 - cos over ordered pairs of distinct class prompts of the same image. reps: (N, K, D)."""
-    u = reps / np.linalg.norm(reps, axis=-1, keepdims=True).clip(1e-12)
-    cos = np.einsum("nkd,nld->nkl", u, u)
-    k = reps.shape[1]
-    off = ~np.eye(k, dtype=bool)
-    return float((1.0 - cos[:, off]).mean())
-
-
-def student_tdcl(
-    pixels: np.ndarray, reps: np.ndarray, y: np.ndarray, folds: int, temperature: float, steps: int = 400
-) -> float:
-    """Held-out TDCL loss of a linear pixel -> D student trained on TDCL alone, mean over folds."""
-    from sklearn.model_selection import StratifiedKFold
-
-    x = torch.from_numpy(pixels).float()
-    x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
-    r, labels = torch.from_numpy(reps).float(), torch.from_numpy(y).long()
-    out = []
-    for tr, te in StratifiedKFold(folds, shuffle=True, random_state=0).split(pixels, y):
-        torch.manual_seed(0)
-        lin = torch.nn.Linear(x.shape[1], r.shape[-1])
-        opt = torch.optim.Adam(lin.parameters(), lr=1e-2, weight_decay=1e-4)
-        for _ in range(steps):
-            loss = tdcl_paper(lin(x[tr]), r[tr], labels[tr], temperature=temperature)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            out.append(float(tdcl_paper(lin(x[te]), r[te], labels[te], temperature=temperature)))
-    return float(np.mean(out))
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.linalg.norm(x, axis=-1, keepdims=True).clip(1e-12)
-
-
-def ndcr_geometry(x: np.ndarray, y: np.ndarray, folds: int) -> tuple[float, float]:
-    """(nearest-class-centroid accuracy, unscaled linear-probe accuracy) of unit vectors ``x`` (N, D),
-    5-fold: what the cosine geometry NDCR trains in separates, with no per-feature rescaling."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import StratifiedKFold, cross_val_score
-    from sklearn.neighbors import NearestCentroid
-
-    u, cv = _unit(x), StratifiedKFold(folds, shuffle=True, random_state=0)
-    ncc = cross_val_score(NearestCentroid(metric="euclidean"), u, y, cv=cv).mean()  # unit: cos order
-    lin = cross_val_score(LogisticRegression(C=1.0, max_iter=500), u, y, cv=cv).mean()
-    return float(ncc), float(lin)
-
-
 def shifted(test, seed: int = 0):
     """The split with each image shifted as ``train_transform`` does (pad 4, random crop; no flip)."""
     import torchvision.transforms.v2.functional as TF
@@ -230,9 +180,9 @@ def measure(cfg, cache_dir: Path, test, folds: int) -> dict[str, float]:
         "prompt-effect": prompt_effect(raw[:, :k]),
         "student-tdcl-raw": student_tdcl(pixels, raw[:, :k], y, folds, tau),
         "student-tdcl-fused": student_tdcl(pixels, fused[:, :k], y, folds, tau),
-        "view-match-cos": float((_unit(ndcr) * _unit(ndcr_moved)).sum(-1).mean()),
+        "view-match-cos": float((unit(ndcr) * unit(ndcr_moved)).sum(-1).mean()),
         # mean squared cosine of a unit target to the targets' mean direction: energy all share
-        "ndcr-shared-direction": float(((_unit(ndcr) @ _unit(_unit(ndcr).mean(0))) ** 2).mean()),
+        "ndcr-shared-direction": float(((unit(ndcr) @ unit(unit(ndcr).mean(0))) ** 2).mean()),
     }
     variants = {
         "ndcr": ndcr,
@@ -270,8 +220,8 @@ def option_scores(cfg, cache_dir: Path, data, folds: int) -> dict[str, float | N
     pooled, _ = pooled_features(feature_set(spec, data, ndcr_prompt), np.arange(len(data)))
     blocks, y = cfg.diffusion.blocks, data.labels
     cv = StratifiedKFold(folds, shuffle=True, random_state=0)
-    ncc = lambda x: float(cross_val_score(NearestCentroid(), _unit(x), y, cv=cv).mean())  # noqa: E731
-    own = np.concatenate([_unit(pooled[b][:, -1].astype(np.float32)) for b in blocks], axis=-1)
+    ncc = lambda x: float(cross_val_score(NearestCentroid(), unit(x), y, cv=cv).mean())  # noqa: E731
+    own = np.concatenate([unit(pooled[b][:, -1].astype(np.float32)) for b in blocks], axis=-1)
     try:
         basis, _ = fit_federated_basis(
             [client_stats(pooled)], cfg.diffusion.channels, blocks, cfg.embedding_dim

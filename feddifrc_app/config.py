@@ -38,6 +38,7 @@ STRATEGIES = (
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
+DIT_FEATURES = ("raw", "adaln", "adaln-drop", "adaln-rescale")  # diffusion/dit_features.py
 LOSS_VARIANTS = ("paper", "code")
 NORMALISERS = ("none", "mean-distance")
 NDCR_SPACES = ("unit", "raw")
@@ -181,6 +182,7 @@ class DiffusionConfig:
     blocks: tuple[int, ...] = key()  # -1 = the UNet's mid-block (family.MID_BLOCK)
     pooling: str = key(choices=("mean", "grid"))
     pool_grid: int = key(lo=1, hi=16)  # g of pooling = "grid": a g x g grid of each map, C g^2 features
+    dit_features: str = key(choices=DIT_FEATURES)  # pixart / sd3: raw block outputs or AdaLN-normalised
     channels: tuple[int, ...] = key()
     ensemble: int = key(lo=1, hi=64)
     projection: str = key(choices=PROJECTIONS)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from feddifrc_app.diffusion.dit_features import Reader
 from feddifrc_app.diffusion.family import MID_BLOCK, Conditioning, check_layers, encode_image, layer_module
 from feddifrc_app.diffusion.pipeline import Teacher, text_encoders_on
 from feddifrc_app.diffusion.sd import (
@@ -89,6 +90,7 @@ class Featurizer:
         seed: int,
         fast: bool = True,
         pool_grid: int = 0,
+        dit_features: str = "raw",
     ) -> None:
         adapter = teacher.adapter
         n, mid = len(getattr(teacher.unet, adapter.LAYER_ATTR)), getattr(adapter, "MID_ATTR", None)
@@ -113,6 +115,7 @@ class Featurizer:
         self.seed = int(seed)
         self.fast = bool(fast)
         self.pool_grid = int(pool_grid)
+        self._read = Reader(teacher.unet, adapter, dit_features, teacher.family)  # dit_features.py
         # x_t = a x0 + b eps by hand (sd, sdxl, pixart: DDPM's sqrt(a_t), sqrt(1 - a_t) in double,
         # not the scheduler's float32 add_noise; sd3: 1 - sigma, sigma of its flow-matching grid)
         # and the timestep the denoiser expects.
@@ -266,7 +269,7 @@ class Featurizer:
 
         def hook_for(b: int):
             def hook(_module, _inputs, output):
-                pooled[b] = adapter.pool(output, self._grid, self.pool_grid)
+                pooled[b] = adapter.pool(self._read(b, output), self._grid, self.pool_grid)
                 if b == last:
                     raise _StopUNet
 
@@ -274,7 +277,7 @@ class Featurizer:
 
         handles = [layer_module(t.unet, adapter, b).register_forward_hook(hook_for(b)) for b in self.blocks]
         try:
-            with self._speed.installed(B, P, fast_cross):
+            with self._speed.installed(B, P, fast_cross), self._read.capturing():
                 adapter.denoise(t, sample, self._step, cond)
         except _StopUNet:
             pass

@@ -2,7 +2,8 @@
 PixArtTransformer2DModel (a DiT with cross-attention) on a T5 encoder's masked hidden
 states; DDPM noise (its scheduler's betas). Features: the token outputs of
 ``transformer.transformer_blocks[i]``, reshaped to the latent patch grid and pooled there
-(``family.pool_map``); no mid-block."""
+(``family.pool_map``); no mid-block. ``diffusion.dit-features`` reads them through the next
+block's ``ada_norm_single`` modulation (``modulation``, ``dit_features.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ TEXT_PARTS = ("text_encoder",)
 AUTO_BF16 = False
 VAE_FORCE_UPCAST = False
 SHORTCUTS = False  # speed.py's shortcuts are the UNet's
+DIT_COND_ATTR = "adaln_single"  # its output: (the blocks' 6 D timestep vector, the output layer's D one)
 MAX_TOKENS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}  # the pipelines' defaults
 noise_coeffs = sd.noise_coeffs
 parts = sdxl.parts
@@ -77,3 +79,22 @@ def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
 
 def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
     return pool_tokens(output, grid, cells)
+
+
+def image_tokens(output) -> Tensor:
+    return output
+
+
+def modulation(denoiser, b: int, cond: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, float]:
+    """``(shift, scale, eps)`` with which the network normalises block b's output: block b + 1's
+    ``scale_shift_table[:2] + t`` (diffusers' ``BasicTransformerBlock``, ``ada_norm_single``:
+    shift_msa, scale_msa), or for the last block the output layer's ``scale_shift_table +
+    embedded_timestep`` (``PixArtTransformer2DModel``: shift, scale before ``proj_out``)."""
+    t, embedded = cond
+    blocks = denoiser.transformer_blocks
+    if b + 1 < len(blocks):
+        nxt = blocks[b + 1]
+        mod = nxt.scale_shift_table[None] + t.reshape(int(t.shape[0]), 6, -1)
+        return mod[:, 0], mod[:, 1], float(nxt.norm1.eps)
+    mod = denoiser.scale_shift_table[None] + embedded[:, None]
+    return mod[:, 0], mod[:, 1], float(denoiser.norm_out.eps)

@@ -2,7 +2,8 @@
 two CLIP encoders and T5 (the pipeline's ``encode_prompt``: joint tokens and pooled
 projections); rectified-flow noise as its FlowMatchEulerDiscreteScheduler defines it,
 ``x_t = (1 - sigma) x0 + sigma eps`` with the model timestep ``sigma * T``. Features: the
-image-token outputs of ``transformer.transformer_blocks[i]``, on the patch grid, pooled there."""
+image-token outputs of ``transformer.transformer_blocks[i]``, on the patch grid, pooled there;
+``diffusion.dit-features`` reads them through the next block's ``norm1`` (``modulation``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 AUTO_BF16 = True
 VAE_FORCE_UPCAST = False
 SHORTCUTS = False
+DIT_COND_ATTR = "time_text_embed"  # its output: temb, what every AdaLN of the model reads
 MAX_TOKENS = 256  # the pipeline's default T5 length
 # the same layer rule and widths as PixArt's DiT (SD3-medium's 24 blocks: 11, 17, 23)
 default_layers = pixart.default_layers
@@ -79,7 +81,26 @@ def denoise(teacher, sample: Tensor, step: Tensor, cond: Conditioning) -> None:
     )
 
 
-def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
+def image_tokens(output) -> Tensor:
     """A joint block returns ``(text tokens, image tokens)`` (the last one ``(None, image tokens)``)."""
-    h = output[1] if isinstance(output, tuple) else output
-    return pool_tokens(h, grid, cells)
+    return output[1] if isinstance(output, tuple) else output
+
+
+def pool(output, grid: tuple[int, int], cells: int = 0) -> Tensor:
+    return pool_tokens(image_tokens(output), grid, cells)
+
+
+def modulation(denoiser, b: int, temb: Tensor) -> tuple[Tensor, Tensor, float]:
+    """``(shift, scale, eps)`` with which the network normalises block b's image tokens: block
+    b + 1's ``norm1`` (``AdaLayerNormZero``, or SD3.5's ``SD35AdaLayerNormZeroX``: its first two
+    chunks, shift_msa and scale_msa), or for the last block ``norm_out``
+    (``AdaLayerNormContinuous``: scale, then shift)."""
+    blocks = denoiser.transformer_blocks
+    if b + 1 < len(blocks):
+        norm = blocks[b + 1].norm1
+        emb = norm.linear(norm.silu(temb))
+        shift, scale = emb.chunk(emb.shape[1] // denoiser.inner_dim, dim=1)[:2]
+        return shift, scale, float(norm.norm.eps)
+    norm = denoiser.norm_out
+    scale, shift = norm.linear(norm.silu(temb)).chunk(2, dim=1)
+    return shift, scale, float(norm.norm.eps)

@@ -71,6 +71,7 @@ def key_fields(
     vae_dtype: str = "",
     family: str = "sd",
     pool_grid: int = 0,
+    dit_features: str = "raw",
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
@@ -83,7 +84,8 @@ def key_fields(
     of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
     is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
     under float16, ``family.vae_dtype``): every other key is as it was before it existed. So is
-    ``pool_grid`` (g x g grid pooling), when not 0 (the mean); the mid-block is one of ``blocks``."""
+    ``pool_grid`` (g x g grid pooling), when not 0 (the mean), and ``dit_features``
+    (``dit_features.py``), when not ``raw``; the mid-block is one of ``blocks``."""
     fields = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -101,9 +103,9 @@ def key_fields(
     vae = str(vae_dtype).removeprefix("torch.")
     if vae and vae != fields["dtype"]:
         fields["vae_dtype"] = vae
-    if family != "sd":
-        fields["family"] = str(family)
-    return {**fields, "pool_grid": int(pool_grid)} if pool_grid else fields
+    optional = {"family": (str(family), "sd"), "dit_features": (str(dit_features), "raw")}
+    optional["pool_grid"] = (int(pool_grid), 0)
+    return fields | {k: v for k, (v, default) in optional.items() if v != default}
 
 
 def key_from_fields(fields: Mapping[str, Any]) -> str:

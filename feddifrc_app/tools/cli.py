@@ -38,6 +38,7 @@ from feddifrc_app.tools.cmd_node import (
     cmd_make_tiny,
 )
 from feddifrc_app.tools.cmd_pretrain import add_pretrain, cmd_pretrain
+from feddifrc_app.tools.cmd_probe import add_probe, cmd_probe
 from feddifrc_app.tools.cmd_runs import add_report, add_status, cmd_report, cmd_status
 from feddifrc_app.tools.cmd_sweep import add_sweep, add_table, cmd_sweep, cmd_table
 from feddifrc_app.tools.run_config import RunConfigError
@@ -50,6 +51,11 @@ COMMANDS: dict[
         "train the tiny text-to-image teacher on the public split and write its diffusers folder",
         add_pretrain,
         cmd_pretrain,
+    ),
+    "probe-teacher": (
+        "score the teacher's layers x timesteps x poolings on train/val images; recommend blocks, timestep",
+        add_probe,
+        cmd_probe,
     ),
     "make-tiny": (
         "build the embedded tiny random-weight teacher and print its folder",

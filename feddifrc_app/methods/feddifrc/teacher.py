@@ -32,6 +32,7 @@ from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
+from feddifrc_app.diffusion.dit_features import check_mode
 from feddifrc_app.diffusion.family import check_layers, family_module, has_mid_block, layer_count, vae_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
@@ -61,6 +62,7 @@ class TeacherSpec:
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
     pool_grid: int = 0  # diffusion.pooling: 0 = the mean over each map, g = a g x g grid of means
+    dit_features: str = "raw"  # diffusion.dit-features (dit_features.py)
 
     @functools.cached_property
     def vae_dtype(self) -> torch.dtype:
@@ -104,6 +106,7 @@ def _resolved(
     family = identity.family
     mid = has_mid_block(identity.folder, family)
     check_layers(d.blocks, layer_count(identity.folder, family), family, mid=mid)
+    check_mode(d.dit_features, family, family_module(family))
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
     return TeacherSpec(
         model=d.model,
@@ -119,6 +122,7 @@ def _resolved(
         batch_size=d.batch_size,
         resident=d.condition == "global-model",
         pool_grid=d.pool_grid if d.pooling == "grid" else 0,
+        dit_features=d.dit_features,
     )
 
 
@@ -148,6 +152,7 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         vae_dtype=str(spec.vae_dtype),
         family=spec.identity.family,
         pool_grid=spec.pool_grid,
+        dit_features=spec.dit_features,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 
@@ -182,6 +187,7 @@ def _featurizer(spec: TeacherSpec) -> Featurizer:
         ensemble=spec.ensemble,
         seed=spec.seed,
         pool_grid=spec.pool_grid,
+        dit_features=spec.dit_features,
     )
 
 
