@@ -105,7 +105,7 @@ def test_adaptive_clipping_moves_the_norm_and_it_survives_a_checkpoint():
     msgs = list(s.configure_train(1, ArrayRecord({"w": torch.from_numpy(x)}), ConfigRecord({}), _nodes(2)))
     s.aggregate_train(1, [_reply(m, np.array([3.0, 4.0], dtype=np.float32)) for m in msgs])  # both clipped
     # Flower's rule, C <- C exp(-lr (clipped fraction - target)): both clipped (noise-free count),
-    # so C = 0.1 exp(-0.2 x 0.5). It SHRINKS: Andrew et al. count the unclipped updates there (docs/privacy.md).
+    # so C = 0.1 exp(-0.2 x 0.5). It SHRINKS: Andrew et al. count the unclipped updates there (privacy.md).
     assert s.clipping_norm == pytest.approx(0.1 * np.exp(-0.2 * 0.5))
     state = strategy_state(s)
     assert set(state) >= {"clipping_norm", "m_t", "v_t"}  # the wrapper's and FedAdam's

@@ -8,39 +8,35 @@ import time
 from pathlib import Path
 
 from feddifrc_app.config import resolve_cache_dir
-from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, int_list
+from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, examples, int_list
 from feddifrc_app.tools.run_config import load_app_config
-
-EPILOG = """example:
-  feddifrc probe-teacher --run-config "diffusion.model='tiny-mnist' dataset.train-limit=500"
-  feddifrc probe-teacher --split val --timesteps 50,200 --poolings mean \\
-      --run-config "diffusion.model='tiny-pixart' diffusion.dit-features='adaln-drop'"
-"""
 
 
 def add_probe(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = EPILOG
+    examples(
+        p,
+        "feddifrc probe-teacher --run-config \"diffusion.model='tiny-mnist' dataset.train-limit=500\"",
+        "feddifrc probe-teacher --split val --timesteps 50,200 --poolings mean "
+        "--run-config \"diffusion.model='tiny-pixart' diffusion.dit-features='adaln-drop'\"",
+    )
     add_run_config_args(p)
     p.add_argument(
         "--split",
         default="train",
         help="labelled images to probe on: train or val (never test, the split a benchmark reports) "
-        "(default: %(default)s; sized by dataset.train-limit / eval-limit)",
+        "(sized by dataset.train-limit / eval-limit)",
     )
     p.add_argument(
         "--timesteps",
         default="25,100,300",
-        help="comma-separated diffusion timesteps to probe (default: %(default)s)",
+        help="comma-separated diffusion timesteps to probe",
     )
     p.add_argument(
         "--poolings",
         default="mean,grid",
-        help="comma-separated poolings: mean, grid (diffusion.pool-grid) (default: %(default)s)",
+        help="comma-separated poolings: mean, grid (diffusion.pool-grid)",
     )
-    p.add_argument(
-        "--folds", type=int, default=5, help="cross-validation folds per score (default: %(default)s)"
-    )
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds per score")
     p.add_argument(
         "--json", default=None, help="also write every cell and the recommendation to this JSON file"
     )
