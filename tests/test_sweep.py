@@ -14,7 +14,7 @@ from feddifrc_app.tools import cli, cmd_sweep
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.report import write_sweep_table
 from feddifrc_app.tools.run_config import app_defaults
-from feddifrc_app.tools.sweep import Cell, Sweep, SweepError, make_cells
+from feddifrc_app.tools.sweep import Cell, Flower, Sweep, SweepError, make_cells
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
@@ -295,3 +295,25 @@ def test_a_simulation_without_enough_supernodes_is_refused_before_any_run(tmp_pa
     err = capsys.readouterr().err
     assert "cell defaults-s0: min-nodes = 3 but --federation-config starts num-supernodes = 2" in err
     assert err.count("\n") == 1 and not (tmp_path / "sw" / "flwr-home").exists()
+
+
+def test_a_deployed_federation_is_reached_through_the_users_flower_config(tmp_path, monkeypatch):
+    """`--federation lab` uses the user's FLWR_HOME (where `lab` and its credentials live), not the
+    sweep's own: real `flwr ls` gets as far as connecting (a closed loopback port), where the sweep's
+    home would have said "'lab' not found". The local simulation keeps its own home and ports."""
+    user = tmp_path / "user-flwr"
+    user.mkdir()
+    (user / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
+        '[superlink.lab]\naddress = "127.0.0.1:9"\ninsecure = true\n'
+    )
+    monkeypatch.setenv("FLWR_HOME", str(user))
+    local = Flower(ROOT, tmp_path / "sweep-home", "local", "")
+    assert local.env["FLWR_HOME"] == str(tmp_path / "sweep-home")
+    assert "FLWR_LOCAL_CONTROL_API_PORT" in local.env
+    lab = Flower(ROOT, tmp_path / "sweep-home-2", "lab", "")
+    assert lab.env["FLWR_HOME"] == str(user) and "FLWR_LOCAL_CONTROL_API_PORT" not in lab.env
+    assert not (tmp_path / "sweep-home-2").exists()
+    ans = lab.json("ls", "lab", timeout=120)
+    assert ans["success"] is False
+    assert "unavailable" in ans["error-message"] and "not found" not in ans["error-message"]

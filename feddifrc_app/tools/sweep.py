@@ -139,7 +139,9 @@ def validate_cells(
 
 
 class Flower:
-    """`flwr` with its own FLWR_HOME; stops the local SuperLink it started."""
+    """`flwr` against ``federation``. The local simulation gets a FLWR_HOME of its own (``home``)
+    and stops the SuperLink it started; any other connection (a deployed SuperLink) is the
+    user's, defined in the user's Flower configuration, with its credentials: that home is kept."""
 
     def __init__(self, app: Path, home: Path, federation: str, federation_config: str) -> None:
         self.app, self.home, self.federation, self.federation_config = (
@@ -148,18 +150,21 @@ class Flower:
             federation,
             federation_config,
         )
-        home.mkdir(parents=True, exist_ok=True)
         self.env = {
             **os.environ,
-            "FLWR_HOME": str(home),
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "FLWR_TELEMETRY_ENABLED": "0",
             "NO_COLOR": "1",
-            # The local SuperLink `flwr run` starts gets ports of its own: on the default ones,
-            # `flwr` would silently reuse another user's (or another sweep's) SuperLink.
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
-            "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
         }
+        if federation == "local":
+            home.mkdir(parents=True, exist_ok=True)
+            self.env |= {
+                "FLWR_HOME": str(home),
+                # The local SuperLink `flwr run` starts gets ports of its own: on the default ones,
+                # `flwr` would silently reuse another user's (or another sweep's) SuperLink.
+                "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+                "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+            }
 
     def json(self, *args: str, timeout: float = 300) -> dict[str, Any]:
         cp = subprocess.run(
