@@ -10,8 +10,9 @@ Acceptance criterion: with a WARM feature cache, a FedDifRC round costs at most 
 FedAvg round of the same config.
 
 ``--scale paper`` measures the CIFAR-10 paper cell's client instead, on this CPU: one
-5,000-image client (10 IID partitions of a random-pixel CIFAR-10 in the real
-``cifar-10-batches-py`` format) at 32 px, ResNet-10 at the paper width, and a feature cache
+4,500-image client (10 IID partitions of a random-pixel CIFAR-10 in the real
+``cifar-10-batches-py`` format, after the default ``dataset.val-fraction = 0.1`` is held
+out) at 32 px, ResNet-10 at the paper width, and a feature cache
 with SD-2.1's block widths (1280/640/320) and 11 prompts for all 50,000 training images
 (2.5 GB), filled through the real FeatureStore with random pooled features; no teacher runs.
 Bound: 1.1x, and FedDifRC's peak RSS at most FedAvg's + 1 GB (sampled every 20 ms during
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_ratio is None:
         args.max_ratio = 1.1 if args.scale == "paper" else 1.3
     if args.scale == "paper" and args.clients is None:
-        args.clients = 1  # the paper cell's client: 5,000 images
+        args.clients = 1  # one paper-cell client: 4,500 images
     rss = PeakRSS()
 
     if args.threads:

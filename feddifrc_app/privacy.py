@@ -68,7 +68,7 @@ def clipped_count_stddev(given: float, noise_multiplier: float, sampled: int) ->
     """strategy.dp-clipped-count-stddev as used: the value given, or for 0 Flower's default (sampled
     nodes / 20) raised to the noise multiplier where it is below it. Flower needs the multiplier
     below twice the count noise; at equal values the update keeps z x 1.15 (z_u = (z^-2 -
-    (2 s)^-2)^-1/2), where Flower's default refused every adaptive run of fewer than 40 nodes at z = 1.
+    (2 s)^-2)^-1/2), where Flower's default refused every adaptive run of at most 10 nodes at z = 1.
     Without noise (z = 0) the count is not noised either, as in Flower."""
     if given or noise_multiplier == 0:
         return given

@@ -122,7 +122,8 @@ lives), updated with `--run-config` of `flwr run` (and of every `feddifrc` comma
 read the same way): **either** one TOML file (`--run-config conf/X.toml`) **or** space-separated
 `key=value` pairs (`--run-config "train.lr=0.01 method='moon'"`, strings quoted, repeatable, a
 later pair wins), never both in one run (Flower refuses a file beside pairs). A key not given
-keeps its default; an unknown key is refused (with the nearest known key, if one is close).
+keeps its default; an unknown key is refused: `feddifrc` commands name it with the nearest known
+key, if one is close; `flwr run` refuses it with no suggestion (the SuperLink's log names the key).
 `feddifrc sweep` builds each cell as defaults < its conf file < `--set` < its `--grid` values <
 the keys the sweep sets itself (`seed`, `outputs-dir`, `run-name`, `resume-from`).
 
