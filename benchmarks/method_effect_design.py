@@ -113,9 +113,15 @@ NEUTRAL_SINCE_LEGACY: dict[str, Any] = {
     "fednh.max-grad-norm": 0.0,  # the earlier FedNH cells did not clip
     "loss.tdcl-targets": "image",
     **{"diffusion.pooling": "mean", "diffusion.pool-grid": 2},
+    "diffusion.dit-features": "raw",  # read by the transformer families only
 }
 # Keys that cannot change a cell's result.
-NOT_RESULT_KEYS = {"outputs-dir", "run-name", "resume-from", "keep-checkpoints", "diffusion.cache-dir"}
+NOT_RESULT_KEYS = {"outputs-dir", "run-name", "resume-from", "keep-checkpoints", "diffusion.cache-dir"} | {
+    "tracking.backend",  # where the rows are also sent, not what they hold
+    "tracking.dir",
+    "tracking.project",
+    "tracking.tags",
+}
 # Key prefixes only some methods read: a cell of another method ignores them.
 METHOD_ONLY = {
     "fednh.": ("fednh",),
