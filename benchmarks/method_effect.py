@@ -65,6 +65,7 @@ ROOT = design.ROOT
 PILOT_SEED = 100
 ALPHAS = (0.05, 0.5)
 NDCR_PILOT_ROUNDS = 16
+ENDPOINT_KEYS = ("primary", "secondary", "final", "best", "last5")
 
 
 def conf(method: str) -> str:
@@ -209,15 +210,17 @@ def comparisons(by: dict[tuple[float, str], dict[int, dict]]) -> list[dict]:
 
 def paired_table(by: dict[tuple[float, str], dict[int, dict]]) -> tuple[str, list[dict]]:
     lines = [
-        "| alpha | arm | seeds | primary: test, mean of the window | secondary: test, val-best window |",
-        "| --- | --- | --- | --- | --- |",
+        "| alpha | arm | seeds | primary: test, mean of the window | secondary: test, val-best window | "
+        "final / best / mean of last 5 |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for (alpha, arm), cells in sorted(by.items()):
-        ms = {k: np.array([e[k] for e in cells.values()]) for k in ("primary", "secondary")}
+        ms = {k: np.array([e[k] for e in cells.values()]) for k in ENDPOINT_KEYS}
         sd = {k: f"{v.std(ddof=1):.1f}" if len(v) > 1 else "-" for k, v in ms.items()}
+        m = {k: f"{v.mean():.1f} ± {sd[k]}" for k, v in ms.items()}
         lines.append(
-            f"| {alpha:g} | {arm} | {len(cells)} | {ms['primary'].mean():.1f} ± {sd['primary']} | "
-            f"{ms['secondary'].mean():.1f} ± {sd['secondary']} |"
+            f"| {alpha:g} | {arm} | {len(cells)} | {m['primary']} | {m['secondary']} | "
+            f"{m['final']} / {m['best']} / {m['last5']} |"
         )
     rows = comparisons(by)
     lines += [

@@ -34,8 +34,16 @@ def val_best_window(val: Sequence[float], width: int = SECONDARY_WIDTH) -> tuple
 
 def endpoints(val: Sequence[float], test: Sequence[float], window: tuple[int, int]) -> dict[str, float]:
     """The primary (mean test accuracy over the declared ``window``) and secondary (mean test
-    accuracy over the validation-best window) endpoints of one cell, in %."""
-    return {"primary": window_mean(test, *window), "secondary": window_mean(test, *val_best_window(val))}
+    accuracy over the validation-best window) endpoints of one cell, in %, and (described, never
+    tested) its final, best and mean-of-the-last-5 test accuracy."""
+    r = len(test)
+    return {
+        "primary": window_mean(test, *window),
+        "secondary": window_mean(test, *val_best_window(val)),
+        "final": window_mean(test, r, r),
+        "best": 100 * float(np.max(test)),
+        "last5": window_mean(test, max(1, r - 4), r),
+    }
 
 
 def paired(deltas: Sequence[float]) -> dict[str, float]:

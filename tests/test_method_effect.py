@@ -34,7 +34,9 @@ def test_secondary_window_centred_and_shifted_at_the_ends():
     assert window_mean(test, 7, 8) == pytest.approx(75.0)
     val = [0.1, 0.2, 0.3, 0.4, 0.9, 0.5, 0.5, 0.5]  # best round 5: rounds 3-7
     assert val_best_window(val) == (3, 7)
-    assert endpoints(val, test, (4, 8)) == pytest.approx({"primary": 60.0, "secondary": 50.0})
+    assert endpoints(val, test, (4, 8)) == pytest.approx(
+        {"primary": 60.0, "secondary": 50.0, "final": 80.0, "best": 80.0, "last5": 60.0}
+    )
     assert val_best_window([0.1, 0.9, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]) == (1, 5)  # best 2: shifted
     assert val_best_window([0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]) == (1, 5)  # best 1
     assert val_best_window([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9, 0.7]) == (4, 8)  # best R - 1
