@@ -4,6 +4,7 @@
     python benchmarks/method_effect.py plan                # the declared design, its cells, reuse, budget
     python benchmarks/method_effect.py run                 # the paired comparison (resumable at any cell)
     python benchmarks/method_effect.py table [--out DIR]   # the paired table from finished + reused cells
+    python benchmarks/method_effect.py recheck [--out DIR] # rerun the first reused cell: same curves?
 
 Every cell is a real `flwr run .` in Flower's Ray simulation engine (10 simulated SuperNodes,
 5 sampled per round, paper NID1 Dirichlet partitions), run through `feddifrc sweep`'s code:
@@ -307,6 +308,23 @@ def table(out: Path, legacy: Path) -> None:
         plot_curves(new, out / "curves.png")
 
 
+def recheck(args, out: Path, legacy: Path) -> int:
+    """Rerun the first reused cell (the earliest seed) with today's code into ``out / recheck``:
+    reuse is sound only if its test and validation curves come back as recorded."""
+    earlier = next(p for p in design.plan(json.loads(legacy.read_text())) if p.reuse is not None)
+    extra = {**design.SETTINGS, "keep-checkpoints": 1, "diffusion.cache-dir": str(out / "cache")}
+    if run_lanes(out / "recheck", [earlier.cell], extra, 1, args.cell_timeout):
+        return 1
+    again = entry(load_runs(out / "recheck")[0])
+    gap = max(float(np.abs(np.subtract(again[k], earlier.reuse[k])).max()) for k in ("test", "val"))
+    print(
+        f"recheck {earlier.arm.name} alpha {earlier.part.alpha:g} seed {earlier.seed}: largest "
+        f"per-round accuracy difference from the reused cell {100 * gap:.2f} points "
+        f"({'identical' if gap == 0 else 'NOT identical'})"
+    )
+    return 0 if gap == 0 else 1
+
+
 def run(args, out: Path, legacy: Path) -> int:
     if design.NDCR_TARGET is None:
         print(
@@ -324,7 +342,7 @@ def run(args, out: Path, legacy: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("pilot", "plan", "run", "table"))
+    ap.add_argument("stage", choices=("pilot", "plan", "run", "table", "recheck"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "method_effect"))
     ap.add_argument("--legacy", default=str(design.LEGACY_CELLS), help="the earlier run's cells.json")
     ap.add_argument("--rounds", type=int, default=30, help="pilot only")
@@ -342,6 +360,8 @@ def main() -> int:
         return 0
     if args.stage == "run":
         return run(args, out, legacy)
+    if args.stage == "recheck":
+        return recheck(args, out, legacy)
     failed = run_lanes(
         out / "pilot", pilot_cells(), settings(args, out / "pilot"), args.lanes, args.cell_timeout
     )
