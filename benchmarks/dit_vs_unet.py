@@ -43,7 +43,12 @@ from feddifrc_app.diffusion.dit_features import MASSIVE_RATIO, massive_channels
 from feddifrc_app.files import write_json
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
-from feddifrc_app.methods.feddifrc.teacher_probe import candidate_blocks, probe, recommend
+from feddifrc_app.methods.feddifrc.teacher_probe import (
+    candidate_blocks,
+    probe,
+    recommend,
+    with_diffusion,
+)
 from feddifrc_app.tools.run_config import load_app_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,10 +64,6 @@ METRICS = (
     ("ndcr-linear", "NDCR linear"),
     ("ndcr-shared-direction", "share on the mean direction"),
 )
-
-
-def with_diffusion(cfg, **diffusion):
-    return dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, **diffusion))
 
 
 def channels_for(widths: list[int], channels: tuple[int, ...]) -> tuple[int, ...]:

@@ -311,7 +311,10 @@ def table(out: Path, legacy: Path) -> None:
 def recheck(args, out: Path, legacy: Path) -> int:
     """Rerun the first reused cell (the earliest seed) with today's code into ``out / recheck``:
     reuse is sound only if its test and validation curves come back as recorded."""
-    earlier = next(p for p in design.plan(json.loads(legacy.read_text())) if p.reuse is not None)
+    earlier = next((p for p in design.plan(json.loads(legacy.read_text())) if p.reuse is not None), None)
+    if earlier is None:
+        print(f"method_effect recheck: the plan reuses no cell of {legacy}; nothing to check")
+        return 0
     extra = {**design.SETTINGS, "keep-checkpoints": 1, "diffusion.cache-dir": str(out / "cache")}
     if run_lanes(out / "recheck", [earlier.cell], extra, 1, args.cell_timeout):
         return 1

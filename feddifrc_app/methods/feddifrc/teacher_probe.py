@@ -123,13 +123,14 @@ def candidate_blocks(cfg: Config, cache_dir: Path) -> tuple[int, ...]:
     return mid + tuple(range(layer_count(folder, family)))
 
 
-def _with(cfg: Config, **diffusion) -> Config:
+def with_diffusion(cfg: Config, **diffusion) -> Config:
+    """``cfg`` with these ``diffusion.*`` fields replaced."""
     return dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, **diffusion))
 
 
 def grid_blocks(cfg: Config, cache_dir: Path, blocks: Sequence[int], data: ImageData) -> tuple[int, ...]:
     """The ``blocks`` whose maps hold ``diffusion.pool-grid`` (one image through each alone)."""
-    teacher = featurizer(teacher_spec(_with(cfg, blocks=tuple(blocks)), cache_dir)).teacher
+    teacher = featurizer(teacher_spec(with_diffusion(cfg, blocks=tuple(blocks)), cache_dir)).teacher
     d, ok = cfg.diffusion, []
     for b in blocks:
         f = Featurizer(
@@ -149,7 +150,8 @@ def score_pass(
 ) -> list[Cell]:
     """Every block of one (timestep, pooling) pass, from one cached extraction of all of them."""
     prompts = teacher_prompts(cfg, data.class_names)
-    spec = dataclasses.replace(teacher_spec(_with(cfg, blocks=tuple(blocks)), cache_dir), resident=True)
+    spec = teacher_spec(with_diffusion(cfg, blocks=tuple(blocks)), cache_dir)
+    spec = dataclasses.replace(spec, resident=True)
     pooled, _ = pooled_features(feature_set(spec, data, prompts), np.arange(len(data)), progress=True)
     d, k, y = cfg.diffusion, data.num_classes, data.labels
     gray = bool((data.images == data.images[:, :1]).all())  # one channel repeated: keep one
@@ -182,11 +184,11 @@ def probe(
     for pooling in poolings:
         usable = blocks
         if pooling == "grid":
-            usable = grid_blocks(_with(cfg, pooling="grid"), cache_dir, blocks, data)
+            usable = grid_blocks(with_diffusion(cfg, pooling="grid"), cache_dir, blocks, data)
         for t in timesteps:
-            c = _with(cfg, timestep=int(t), pooling=pooling)
+            c = with_diffusion(cfg, timestep=int(t), pooling=pooling)
             cells += score_pass(c, cache_dir, data, usable, folds)
-            release(teacher_spec(_with(c, blocks=tuple(usable)), cache_dir))
+            release(teacher_spec(with_diffusion(c, blocks=tuple(usable)), cache_dir))
     return cells
 
 
