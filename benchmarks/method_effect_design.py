@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feddifrc_app.config import KEYS_ADDED_SINCE
 from feddifrc_app.tools.sweep import Cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,21 +100,13 @@ BUDGET_HOURS = 6.0
 LEGACY_COMMIT = "e807f2b"
 LEGACY_SETTINGS = {**SETTINGS, "num-server-rounds": 16}
 LEGACY_CELLS = ROOT / "docs" / "method_effect" / "cells.json"
-# Keys added since that run, with the value that reproduces it.
+# Keys added since that run, with the value that reproduces it: the app's own list, and keys a
+# resumed run may change (the app does not compare them) that cannot change a cell either.
 NEUTRAL_SINCE_LEGACY: dict[str, Any] = {
-    "evaluate-holdout": 0.0,
+    **KEYS_ADDED_SINCE,
     "min-nodes-timeout": 300.0,  # how long the server waits for nodes: not a result
     "max-frozen-rounds": 1,  # fails a frozen run; every earlier cell completed
     "server.device": "auto",
-    "dataset.val-fraction": 0.1,  # mnist-5k validates on its public split whatever this is
-    **{"strategy.num-malicious-nodes": 0, "strategy.num-nodes-to-select": 1, "strategy.q": 0.1},
-    **{"strategy.dp": "none", "strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 10.0},
-    **{"strategy.dp-initial-clipping-norm": 0.1, "strategy.dp-target-clipped-quantile": 0.5},
-    **{"strategy.dp-clip-norm-lr": 0.2, "strategy.dp-clipped-count-stddev": 0.0, "strategy.dp-delta": 1e-5},
-    "fednh.max-grad-norm": 0.0,  # the earlier FedNH cells did not clip
-    "loss.tdcl-targets": "image",
-    **{"diffusion.pooling": "mean", "diffusion.pool-grid": 2},
-    "diffusion.dit-features": "raw",  # read by the transformer families only
 }
 # Keys that cannot change a cell's result.
 NOT_RESULT_KEYS = {"outputs-dir", "run-name", "resume-from", "keep-checkpoints", "diffusion.cache-dir"} | {

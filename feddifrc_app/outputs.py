@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from feddifrc_app import log
-from feddifrc_app.config import KEYS_ADDED_SINCE, RESUME_MAY_CHANGE, Config
+from feddifrc_app.config import Config, run_changes
 from feddifrc_app.files import LOCK_NAME, FolderInUse, atomic_write, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summarize
 
@@ -89,13 +89,7 @@ class RunDir:
             raise ValueError(
                 f"resume-from: {path} is missing or unreadable ({e}); cannot check the config"
             ) from None
-        old = {**KEYS_ADDED_SINCE, **old}  # a run written before a key existed computed with its value
-        changed = [
-            f"{k}: {old.get(k)!r} -> {v!r}"
-            for k, v in flat.items()
-            if k not in RESUME_MAY_CHANGE and old.get(k) != v
-        ]
-        if changed:
+        if changed := run_changes(old, flat):
             raise ValueError(
                 f"resume-from = {str(self.path)!r}: the config differs from the run's own "
                 f"({'; '.join(changed)}); resume with the original values or start a new run"

@@ -68,6 +68,30 @@ def test_an_interrupted_cell_resumes_and_an_unstarted_one_starts_over(tmp_path):
     assert not (sweep.runs / cell.name).exists()  # no finished round: removed, so the run starts clean
 
 
+def test_a_finished_cell_from_before_a_key_existed_is_done_unless_the_cell_asks_another_value(tmp_path):
+    """config.KEYS_ADDED_SINCE: a run folder predating a key computed with that key's listed value."""
+    sweep = sweep_in(tmp_path, **{"num-server-rounds": 2})
+    cell = Cell("", 0)
+    run = sweep.runs / cell.name
+    run.mkdir(parents=True)
+    old = sweep.validate([cell])[cell.name].to_flat()
+    del old["diffusion.dit-features"], old["loss.tdcl-targets"]
+    (run / "config.json").write_text(json.dumps(old))
+    rounds = [{"round": r, "test-accuracy": 0.5} for r in range(3)]
+    summary = {"final-accuracy": 0.5, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.5}
+    (run / "results.json").write_text(json.dumps({"rounds": rounds, "summary": summary, "status": "completed"}))
+    cfg = sweep.validate([cell])[cell.name]
+    assert sweep.stale(cell, cfg) == ""
+    assert sweep.finished(cell, cfg).summary["final-accuracy"] == 0.5
+
+    adaln = sweep_in(tmp_path / "b", **{"num-server-rounds": 2, "diffusion.dit-features": "adaln"})
+    adaln.runs.mkdir(parents=True)
+    (adaln.runs / cell.name).symlink_to(run)
+    cfg = adaln.validate([cell])[cell.name]
+    assert "diffusion.dit-features: 'raw' -> 'adaln'" in adaln.stale(cell, cfg)
+    assert adaln.finished(cell, cfg) is None
+
+
 def _fake_cell(out: Path, name: str, conf: str, alpha: float, final: float, best: float, paper=None) -> dict:
     run = out / "runs" / name
     run.mkdir(parents=True)

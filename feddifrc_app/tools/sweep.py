@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import RESUME_MAY_CHANGE, Config, load_config, resumable
+from feddifrc_app.config import Config, load_config, resumable, run_changes
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.tools.run_config import parse_run_config
@@ -309,11 +309,7 @@ class Sweep:
             old = json.loads((self.runs / cell.name / "config.json").read_text())
         except (OSError, ValueError):
             return ""
-        diff = [
-            f"{k}: {old.get(k)!r} -> {v!r}"
-            for k, v in cfg.to_flat().items()
-            if k not in RESUME_MAY_CHANGE and old.get(k) != v
-        ]
+        diff = run_changes(old, cfg.to_flat())
         return f"{self.runs / cell.name} holds a run with other settings ({'; '.join(diff)})" if diff else ""
 
     def finished(self, cell: Cell, cfg: Config) -> Results | None:
