@@ -21,7 +21,9 @@ beside both untrained controls.
 3. **Measure** (test split, ``--test-images``): ``teacher_quality.measure`` (linear probe of the
    fused NDCR targets, prompt effect, student TDCL, NDCR geometry) for every teacher at its
    family's (mode's) probed setting, and the family's untrained control (``pretrain-teacher
-   --vae-steps 0 --unet-steps 0``, seed 0) at the same setting. Mean ± SD over seeds.
+   --vae-steps 0 --unet-steps 0``, seed 0) at the same setting. Mean ± SD over seeds. The same
+   is measured first at the app's defaults with raw DiT blocks (``--- , defaults``): the
+   comparison without the fix (UNet ``diffusion.blocks``; DiT ``round(n k / 4) - 1``; t = 100).
 
 Every step is kept in ``--out`` (``probe_*.json``, ``rows/*.json``): a rerun skips what is done.
 Writes ``dit_vs_unet.json`` and prints the tables.
@@ -40,6 +42,7 @@ import torch
 
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.dit_features import MASSIVE_RATIO, massive_channels
+from feddifrc_app.diffusion.family import family_module
 from feddifrc_app.files import write_json
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
@@ -147,20 +150,40 @@ def family_setting(cfg, args, train, out: Path, family: str, mode: str) -> dict:
     return rec
 
 
-def arm(cfg, args, data, out: Path, family: str, mode: str) -> dict:
-    """Every seed of one family (one DiT mode) and its control, at the family's probed setting."""
+def default_setting(cfg, args, out: Path, family: str) -> dict:
+    """The app's defaults, as a user without the probe runs: the configured blocks for the UNet,
+    the transformer families' documented rule (``default_layers``) for the DiT, the configured
+    timestep and PCA widths."""
+    if family == "sd":
+        blocks = tuple(cfg.diffusion.blocks)
+    else:
+        n = len(candidate_blocks(with_diffusion(cfg, model=args.dit[0]), out / "cache"))
+        blocks = family_module(family).default_layers(n)
+    d = cfg.diffusion
+    return {"blocks": list(blocks), "timestep": d.timestep, "channels": list(d.channels)}
+
+
+def arm(cfg, args, data, out: Path, family: str, mode: str, probed: bool = True) -> dict:
+    """Every seed of one family (one DiT mode) and its control, at the family's probed setting
+    (``probed``) or at the app's defaults."""
     train, test = data
-    rec = family_setting(cfg, args, train, out, family, mode)
+    if probed:
+        rec = family_setting(cfg, args, train, out, family, mode)
+    else:
+        rec = default_setting(cfg, args, out, family)
     setting = dict(blocks=tuple(rec["blocks"]), timestep=rec["timestep"], channels=tuple(rec["channels"]))
     folders = args.unet if family == "sd" else args.dit
+    tag = f"{family}-{mode}" if probed else f"{family}-{mode}-defaults"
     seeds = []
     for i, model in enumerate(folders):
         c = with_diffusion(cfg, model=model, dit_features=mode, **setting)
-        seeds.append(measured_row(c, out / "cache", test, out, f"{family}-{mode}-{i}"))
+        seeds.append(measured_row(c, out / "cache", test, out, f"{tag}-{i}"))
     ctrl_dir = control_teacher(cfg, out / f"{family}-untrained", family=family)
     c = with_diffusion(cfg, model=str(ctrl_dir), dit_features=mode, **setting)
-    control = measured_row(c, out / "cache", test, out, f"{family}-{mode}-control")
-    return {"family": family, "mode": mode, "setting": rec, "seeds": seeds, "control": control}
+    control = measured_row(c, out / "cache", test, out, f"{tag}-control")
+    return {
+        "family": family, "mode": mode, "probed": probed, "setting": rec, "seeds": seeds, "control": control,
+    }  # fmt: skip
 
 
 def print_tables(arms: list[dict], massive: dict) -> None:
@@ -168,6 +191,7 @@ def print_tables(arms: list[dict], massive: dict) -> None:
     print(f"\n| teacher | setting | {head} |\n|{' --- |' * (len(METRICS) + 2)}")
     for a in arms:
         s, name = a["setting"], f"{a['family']} {a['mode']}"
+        name += "" if a.get("probed", True) else ", defaults"
         where = f"blocks {','.join(map(str, s['blocks']))}, t = {s['timestep']}"
         stats = summary(a["seeds"])
         cells = " | ".join(f"{m:.3f} ± {sd:.3f}" for m, sd in (stats[k] for k, _ in METRICS))
@@ -219,7 +243,9 @@ def main() -> int:
     modes = list(args.dit_modes)
     if not any(r > MASSIVE_RATIO for rs in massive.values() for r in rs):
         modes = [m for m in modes if m not in ("adaln-drop", "adaln-rescale")]
-    arms = [arm(cfg, args, (train, test), out, "sd", "raw")]
+    # Without the fix (the app's defaults, raw DiT blocks), then each family at its probed setting.
+    arms = [arm(cfg, args, (train, test), out, f, "raw", probed=False) for f in ("sd", "pixart")]
+    arms += [arm(cfg, args, (train, test), out, "sd", "raw")]
     arms += [arm(cfg, args, (train, test), out, "pixart", m) for m in modes]
     print_tables(arms, massive)
     write_json(out / "dit_vs_unet.json", {"arms": arms, "massive": massive, "args": vars(args)})
