@@ -79,7 +79,8 @@ def test_a_finished_cell_from_before_a_key_existed_is_done_unless_the_cell_asks_
     (run / "config.json").write_text(json.dumps(old))
     rounds = [{"round": r, "test-accuracy": 0.5} for r in range(3)]
     summary = {"final-accuracy": 0.5, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.5}
-    (run / "results.json").write_text(json.dumps({"rounds": rounds, "summary": summary, "status": "completed"}))
+    results = {"rounds": rounds, "summary": summary, "status": "completed"}
+    (run / "results.json").write_text(json.dumps(results))
     cfg = sweep.validate([cell])[cell.name]
     assert sweep.stale(cell, cfg) == ""
     assert sweep.finished(cell, cfg).summary["final-accuracy"] == 0.5
