@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.outputs import KEYS_ADDED_SINCE
+from feddifrc_app.config_changes import KEYS_ADDED_SINCE
 from feddifrc_app.tools.sweep import Cell
 
 ROOT = Path(__file__).resolve().parents[1]

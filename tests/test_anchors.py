@@ -161,7 +161,7 @@ def test_anchors_are_refused_where_they_cannot_be_exact(over, why):
 
 
 def test_a_run_written_before_the_key_resumes_with_image_targets_and_refuses_anchors(tmp_path):
-    """outputs.KEYS_ADDED_SINCE: such a run computed with every image's own targets."""
+    """config_changes.KEYS_ADDED_SINCE: such a run computed with every image's own targets."""
     cfg = make_config(outputs_dir=str(tmp_path), run_name="old")
     run = RunDir.for_config(cfg, run_id=1)
     flat = cfg.to_flat()

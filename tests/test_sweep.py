@@ -69,7 +69,7 @@ def test_an_interrupted_cell_resumes_and_an_unstarted_one_starts_over(tmp_path):
 
 
 def test_a_finished_cell_from_before_a_key_existed_is_done_unless_the_cell_asks_another_value(tmp_path):
-    """outputs.KEYS_ADDED_SINCE: a run folder predating a key computed with that key's listed value."""
+    """config_changes.KEYS_ADDED_SINCE: a run folder predating a key computed with that key's listed value."""
     sweep = sweep_in(tmp_path, **{"num-server-rounds": 2})
     cell = Cell("", 0)
     run = sweep.runs / cell.name

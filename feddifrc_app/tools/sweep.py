@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from feddifrc_app.config import Config, load_config, resumable
+from feddifrc_app.config_changes import run_changes
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
-from feddifrc_app.outputs import run_changes
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.tools.run_config import parse_run_config
 from feddifrc_app.tracking import cell_tags
