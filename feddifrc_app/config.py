@@ -22,13 +22,14 @@ from feddifrc_app.casting import (
     MAX_Q,
     MAX_STEP,
     MAX_TIMEOUT_S,
+    MIN_TEMPERATURE,
     ConfigError,
     invalid,
     resolve_path,
 )
 
 METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
-DATASETS = ("digits", "mnist-5k", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
+DATASETS = ("digits", "mnist-5k", "mnist-5k-pool", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
 STRATEGIES = (

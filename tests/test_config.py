@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -289,8 +290,14 @@ def _fuzz_values(tmp_file: Path) -> list:
         *(True, False, 0, -1, 1, 2**63, -(2**63), 1e308, -1e308, 1e-308, 0.5),
         *(float("nan"), float("inf"), float("-inf")),
         *("", " ", "\0", "a\0b", "/dev/null", str(tmp_file), "abc", "1,2", "{}{}", "-1", "1e308", "nan"),
-        *(str(loop), str(loop / "sub"), "~/../" + str(loop)),
+        *(str(loop), str(loop / "sub"), _tilde_path(loop)),
     ]
+
+
+def _tilde_path(path: Path) -> str:
+    """`path` spelled from `~`, for any HOME: depth, symlinks and owner vary by user."""
+    real_home = Path.home().resolve()  # `~/..` climbs from where HOME really is
+    return "~/" + os.path.relpath(path.parent.resolve() / path.name, real_home)
 
 
 def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):

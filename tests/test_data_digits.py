@@ -105,3 +105,37 @@ def test_mnist5k_normalisation_comes_from_the_train_split_and_resizes() -> None:
     small = load_dataset(mnist_cfg(image_size=16), "test")
     assert small.images.shape == (1000, 3, 16, 16)
     assert not train_transform(train).flip  # a mirrored digit is another symbol
+
+
+def test_mnist5k_pool_clients_pool_and_test_are_disjoint_by_image_id() -> None:
+    """mnist-5k-pool: test unchanged; 500 client digits from mnist-5k's train; the pool = the other
+    3,500 (public + the rest of train); val = 500 of the pool. Ids are positions in the 5,000."""
+    from feddifrc_app.data.images import PUBLIC_SPLIT
+    from feddifrc_app.data.sources.digits import mnist5k_positions
+
+    data_dir = Path(mnist_cfg().data_dir)
+    labels, base = mnist5k_positions("mnist-5k", data_dir)
+    _, pool = mnist5k_positions("mnist-5k-pool", data_dir)
+    clients, teacher, test, val = pool["train"], pool[PUBLIC_SPLIT], pool["test"], pool["val"]
+    assert [len(clients), len(teacher), len(test), len(val)] == [500, 3500, 1000, 500]
+    assert np.array_equal(test, base["test"])  # the endpoint's 1,000 digits, unchanged
+    assert set(clients) <= set(base["train"])
+    assert not set(clients) & set(teacher) and not set(test) & (set(teacher) | set(clients))
+    assert sorted([*clients, *teacher, *test]) == list(range(5000))
+    assert set(teacher) == set(base[PUBLIC_SPLIT]) | (set(base["train"]) - set(clients))
+    assert set(val) <= set(teacher)
+    for ids, per_class in ((clients, 50), (val, 50), (teacher, 350)):
+        assert np.bincount(labels[ids]).tolist() == [per_class] * 10
+    # The loaded splits are exactly those rows.
+    cfg = mnist_cfg(name="mnist-5k-pool")
+    images = load_dataset(mnist_cfg(), "test").images  # any split: compare through the 5,000 below
+    assert images.shape[0] == 1000
+    for split, ids in (("train", clients), ("val", val), (PUBLIC_SPLIT, teacher), ("test", test)):
+        d = load_dataset(cfg, split)
+        assert np.array_equal(d.labels, labels[ids]) and len(d) == len(ids), split
+    train, val_d = load_dataset(cfg, "train"), load_dataset(cfg, "val")
+    pool_d = load_dataset(cfg, PUBLIC_SPLIT)
+    as_set = lambda d: {im.tobytes() for im in d.images.numpy()}  # noqa: E731
+    assert not as_set(train) & as_set(pool_d) and as_set(val_d) <= as_set(pool_d)
+    px = train.images[:, 0].double() / 255  # normalised by the clients' 500
+    assert train.mean[0] == pytest.approx(float(px.mean()))

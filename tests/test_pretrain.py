@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -365,3 +366,50 @@ def test_a_teacher_that_never_left_its_warm_up_is_labelled_random_weights() -> N
     assert untrained(PretrainRecipe(unet_steps=0)) and untrained(PretrainRecipe(unet_steps=1))  # warm-up 100
     assert untrained(PretrainRecipe(unet_steps=100)) and not untrained(PretrainRecipe(unet_steps=101))
     assert not untrained(PretrainRecipe())  # the packaged recipe: 1,200 steps
+
+
+def test_pretrain_data_is_exactly_the_chosen_pool_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--exclude-val / --limit: the teacher trains on exactly the chosen pool images (recorded by
+    fingerprint), never a client, validation or test image; bad choices fail in one line."""
+    from conftest import ROOT, make_config
+
+    from feddifrc_app.data.holdouts import stratified_subset
+    from feddifrc_app.data.images import PUBLIC_SPLIT, fingerprint_of
+    from feddifrc_app.data.registry import load_dataset
+    from feddifrc_app.data.sources.digits import mnist5k_positions
+    from feddifrc_app.tools import cli
+    from feddifrc_app.tools.cmd_pretrain import pretrain_data
+
+    cfg = dataclasses.replace(make_config(plumbing=False).dataset, name="mnist-5k-pool")
+    labels, ids = mnist5k_positions(cfg.name, Path(cfg.data_dir))
+    pool = load_dataset(cfg, PUBLIC_SPLIT)
+    everything, _ = pretrain_data(cfg)
+    assert torch.equal(everything.images, pool.images) and np.array_equal(everything.labels, pool.labels)
+    small, note = pretrain_data(cfg, limit=500, exclude_val=True)
+    rest = np.setdiff1d(ids[PUBLIC_SPLIT], ids["val"])  # ids: positions in the 5,000 digits
+    want = np.searchsorted(ids[PUBLIC_SPLIT], rest[stratified_subset(labels[rest], 500, 0)])
+    assert torch.equal(small.images, pool.images[want]) and np.array_equal(small.labels, pool.labels[want])
+    chosen = set(ids[PUBLIC_SPLIT][want])
+    assert not chosen & (set(ids["val"]) | set(ids["train"]) | set(ids["test"]))
+    assert np.bincount(small.labels).tolist() == [50] * 10
+    fp = fingerprint_of(pool.name, "pretrain", pool.class_names, small.labels, small.images)
+    assert small.fingerprint == fp and "500 of mnist-5k-pool" in note and fp in note
+    base = ["pretrain-teacher", "--app", str(ROOT), "--vae-steps", "0", "--unet-steps", "0", "--no-progress"]
+    pool_rc = ["--run-config", "dataset.name='mnist-5k-pool'"]
+    out = tmp_path / "t"
+    assert cli.main([*base, "--out", str(out), "--exclude-val", "--limit", "500", *pool_rc]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    data = json.loads((out / "feddifrc.json").read_text())["data"]
+    assert data["images"] == 500 and fp in data["note"]
+    for extra, why in [
+        (["--limit", "4000", *pool_rc], "--limit 4000: only 3500 images"),
+        (["--limit", "-1", *pool_rc], "--limit -1"),
+        (["--exclude-val", "--run-config", "dataset.name='mnist-5k'"], "--exclude-val"),
+        (["--run-config", "dataset.name='digits'"], "has no public split"),
+    ]:
+        assert cli.main([*base, "--out", str(tmp_path / "u"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err
+    assert not (tmp_path / "u").exists()

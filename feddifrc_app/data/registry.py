@@ -1,13 +1,14 @@
 """Dataset names -> sources, and the splits every dataset offers (``load_dataset``).
 
-Sources (``SOURCES``; each module's docstring says what it reads): ``digits`` and ``mnist-5k``
-(``sources.digits``), ``cifar10`` / ``cifar100`` / ``tiny-imagenet`` (``sources.hub``), and
-``image-folder`` (``sources.image_folder``).
+Sources (``SOURCES``; each module's docstring says what it reads): ``digits``, ``mnist-5k`` and
+``mnist-5k-pool`` (``sources.digits``), ``cifar10`` / ``cifar100`` / ``tiny-imagenet``
+(``sources.hub``), and ``image-folder`` (``sources.image_folder``).
 
-Validation (``split="val"``): mnist-5k's public split; for every other dataset a fixed
-stratified hold-out of ``dataset.val-fraction`` of the training split (``holdouts.VAL_SPLIT_SEED``),
-carved before partitioning, so ``train`` is the rest (CIFAR-10 at 0.1: 45,000 train, 5,000 val;
-at 0, the paper confs': all 50,000 train and no validation split). Choices (lr, loss weights, a
+Validation (``split="val"``): mnist-5k's public split (mnist-5k-pool: 500 of its public split);
+for every other dataset a fixed stratified hold-out of ``dataset.val-fraction`` of the training
+split (``holdouts.VAL_SPLIT_SEED``), carved before partitioning, so ``train`` is the rest
+(CIFAR-10 at 0.1: 45,000 train, 5,000 val; at 0, the paper confs': all 50,000 train and no
+validation split). Choices (lr, loss weights, a
 checkpoint round) are read from ``val``; ``test`` is the endpoint. The fraction changes the
 ``train`` split's images, so its fingerprint, the feature-cache key and the partition follow.
 """
@@ -37,12 +38,14 @@ class Source:
     ``public`` when ``public_val``) gives its images at ``cfg.image_size``."""
 
     load: Callable[[DatasetConfig, str], Loaded]
-    public_val: bool = False  # validation = the source's public split, else carved from train
+    public_val: bool = False  # it has a public split (the teacher's data); validation comes from it
+    own_val: bool = False  # its loader serves "val" (part of the public split), else val = all of it
 
 
 SOURCES: dict[str, Source] = {
     "digits": Source(load_digits),
     "mnist-5k": Source(load_mnist5k, public_val=True),
+    "mnist-5k-pool": Source(load_mnist5k, public_val=True, own_val=True),
     "cifar10": Source(load_hub_dataset),
     "cifar100": Source(load_hub_dataset),
     "tiny-imagenet": Source(load_hub_dataset),
@@ -73,8 +76,8 @@ def load_dataset(cfg: DatasetConfig, split: str, *, seed: int = 0) -> ImageData:
     Raises ``DatasetUnavailableError`` when the data is not on disk and cannot be fetched.
     """
     _check_split(cfg.name, split)
-    public_val = SOURCES[cfg.name].public_val
-    source = (PUBLIC_SPLIT if public_val else "train") if split == "val" else split
+    public_val, own_val = SOURCES[cfg.name].public_val, SOURCES[cfg.name].own_val
+    source = ("val" if own_val else PUBLIC_SPLIT if public_val else "train") if split == "val" else split
     images, labels, names, (mean, std) = SOURCES[cfg.name].load(cfg, source)
     if source == "train" and not public_val:  # the validation hold-out, carved before partitioning
         keep = carve_validation(labels, split, cfg.val_fraction)

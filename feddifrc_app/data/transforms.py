@@ -15,7 +15,7 @@ from feddifrc_app.data.images import ImageData
 
 CROP_PADDING = 4  # paper: RandomCrop(S, padding=4)
 # Horizontal flip changes what a digit means (mirrored 2, 3, 7 are not digits).
-NO_FLIP: frozenset[str] = frozenset({"digits", "mnist-5k"})
+NO_FLIP: frozenset[str] = frozenset({"digits", "mnist-5k", "mnist-5k-pool"})
 
 
 def tv_functional():

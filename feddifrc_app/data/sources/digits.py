@@ -5,6 +5,12 @@
   ``train_test_split``): ``public`` (only for pretraining the ``tiny-mnist`` teacher, and the
   validation split ``val``: the classifier never trains on it), ``train`` (the federated part)
   and ``test``. The teacher never sees ``train`` or ``test``.
+- ``mnist-5k-pool``: the same 5,000 digits with a teacher that knows more than the federation:
+  ``test`` = mnist-5k's test split, unchanged; ``train`` = 500 of mnist-5k's train digits (the
+  clients'); ``public`` = the other 3,500 (mnist-5k's public split + the rest of its train: the
+  teacher pool, 7x the clients' data), of which 500 are the validation split ``val``
+  (``MNIST5K_POOL_SIZES``, stratified, fixed seeds). Clients never see a pool image; a teacher
+  trained on the pool never sees a client or test image.
 - ``digits``: scikit-learn's 1797 8x8 digits (no download), 0..16 scaled to 0..255 and upsampled
   BILINEARLY (smooth strokes, closer to natural images than 4x4 pixel blocks); a fixed
   stratified 80/20 split (``holdouts.DIGITS_SPLIT_SEED``, independent of the run seed).
@@ -22,7 +28,7 @@ import torch
 
 from feddifrc_app.config import DatasetConfig
 from feddifrc_app.data.decoded import DECODED_DIR, read_arrays, write_arrays
-from feddifrc_app.data.holdouts import holdout_split
+from feddifrc_app.data.holdouts import holdout_split, stratified_subset
 from feddifrc_app.data.images import PUBLIC_SPLIT, DatasetUnavailableError, Loaded
 from feddifrc_app.data.transforms import resize_square
 
@@ -31,6 +37,8 @@ from feddifrc_app.data.transforms import resize_square
 # public images are still 1.7x the 898 sklearn digits a tiny teacher was seen to learn from.
 MNIST5K_SIZES: dict[str, int] = {PUBLIC_SPLIT: 1500, "train": 2500, "test": 1000}
 MNIST5K_SPLIT_SEED = 0
+MNIST5K_POOL_SIZES: dict[str, int] = {"train": 500, "val": 500}  # public: the other 3,500
+MNIST5K_POOL_SEED = 0
 
 DIGIT_NAMES: tuple[str, ...] = tuple(
     f"digit {w}" for w in ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -98,8 +106,26 @@ def _mnist5k_arrays(data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, n
     return arrays["images"], arrays["labels"], {k: arrays[k] for k in names}
 
 
+def pool_layout(labels: np.ndarray, splits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """mnist-5k's splits (sorted positions into the 5,000) -> mnist-5k-pool's: 500 of ``train``
+    for the clients, the rest of ``train`` joins ``public`` (the pool), ``val`` = 500 of the pool,
+    ``test`` unchanged."""
+    base = splits["train"]
+    train = base[stratified_subset(labels[base], MNIST5K_POOL_SIZES["train"], MNIST5K_POOL_SEED)]
+    pool = np.union1d(splits[PUBLIC_SPLIT], np.setdiff1d(base, train)).astype(np.int64)
+    val = pool[stratified_subset(labels[pool], MNIST5K_POOL_SIZES["val"], MNIST5K_POOL_SEED)]
+    return {PUBLIC_SPLIT: pool, "train": train, "val": val, "test": splits["test"]}
+
+
+def mnist5k_positions(name: str, data_dir: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(labels of all 5,000, split -> sorted positions) of ``mnist-5k`` or ``mnist-5k-pool``."""
+    _, labels, splits = _mnist5k_arrays(Path(data_dir))
+    return labels, (pool_layout(labels, splits) if name == "mnist-5k-pool" else splits)
+
+
 def load_mnist5k(cfg: DatasetConfig, split: str) -> Loaded:
-    images, labels, splits = _mnist5k_arrays(Path(cfg.data_dir))
+    images, _, _ = _mnist5k_arrays(Path(cfg.data_dir))
+    labels, splits = mnist5k_positions(cfg.name, Path(cfg.data_dir))
     grey = resize_square(torch.from_numpy(images)[:, None], cfg.image_size)  # (5000, 1, S, S)
     # Normalisation statistics of the federated training split only, at this size.
     return _grey_digits(grey, labels, splits["train"], splits[split])
