@@ -64,6 +64,7 @@ import torch
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import state_to_record
 from feddifrc_app.results import Results
+from feddifrc_app.tools.cmd_common import one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR_APP = ROOT / "benchmarks" / "floor_app"
@@ -274,6 +275,7 @@ def report(mode: str, r: dict[str, Any]) -> float | None:
     return med
 
 
+@one_line_errors("benchmarks/deploy_vs_sim.py")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", default="feddifrc", help="method (default: feddifrc, the app default)")
@@ -288,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         f"method='{a.method}' dataset.train-limit={a.train_limit} num-server-rounds={a.rounds} "
         f"fraction-train=1.0 min-nodes={a.nodes}"
     )
+    from feddifrc_app.tools.run_config import load_app_config
+
+    load_app_config(ROOT, [rc])  # a bad flag fails here, in one line, before any Flower process
     tmp = tempfile.mkdtemp(prefix="feddifrc-deploy-vs-sim-")
     work = Path(tmp)
     print(f"config: {rc}, {a.nodes} nodes, cold cache per mode; work dir {work}")

@@ -52,6 +52,7 @@ from feddifrc_app.methods.feddifrc.teacher_probe import (
     recommend,
     with_diffusion,
 )
+from feddifrc_app.tools.cmd_common import one_line_errors
 from feddifrc_app.tools.run_config import load_app_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -221,6 +222,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+@one_line_errors("benchmarks/dit_vs_unet.py")
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(2)

@@ -48,6 +48,7 @@ import torch
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range
 from feddifrc_app.diffusion.pipeline import Teacher, load_teacher, text_encoders_on
+from feddifrc_app.tools.cmd_common import one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -411,6 +412,7 @@ def load_bench_teacher(args: argparse.Namespace, device: torch.device, dtype: to
     return teacher
 
 
+@one_line_errors("benchmarks/featurizer.py")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:

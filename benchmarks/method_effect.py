@@ -289,17 +289,49 @@ def pilot_report(runs: list[dict]) -> str:
 # ------------------------------------------------------------------------------------ stages
 
 
+class UsageError(Exception):
+    """A flag or file this benchmark cannot use: one line, exit status 2."""
+
+
+_LEGACY_TYPES = {"arm": (str,), "alpha": (int, float), "seed": (int,), "val": (list,), "test": (list,)}
+
+
+def read_legacy(path: Path) -> list[dict]:
+    """The earlier run's cells.json (``--legacy``): a list of {arm, alpha, seed, val, test} objects."""
+    try:
+        entries = json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"--legacy {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise UsageError(f"--legacy {path}: not JSON ({e})") from None
+    if not isinstance(entries, list):
+        raise UsageError(f"--legacy {path}: expected a list of cells (as in {design.LEGACY_CELLS})")
+    for i, e in enumerate(entries):
+        bad = [k for k, t in _LEGACY_TYPES.items() if not isinstance(e, dict) or not isinstance(e.get(k), t)]
+        if not bad and all(isinstance(x, (int, float)) for x in e["val"] + e["test"]):
+            continue
+        raise UsageError(
+            f"--legacy {path}: cell {i} lacks a valid {', '.join(bad) or 'val/test (numbers)'} "
+            f"(each cell: arm, alpha, seed, val and test accuracies, as in {design.LEGACY_CELLS})"
+        )
+    return entries
+
+
 def show_plan(legacy: Path) -> list[design.Planned]:
-    planned = design.plan(json.loads(legacy.read_text()))
+    planned = design.plan(read_legacy(legacy))
     print("\n".join(design.declared_design() + design.plan_text(planned, legacy)), flush=True)
     return planned
 
 
 def table(out: Path, legacy: Path) -> None:
     """paired.md / paired.json / curves.png / cells.json (this design's finished cells) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "run").is_dir():  # a typo would print an empty table
+        raise UsageError(
+            f"--out {out}: no `run` stage here (no {out / 'run'} folder); pass the --out that "
+            "`method_effect.py run` wrote into"
+        )
     new = [e for e in map(entry, load_runs(out / "run")) if e["arm"] is not None]
-    text, rows = paired_table(design_cells(new, json.loads(legacy.read_text())))
+    text, rows = paired_table(design_cells(new, read_legacy(legacy)))
     print(text)
     (out / "paired.md").write_text(text + "\n")
     (out / "paired.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -311,7 +343,7 @@ def table(out: Path, legacy: Path) -> None:
 def recheck(args, out: Path, legacy: Path) -> int:
     """Rerun the first reused cell (the earliest seed) with today's code into ``out / recheck``:
     reuse is sound only if its test and validation curves come back as recorded."""
-    earlier = next((p for p in design.plan(json.loads(legacy.read_text())) if p.reuse is not None), None)
+    earlier = next((p for p in design.plan(read_legacy(legacy)) if p.reuse is not None), None)
     if earlier is None:
         print(f"method_effect recheck: the plan reuses no cell of {legacy}; nothing to check")
         return 0
@@ -354,7 +386,14 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--cell-timeout", type=float, default=1800)
     args = ap.parse_args()
-    out, legacy = Path(args.out).resolve(), Path(args.legacy).resolve()
+    try:
+        return stage(args, Path(args.out).resolve(), Path(args.legacy).resolve())
+    except UsageError as e:
+        print(f"method_effect {args.stage}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def stage(args: argparse.Namespace, out: Path, legacy: Path) -> int:
     if args.stage == "plan":
         show_plan(legacy)
         return 0

@@ -68,6 +68,7 @@ from feddifrc_app.data.shares import client_split
 from feddifrc_app.methods import SETUP_WORK
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.model import build_model
+from feddifrc_app.tools.cmd_common import one_line_errors
 from feddifrc_app.tools.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,6 +312,7 @@ def fresh_targets_child(spec_path: Path) -> int:
     return 0
 
 
+@one_line_errors("benchmarks/round_overhead.py")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default=None, help="dataset.name (default: the app default, digits)")

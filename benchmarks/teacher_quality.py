@@ -81,6 +81,7 @@ from feddifrc_app.methods.feddifrc.projection import (
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
 from feddifrc_app.methods.feddifrc.teacher_probe import ndcr_geometry, prompt_effect, student_tdcl, unit
+from feddifrc_app.tools.cmd_common import one_line_errors
 from feddifrc_app.tools.run_config import load_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,6 +329,7 @@ def teachers(cfg, args, out: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return rows
 
 
+@one_line_errors("benchmarks/teacher_quality.py")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "teacher_quality"))

@@ -80,6 +80,12 @@ x-flower-env: &flower-env
   FLWR_DISABLE_UPDATE_CHECK: "1"
   FLWR_SUPEREXEC_TASK_POLL_INTERVAL: "{TASK_POLL_INTERVAL}"
 
+# ClientApps: torch's CPU threads, OMP_NUM_THREADS of the environment of `docker compose` (unset:
+# not set in the container, a thread per core); nodes sharing a host: cores / nodes.
+x-clientapp-env: &clientapp-env
+  <<: *flower-env
+  OMP_NUM_THREADS:
+
 x-healthcheck: &healthcheck
   test: {health_test(HEALTH_PORT)}
   interval: 30s
@@ -256,9 +262,9 @@ def clientapp_cmd(i: int, insecure: bool, net: Net = Net(False)) -> list[str]:
     return [f"--runtime-api-address={net.runtime(i)}", *tls, _health_flag(net.health(2 * i + 1))]
 
 
-def _service_tail(net: Net, slot: int, depends_on: str | None) -> str:
+def _service_tail(net: Net, slot: int, depends_on: str | None, env: str = "flower-env") -> str:
     """environment, network, healthcheck, logging, depends_on and restart of a service."""
-    out = "    environment: *flower-env\n"
+    out = f"    environment: *{env}\n"
     if net.loopback:
         out += "    network_mode: host\n"
         out += f"    healthcheck:\n      <<: *healthcheck\n      test: {health_test(net.health(slot))}\n"
@@ -411,7 +417,7 @@ services:
     image: feddifrc-superexec:{image}
     command:
 {_cmd(clientapp_cmd(i, insecure, net))}    volumes:
-{_list(mounts, 6)}{devices}{_service_tail(net, 2 * i + 1, f"supernode-{i}")}""")
+{_list(mounts, 6)}{devices}{_service_tail(net, 2 * i + 1, f"supernode-{i}", "clientapp-env")}""")
     out.append("\nvolumes:\n  superlink-state:\n  runs:\n  server-cache:\n")
     out.extend(f"  node-{i}-cache:\n" for i in range(1, n + 1))
     return "".join(out)

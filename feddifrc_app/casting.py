@@ -27,6 +27,10 @@ MAX_STEP = 10.0
 # F^q leaves float32 at q ~ 38; the q-FFL paper's largest q is 15.
 MAX_Q = 20.0
 FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(float32).tiny: smaller is 0 in float32
+# Smallest contrastive temperature (loss.temperature, moon.tau): similarities in [-1, 1] divided by
+# it are logits up to 1e3, their gradients scaled as much; far below (1e-300: inf logits) every
+# step is NaN. The papers' temperatures are 0.04-0.5.
+MIN_TEMPERATURE = 1e-3
 
 
 class ConfigError(ValueError):
@@ -153,7 +157,16 @@ def resolve_path(value: str, name: str) -> Path:
 
 
 def as_path(key: str, v: str) -> str:
-    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be)."""
+    """A path key's value, resolved (``ConfigError`` naming the key when it cannot be). A relative
+    path is refused: the ServerApp and every ClientApp would resolve it against its own working
+    directory (under ``flwr run``, none of them is the user's), so each would use another folder."""
+    if v and not os.path.isabs(os.path.expanduser(v)):
+        raise invalid(
+            key,
+            v,
+            "a relative path resolves against each Flower process's own working directory (the "
+            "ServerApp's and every node's, not yours): give an absolute path or one starting with ~",
+        )
     try:
         return str(resolve_path(v, key)) if v else ""
     except PathError as e:
@@ -161,9 +174,21 @@ def as_path(key: str, v: str) -> str:
 
 
 def as_folder(key: str, raw: Any, v: str) -> str:
-    """A folder key's value, resolved: refused if something other than a folder is there (a file or
-    a device would fail later, in someone else's words); absent is fine (it is created)."""
+    """A folder key's value, resolved: refused if something other than a folder is there, or a
+    file above it (either would fail later, as a bare errno in someone else's words); absent is
+    fine (it is created)."""
     path = as_path(key, v)
     if path and os.path.exists(path) and not os.path.isdir(path):
         raise invalid(key, raw, f"{path} exists and is not a folder; expected a folder path")
+    if path and (above := file_above(Path(path))):
+        raise invalid(
+            key, raw, f"{above} is a file, so no folder can be created under it; expected a folder path"
+        )
     return path
+
+
+def file_above(path: Path) -> Path | None:
+    """The nearest existing folder above ``path`` when it is not a folder (a file: nothing can be
+    created under it), else None."""
+    above = next((p for p in path.parents if os.path.exists(p)), None)
+    return above if above is not None and not os.path.isdir(above) else None

@@ -181,6 +181,9 @@ class DiffusionConfig:
     dit_features: str = key(choices=DIT_FEATURES)  # pixart / sd3: raw block outputs or AdaLN-normalised
     channels: tuple[int, ...] = key()
     ensemble: int = key(lo=1, hi=64)
+    # The teacher's noise draws: fixed by default, so runs differing only in `seed` share the
+    # feature cache (one extraction per sweep); -1 = the run seed (a draw per seed, extracted per seed).
+    noise_seed: int = key(lo=-1)
     projection: str = key(choices=PROJECTIONS)
     prompt_template: str = key()
     ndcr_prompt: str = key()
@@ -196,7 +199,7 @@ class LossConfig:
     variant: str = key(choices=LOSS_VARIANTS)
     tdcl_weight: float = key(lo=0.0)
     ndcr_weight: float = key(lo=0.0)
-    temperature: float = key(lo=0.0, lo_open=True)
+    temperature: float = key(lo=MIN_TEMPERATURE)  # below it the logits overflow (casting.py)
     num_negatives: int = key(lo=0)
     tdcl_normaliser: str = key(choices=NORMALISERS)
     tdcl_targets: str = key(choices=("image", "anchors"))  # anchors: the class-prompt means (rules.py)
@@ -216,7 +219,7 @@ class SSLConfig:
 @dataclass(frozen=True)
 class MoonConfig:
     mu: float = key(lo=0.0)  # weight of the model-contrastive term (MOON: 5 for CIFAR-10, 1 otherwise)
-    tau: float = key(lo=0.0, lo_open=True)  # its temperature (MOON: 0.5)
+    tau: float = key(lo=MIN_TEMPERATURE)  # its temperature (MOON: 0.5); MIN_TEMPERATURE: casting.py
 
 
 @dataclass(frozen=True)
@@ -414,11 +417,13 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "dataset.image-size >= 9"
         )
     name = v["run-name"]
-    if name.startswith(".") or any(c in name for c in "/\\"):
-        # The run directory is <outputs-dir>/<run-name>: a path here would write elsewhere.
-        raise invalid(
-            "run-name", name, "expected a plain folder name (no '/', '\\', and not starting with '.')"
-        )
+    if name.startswith(".") or any(c in name for c in "/\\") or not name.isprintable():
+        # <outputs-dir>/<run-name>: a path would write elsewhere, a newline or U+202E disguise it.
+        why = "expected a plain folder name (no '/', '\\', control or bidi characters; no leading '.')"
+        raise invalid("run-name", name, why)
+    if 0 < (fraction := v["dataset.val-fraction"]) < 0.01:  # 3e-4 of digits' 1,438 images is 0
+        why = "expected 0 (no validation) or 0.01 to 0.5: a smaller share holds out few or no images"
+        raise invalid("dataset.val-fraction", fraction, why)
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise invalid("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):

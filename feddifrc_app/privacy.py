@@ -286,9 +286,10 @@ def wrap(strategy: Strategy, cfg: Config) -> Strategy:
 ABSORBABLE_NOISE_STD = 0.01
 
 
-def noise_warning(cfg: Config) -> str | None:
-    """A warning when the DP noise per coordinate, z C / m with the fewest nodes a round samples
-    (min-nodes x fraction-train), is far above what a model can absorb; None otherwise."""
+def noise_warning(cfg: Config, nodes: int) -> str | None:
+    """A warning when the DP noise per coordinate, z C / m with m the nodes a round samples of the
+    ``nodes`` connected (fraction-train of them, as each round's noise is calibrated), is far above
+    what a model can absorb; None otherwise. The ServerApp records it once the nodes are known."""
     s = cfg.strategy
     if s.dp == "none":
         return None
@@ -298,7 +299,7 @@ def noise_warning(cfg: Config) -> str | None:
         if fixed
         else (s.dp_initial_clipping_norm, "dp-initial-clipping-norm")
     )
-    m = sampled_per_round(cfg.fraction_train, cfg.min_nodes)
+    m = sampled_per_round(cfg.fraction_train, nodes)
     std = s.dp_noise_multiplier * norm / m
     if std <= ABSORBABLE_NOISE_STD:
         return None

@@ -162,8 +162,16 @@ class Results:
     summary: dict[str, float | int | None] | None = None  # summarize(rounds), set on every save
     diverged_rounds: list[int] | None = None
     error: str | None = None  # why a stopped or failed run ended
+    # What the run was warned of, each once: at setup (strategy.dp's noise: "expect no learning"),
+    # at its end (a model that learned nothing: rounds.no_learning, "no learning: ...").
+    warnings: list[str] | None = None
     # Keys this code does not write (a file of another version, a hand edit): kept as they are.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def warn(self, text: str) -> None:
+        """Record a warning in ``warnings`` (once: a resumed run is warned again at setup)."""
+        if text not in (self.warnings or []):
+            self.warnings = [*(self.warnings or []), text]
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Results:
@@ -180,6 +188,13 @@ class Results:
                     )
                 setattr(out, name, obj[key])
         out.rounds = [RoundRow.from_json(r, f"rounds[{i}]") for i, r in enumerate(out.rounds)]
+        for key, value in (out.summary or {}).items():  # summarize's numbers (others: kept as they are)
+            if key in SUMMARY_NUMBERS and value is not None:
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise TypeError(
+                        f"results.json summary key {key!r} is a {type(value).__name__} ({value!r:.40}), "
+                        "expected a number or null"
+                    )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +204,12 @@ class Results:
         out["rounds"] = [r.to_json() for r in self.rounds]
         return finite_or_none(out)
 
+
+# The summary keys summarize() writes: numbers (or null) wherever results.json is read.
+SUMMARY_NUMBERS = frozenset(
+    ("final-accuracy", "best-accuracy", "mean-last-5-accuracy", "mean-last-10-accuracy", "val-best-round")
+    + ("val-best-accuracy", "test-at-val-best-accuracy", "final-federated-accuracy")
+)
 
 # What from_json accepts for each key (JSON has one number type for int and float).
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -209,6 +230,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "summary": dict,
     "diverged_rounds": list,
     "error": str,
+    "warnings": list,
 }
 
 

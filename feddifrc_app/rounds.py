@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from feddifrc_app.federation import Federation, RunStopped, check_stop
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
-from feddifrc_app.results import Results, RoundRow, summary_text
+from feddifrc_app.results import Results, RoundRow, percent, summary_text
 from feddifrc_app.strategy import (
     build_strategy,
     load_strategy_state,
@@ -61,6 +62,43 @@ class NoUpdateError(RuntimeError):
 class FrozenModelError(RuntimeError):
     """The aggregate left the global model exactly as it was for ``max-frozen-rounds`` trained
     rounds in a row (e.g. DP clipping every update to a norm of 0): a run that learns nothing."""
+
+
+# A run that completes is judged on its last NO_LEARNING_ROUNDS trained rounds (the validation
+# split's central scores, else the test split's): an accuracy at chance (at most 1 / classes +
+# CHANCE_MARGIN) in each, or a loss that rose in each to above the initial model's, is a model that
+# learns nothing (e.g. DP noise far above what it absorbs). Its rounds are results, so the run still
+# ends "completed", with the verdict in results.json's "warnings" ("no learning: ...") that report,
+# status and the sweep table show. Earlier rounds do not count: a run at chance for its first rounds
+# that then learns is fine; so is a loss rising from below the initial model's (late overfitting).
+NO_LEARNING_ROUNDS = 3
+CHANCE_MARGIN = 0.02
+NO_LEARNING = "no learning:"  # how the verdict starts (a resumed run replaces an earlier one)
+
+
+def no_learning(rounds: list[RoundRow], num_classes: int) -> str | None:
+    """Why the last NO_LEARNING_ROUNDS trained rounds show a model that learns nothing, or None
+    (also for fewer trained rounds, or scores the rule cannot read: a probe without a loss)."""
+    n, trained = NO_LEARNING_ROUNDS, [r for r in rounds if r.round >= 1]
+    if len(trained) < n or rounds[0].round != 0:
+        return None
+    split = "val" if all(r.val_accuracy is not None for r in trained[-n:]) else "test"
+    acc = [getattr(r, f"{split}_accuracy") for r in trained[-n:]]
+    chance = 1 / num_classes + CHANCE_MARGIN
+    if all(a is not None and a <= chance for a in acc):
+        return (
+            f"{NO_LEARNING} {split} accuracy {', '.join(map(percent, acc))} in rounds "
+            f"{trained[-n].round}-{trained[-1].round}, at most chance (1/{num_classes}) + "
+            f"{CHANCE_MARGIN:.0%} = {percent(chance)} in each of the last {n} rounds"
+        )
+    loss = [getattr(r, f"{split}_loss") for r in rounds[-n - 1 :]]  # the last n and the one before
+    initial = getattr(rounds[0], f"{split}_loss")
+    if None in loss or initial is None or loss[-1] <= initial or any(b <= a for a, b in pairwise(loss)):
+        return None
+    return (
+        f"{NO_LEARNING} {split} loss rose in each of the last {n} rounds "
+        f"({' -> '.join(f'{v:.4g}' for v in loss)}), to above the initial model's {initial:.4g}"
+    )
 
 
 def _finite(arrays: ArrayRecord) -> bool:
@@ -154,6 +192,7 @@ class RoundLoop:
         methods' server half (``methods.server_half``), whose records go with every train message
         (the ServerApp builds the loop before the setup exchange, which completes the half)."""
         self.cfg, self.fed, self.run, self.results, self.evaluator = cfg, fed, run, results, evaluator
+        self.num_classes = num_classes  # chance is 1 / num_classes (no_learning)
         self.method = method if method is not None else methods.ServerHalf()
         torch.manual_seed(cfg.seed)
         self.model = methods.model_for(cfg, num_classes)
@@ -211,6 +250,7 @@ class RoundLoop:
             self.tracker.close(self.results.status)
             raise
         self.results.status = "diverged" if self.results.diverged_rounds else "completed"
+        self.judge_learning()
         self.run.save_results(self.results)
         self.tracker.close(self.results.status)
         report.plot_accuracy(self.results, self.run.path / "accuracy.png")
@@ -218,6 +258,22 @@ class RoundLoop:
             # Reported as a failed run (flwr ls), after every result is on disk, with the first cause.
             raise DivergedError(f"the run (rounds {self.results.diverged_rounds})", self.diverged_cause)
         log.info("finished: %s -> %s", summary_text(self.results.summary), self.run.path)
+
+    def judge_learning(self) -> None:
+        """A completed run's no-learning verdict (``no_learning``) in results.json's warnings,
+        with what to check; an earlier process's verdict (before a resume) is replaced."""
+        kept = [w for w in self.results.warnings or [] if not str(w).startswith(NO_LEARNING)]
+        self.results.warnings = kept or None
+        why = (
+            no_learning(self.results.rounds, self.num_classes) if self.results.status == "completed" else None
+        )
+        if why:
+            why += (
+                f"; the model learns nothing: check train.lr (= {self.cfg.train.lr:g}) and "
+                f"{strategy_settings(self.cfg)}"
+            )
+            log.warning("%s", why)
+            self.results.warn(why)
 
     def no_update_error(self, row: RoundRow) -> NoUpdateError:
         failures, n = row.failures, len(row.nodes)

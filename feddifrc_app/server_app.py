@@ -68,6 +68,7 @@ def prepare(
     setup = fed.setup(fed.wait_for_nodes(), method.setup_work())
     check_classes(setup, fed, test)
     method.after_setup(setup, fed.partition_of, results)
+    warn_noise(cfg, len(fed.partition_of), results)
     results.setup_seconds = time.perf_counter() - t0
     record_setup(cfg, setup, fed, test, run, results)
     return rounds
@@ -78,12 +79,18 @@ def private_settings(cfg: Config) -> dict | None:
     out = privacy.settings(cfg)
     if out is None:
         return None
-    if warning := privacy.noise_warning(cfg):
-        log.warning("%s", warning)
     out |= privacy_accounting.settings(cfg)
     if out["accountant"] is None:
         log.warning("strategy.dp = %r: no epsilon is reported: %s", cfg.strategy.dp, out["not-accounted"])
     return out
+
+
+def warn_noise(cfg: Config, nodes: int, results: Results) -> None:
+    """strategy.dp's noise far above what a model absorbs, with the ``nodes`` known after setup:
+    logged, and recorded in results.json's warnings (report, status and the sweep table show it)."""
+    if warning := privacy.noise_warning(cfg, nodes):
+        log.warning("%s", warning)
+        results.warn(warning)
 
 
 def check_classes(setup: dict[int, RecordDict], fed: Federation, test: ImageData) -> None:

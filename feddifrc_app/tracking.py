@@ -7,6 +7,7 @@ Each backend is an optional extra (``pip install 'feddifrc-app[tensorboard]'``, 
 Where it writes (``tracking.dir``, "" = the run folder)::
 
     <dir>/tensorboard/<run-name>/   event files         tensorboard --logdir <dir>/tensorboard
+                                    (a shared tracking.dir: <run-name>-<8 hex digits of the run's path>)
     <dir>/mlflow/mlflow.db          MLflow's store      mlflow ui --backend-store-uri sqlite:///<dir>/mlflow/mlflow.db
     <dir>/wandb/offline-run-*/      W&B offline runs    wandb sync <dir>/wandb/offline-run-*
 
@@ -22,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -68,6 +70,7 @@ def check(cfg: Config) -> None:
             f"config key 'tracking.backend' = {backend!r} needs the {MODULES[backend]} package, which "
             f"is not installed: pip install 'feddifrc-app[{backend}]' (or set tracking.backend = 'none')"
         )
+    _check_dir(cfg)
     for tag in cfg.tracking.tags:
         if len(tag) > MAX_TAG or not _TAG_NAME.match(tag.partition(":")[0]):
             raise invalid(
@@ -76,6 +79,25 @@ def check(cfg: Config) -> None:
                 f"tag {tag!r}: expected 'name' or 'name:value', at most {MAX_TAG} characters, the "
                 "name of letters, digits, '_', '-', '.', ' ' and '/'",
             )
+
+
+def _check_dir(cfg: Config) -> None:
+    """A tracking.dir the tracker can write: created here (as the tracker would), so one that cannot
+    be (``/proc/nope``, a read-only disk) is a ConfigError naming the key before any work. A file
+    above it is refused at load (casting.as_folder); "" is the run folder, checked with it."""
+    if cfg.tracking.backend == "none" or not cfg.tracking.dir:
+        return
+    where = Path(cfg.tracking.dir)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"config key 'tracking.dir' = {cfg.tracking.dir!r} cannot be used ({e.strerror}: "
+            f"{str(e.filename or where)!r}); set it to a folder this user can create "
+            "and write, or to '' (the run folder)"
+        ) from None
 
 
 def scalars(row: RoundRow) -> dict[str, float]:
@@ -122,14 +144,25 @@ def start(cfg: Config, run_dir: Path, results: Results) -> Tracker:
     return opened(cfg, where, run_dir, first)
 
 
+def _digest(run_dir: Path) -> str:
+    """The run folder's identity: the sha256 of its absolute path (W&B's run id, ``run_key``)."""
+    return hashlib.sha256(str(run_dir).encode()).hexdigest()
+
+
+def run_key(run_dir: Path) -> str:
+    """A tracked run's folder name in a shared tracking.dir: the run folder's name and 8 hex digits
+    of its path, so two sweeps' ``defaults-s0`` cells are two runs, never one interleaved run."""
+    return f"{run_dir.name}-{_digest(run_dir)[:8]}"
+
+
 def _tags(cfg: Config) -> dict[str, str]:
     return {name: value for name, _, value in (t.partition(":") for t in cfg.tracking.tags)}
 
 
 class TensorBoardTracker:
-    """Event files under ``<dir>/tensorboard/<run-name>/``: one scalar per number of the row, as
-    float32 (TensorBoard's default reader, its Rust data server, shows no float64 scalar), the
-    config in the HParams dashboard."""
+    """Event files under ``<run folder>/tensorboard/<run-name>/``, or ``<tracking.dir>/tensorboard/
+    <run_key>/``: one scalar per number of the row, as float32 (TensorBoard's default reader, its
+    Rust data server, shows no float64 scalar), the config in the HParams dashboard."""
 
     def __init__(self, cfg: Config, where: Path, run_dir: Path, first: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -137,7 +170,8 @@ class TensorBoardTracker:
 
         # purge_step: a session start at this step (0 for a new run: TensorBoard takes the first start
         # as the run's); a later one drops the steps at or after it that an earlier process wrote.
-        self.writer = SummaryWriter(str(where / "tensorboard" / run_dir.name), purge_step=first)
+        name = run_dir.name if where == run_dir else run_key(run_dir)  # a shared tracking.dir
+        self.writer = SummaryWriter(str(where / "tensorboard" / name), purge_step=first)
         for summary in hparams(cfg.to_flat(), dict.fromkeys(_HPARAM_METRICS, 0.0)):
             self.writer.file_writer.add_summary(summary)
         if cfg.tracking.tags:
@@ -223,7 +257,7 @@ class WandbTracker:
             dir=str(where),
             project=cfg.tracking.project,
             name=run_dir.name,
-            id=hashlib.sha256(str(run_dir).encode()).hexdigest()[:16],
+            id=_digest(run_dir)[:16],
             resume="allow",
             tags=list(cfg.tracking.tags),
             config=cfg.to_flat(),

@@ -50,9 +50,11 @@ class DivergedError(FloatingPointError):
         super().__init__(f"{self.TAG} {what} became non-finite; {remedy}")
 
 
-def lr_remedy(lr: float) -> str:
-    """What to change when local training diverges."""
-    return f"lower train.lr (= {lr:g}) or the loss weights"
+def lr_remedy(lr: float, halves: Sequence[NodeHalf] = ()) -> str:
+    """What to change when local training diverges: train.lr, the loss weights, and what the
+    halves name (their contrastive temperatures: ``NodeHalf.divergence_remedy``)."""
+    more = "".join(f", or {r}" for h in halves if (r := h.divergence_remedy()))
+    return f"lower train.lr (= {lr:g}) or the loss weights{more}"
 
 
 def _optimizer(
@@ -105,9 +107,9 @@ def train_local(
             opt.step()
             run.add(parts, batch.logits, batch.y)
         if not math.isfinite(float(run.sums.get("total", 0.0))):
-            raise DivergedError("the training loss", lr_remedy(tc.lr))
+            raise DivergedError("the training loss", lr_remedy(tc.lr, halves))
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise DivergedError("the model weights", lr_remedy(tc.lr))
+        raise DivergedError("the model weights", lr_remedy(tc.lr, halves))
     buffers = {n: opt.state.get(p, {}).get("momentum_buffer") for n, p in model.named_parameters()}
     # A half's term is reported by every node, as 0 where it added none (e.g. a first round):
     # replies with different metric keys are not aggregated (metric_keys.py).

@@ -123,6 +123,12 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert {p: p.read_bytes() for p in sorted((tmp_cache / "features").glob("*/shard-*.npz"))} == before
     assert cli.main([*argv, "--check"]) == 0
     assert "10 of 10 images cached (100.0%), 0 to extract" in capsys.readouterr().out
+    # Another run seed shares the cache (diffusion.noise-seed is fixed by default): extracts 0 images.
+    assert cli.main([*argv[:-1], argv[-1] + " seed=8"]) == 0
+    assert "already cached 10, computed 0" in capsys.readouterr().out
+    for noise in ("diffusion.noise-seed=-1 seed=8", "diffusion.noise-seed=3"):  # other noise: other key
+        assert cli.main([*argv[:-1], f"{argv[-1]} {noise}", "--check"]) == 0
+        assert "0 of 10 images cached (0.0%), 10 to extract" in capsys.readouterr().out
 
     key_dir = shards[0].parent
     assert sum(len(np.load(p)["ids"]) for p in shards) == 10
@@ -316,6 +322,47 @@ def test_table_skips_and_names_a_run_whose_round_lacks_test_accuracy(tmp_path, c
     assert (out / "table.md").is_file() and (out / "curves.png").is_file()
 
 
+def test_damaged_results_and_sweep_files_are_named_in_one_line_or_marked(tmp_path, capsys):
+    """Issue 45 case 9: a string summary value was a TypeError traceback in `report`; a malformed
+    sweep.json entry skipped a completed run as "status None"; a NaN summary printed as "nan"."""
+    import json
+
+    out, cells = tmp_path / "sw", {}
+    rows = [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5}]
+    finals = {"good": 0.5, "nan": float("nan"), "text": "0.5", "listed": 0.5, "nostatus": 0.5}
+    for name, final in finals.items():
+        (out / "runs" / name).mkdir(parents=True)
+        summary = {"final-accuracy": final, "best-accuracy": 0.5, "mean-last-5-accuracy": 0.5}
+        (out / "runs" / name / "results.json").write_text(
+            json.dumps({"rounds": rows, "summary": summary, "status": "completed"})
+        )
+        config = {"dataset.name": "digits", "partition.name": "iid", "num-server-rounds": 1}
+        (out / "runs" / name / "config.json").write_text(json.dumps(config))
+        conf = f"conf/digits-{'nan' if name == 'nan' else 'fedavg'}.toml"
+        cells[name] = {"conf": conf, "grid": {}, "paper": None, "status": "completed"}
+    cells["listed"]["grid"] = ["partition.alpha", 0.5]
+    del cells["nostatus"]["status"]
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+
+    text_results = out / "runs" / "text" / "results.json"
+    assert cli.main(["report", str(text_results.parent)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"feddifrc report: error: {text_results} has an unexpected layout (TypeError: results.json "
+        "summary key 'final-accuracy' is a str ('0.5'), expected a number or null)\n"
+    )
+    assert cli.main(["table", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| fedavg | 50.00 ± 0.00 / 50.00 ± 0.00 / 50.00 ± 0.00 (n=1) |" in table  # "good" alone
+    assert "| nan | NOT FINITE (nan) / 50.00 ± 0.00 / 50.00 ± 0.00 (n=1) |" in table
+    assert (
+        "skipped listed: sweep.json's entry is malformed ('grid' is a list (['partition.alpha', 0.5]))"
+        in table
+    )
+    assert "skipped nostatus: sweep.json's entry is malformed (no 'status'): rerun the same" in table
+    assert f"skipped text: {text_results} has an unexpected layout (results.json summary key" in table
+
+
 def test_report_says_how_the_run_ended_and_marks_non_finite_values(tmp_path, capsys):
     """Issue 33 case 8: a failed or dead run printed its table like a finished one, NaN as 'nan%'."""
     import json
@@ -426,3 +473,42 @@ def test_a_refused_command_writes_nothing(tmp_path, capsys, argv, said):
     assert cli.main(["extract", "--app", str(ROOT), "--cache-dir", str(tmp_path / "a" / "c"), *bad]) == 2
     assert cli.main(["fetch", "--app", str(ROOT), "--cache-dir", str(tmp_path / "a" / "c"), *bad]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_completed_run_with_warnings_is_marked_by_report_status_and_the_table(tmp_path, capsys):
+    """Issue 45 case 1: a run that learned nothing ended plainly "completed"; its recorded warnings
+    (results.json's "warnings": the DP noise at setup, the no-learning verdict) are now shown."""
+    import json
+
+    dp = "strategy.dp = 'server-adaptive': DP noise ... expect no learning"
+    verdict = "no learning: test accuracy 10.00%, 10.00%, 10.00% in rounds 1-3, at most chance"
+    out, cells = tmp_path / "sw", {}
+    rows = [{"round": r, "test-accuracy": 0.1, "test-loss": 2.3 + r} for r in range(4)]
+    summary = {"final-accuracy": 0.1, "best-accuracy": 0.1, "mean-last-5-accuracy": 0.1}
+    for name, warnings in {"warned-s0": [dp, verdict], "plain-s0": None}.items():
+        (out / "runs" / name).mkdir(parents=True)
+        results = {"rounds": rows, "summary": summary, "status": "completed"}
+        (out / "runs" / name / "results.json").write_text(json.dumps(results | {"warnings": warnings or []}))
+        if warnings is None:  # a run without warnings has no key
+            (out / "runs" / name / "results.json").write_text(json.dumps(results))
+        config = {"dataset.name": "digits", "partition.name": "iid", "num-server-rounds": 3}
+        (out / "runs" / name / "config.json").write_text(json.dumps(config))
+        conf = f"conf/digits-{name.split('-')[0]}.toml"
+        cells[name] = {"conf": conf, "grid": {}, "paper": None, "status": "completed"}
+    (out / "sweep.json").write_text(json.dumps({"cells": cells}))
+
+    assert cli.main(["report", str(out / "runs" / "warned-s0")]) == 0
+    text = capsys.readouterr().out
+    assert f"status: completed, WARNED: {verdict} (+1 more: feddifrc report)\n" in text
+    assert f"WARNING: {dp}\nWARNING: {verdict}\n" in text
+    assert cli.main(["status", "--outputs-dir", str(out / "runs")]) == 0
+    text = capsys.readouterr().out
+    line = "None/None None  round 3/3  latest 10.00%  best 10.00%  failures 0"
+    assert f"warned-s0: {line}  completed, WARNED: {verdict}" in text
+    assert f"plain-s0: {line}\n" in text
+    assert cli.main(["table", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| warned | 10.00 ± 0.00 / 10.00 ± 0.00 / 10.00 ± 0.00 (n=1) WARNED 1 of 1 |" in text
+    assert "| plain | 10.00 ± 0.00 / 10.00 ± 0.00 / 10.00 ± 0.00 (n=1) |" in text
+    assert f"warned warned-s0: {dp}\nwarned warned-s0: {verdict}\n" in text
+    assert "warned plain-s0" not in text and (out / "table.md").read_text() in text

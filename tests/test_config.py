@@ -97,6 +97,20 @@ def test_casts_flower_scalars():
         ({"run-name": "/abs"}, "'run-name' = '/abs'"),
         ({"run-name": "."}, "'run-name' = '.'"),
         ({"run-name": "a\\b"}, "plain folder name"),
+        # Each Flower process would resolve a relative path against its own folder (issue 45).
+        ({"outputs-dir": "runs"}, "'outputs-dir' = 'runs' is invalid: a relative path resolves against each"),
+        ({"diffusion.model": "./teacher"}, "'diffusion.model' = './teacher' is invalid: a relative path"),
+        # 1e-300 of any training split is 0 images: no validation, silently (issue 45).
+        (
+            {"dataset.val-fraction": 1e-300},
+            "'dataset.val-fraction' = 1e-300 is invalid: expected 0 (no validation) or 0.01 to 0.5",
+        ),
+        # A control or bidirectional character disguises the folder in every listing (issue 45).
+        ({"run-name": "run\u202egpj.exe"}, "'run-name' = 'run\\u202egpj.exe' is invalid: expected a plain"),
+        (
+            {"run-name": "a\nb"},
+            "'run-name' = 'a\\nb' is invalid: expected a plain folder name (no '/', '\\', control",
+        ),
         # Strategy values that only make a non-finite aggregate from finite replies.
         ({"strategy.q": 1000.0}, "'strategy.q' = 1000.0 is invalid: expected a value in [0, 20]"),
         ({"strategy.tau": 1e-39}, "'strategy.tau' = 1e-39 is invalid: expected a value in [1.17549e-38, 10]"),

@@ -180,3 +180,42 @@ def test_run_refuses_before_the_ndcr_target_is_chosen(tmp_path, capsys, monkeypa
     monkeypatch.setattr(design, "NDCR_TARGET", None)
     assert me.run(None, tmp_path, design.LEGACY_CELLS) == 2
     assert "NDCR_TARGET" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
+def test_a_typo_in_out_or_a_bad_legacy_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """Issue 45 case 10: `table --out <typo>` printed an empty table with rc 0 (and created the
+    folder); a bad --legacy file was a traceback."""
+
+    def main(*argv: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["method_effect.py", *argv])
+        assert me.main() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    typo = tmp_path / "no-such-out"
+    assert main("table", "--out", str(typo)) == (
+        f"method_effect table: error: --out {typo}: no `run` stage here (no {typo / 'run'} folder); "
+        "pass the --out that `method_effect.py run` wrote into\n"
+    )
+    assert not typo.exists()
+    (tmp_path / "out" / "run").mkdir(parents=True)
+    bad = {"missing.json": None, "text.json": "{not json", "object.json": '{"cells": []}'}
+    bad |= {"short.json": json.dumps([{"arm": "fedavg", "alpha": 0.05, "seed": 0, "val": []}])}
+    bad |= {
+        "strings.json": json.dumps([{"arm": "fedavg", "alpha": 0.05, "seed": 0, "val": ["x"], "test": []}])
+    }
+    said = {
+        "missing.json": "cannot read it (No such file or directory)",
+        "text.json": "not JSON (Expecting property name",
+        "object.json": "expected a list of cells",
+        "short.json": "cell 0 lacks a valid test (each cell",
+        "strings.json": "cell 0 lacks a valid val/test (numbers)",
+    }
+    for name, text in bad.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        for stage in ("plan", "table"):
+            err = main(stage, "--out", str(tmp_path / "out"), "--legacy", str(path))
+            assert err.startswith(f"method_effect {stage}: error: --legacy {path}: {said[name]}"), err

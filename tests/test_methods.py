@@ -191,6 +191,47 @@ def test_moon_term_is_mu_times_the_loss_of_frozen_reference_models():
     assert not any(p.requires_grad for p in g.parameters())  # the references never train
 
 
+@pytest.mark.parametrize("key", ["loss.temperature", "moon.tau"])
+def test_a_temperature_too_small_to_train_with_is_refused_at_load_naming_it(key):
+    from feddifrc_app.casting import ConfigError
+
+    section, name = key.split(".")
+    with pytest.raises(
+        ConfigError, match=rf"^config key '{key}' = 1e-300 is invalid: expected a value in \[0.001,"
+    ):
+        make_config(**{f"{section}__{name}": 1e-300})
+    assert getattr(getattr(make_config(**{f"{section}__{name}": 1e-3}), section), name) == 1e-3
+
+
+class _Batches(list):
+    """A loader of ready batches (x, y, idx), un-augmented."""
+
+    dataset = type("D", (), {"transform": type("T", (), {"random": False})()})()
+
+
+def test_a_diverging_contrastive_term_names_its_temperature_besides_train_lr():
+    """A node's NaN loss names the keys that can cause it: train.lr, the loss weights, and the
+    temperature of the half's contrastive term (MOON's moon.tau, FedDifRC's loss.temperature)."""
+    from feddifrc_app.methods import Node, moon
+    from feddifrc_app.methods.feddifrc.local import FedDifRC
+    from feddifrc_app.model import build_model
+    from feddifrc_app.train import DivergedError, train_local
+
+    cfg = make_config(method="moon")
+    half = moon.Moon(mu=1.0, tau=0.002, node=Node(cfg, None, None, None, 0, RecordDict()))
+    half.reg = lambda x, z: (z * float("nan")).sum()  # what a tiny tau does to the logits
+    torch.manual_seed(0)
+    batches = _Batches([(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]), torch.arange(4))])
+    with pytest.raises(DivergedError) as e:
+        train_local(build_model("resnet10", 3, width=2), batches, cfg, torch.device("cpu"), halves=[half])
+    assert str(e.value) == (
+        "diverged: the model weights became non-finite; lower train.lr (= 0.05) or the loss weights, "
+        "or raise moon.tau (= 0.002)"
+    )
+    node = Node(make_config(loss__temperature=0.004), None, None, None, 0)
+    assert FedDifRC(node).divergence_remedy() == "raise loss.temperature (= 0.004)"
+
+
 # ----------------------------------------------------------------------------- FedNH
 
 

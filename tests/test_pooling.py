@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import PLUMBING, ROOT, make_config
 
-from feddifrc_app.diffusion.family import MID_BLOCK, FamilyError, check_layers, pool_map, pool_tokens
+from feddifrc_app.diffusion.family import (
+    MID_BLOCK,
+    FamilyError,
+    check_layers,
+    layer_module,
+    map_sides,
+    pool_map,
+    pool_tokens,
+)
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 
 # --------------------------------------------------------------------------- grids by hand
@@ -68,3 +76,71 @@ def test_unet_families_accept_the_mid_block(teacher_cache: Path) -> None:
     mid_range = r"unet.up_blocks indices in 0..3 for this sd teacher \(it has 4; -1 is its mid-block\)"
     with pytest.raises(FamilyError, match=mid_range):
         check_layers((MID_BLOCK, 4), 4, "sd", mid=True)
+
+
+# --------------------------------------------------------------------------- map sizes, before any work
+
+
+def test_the_map_sides_read_from_the_folder_are_the_maps_a_forward_pass_hooks(teacher_cache: Path) -> None:
+    """``family.map_sides`` (config files only) against the shapes the hooked layers give."""
+    from feddifrc_app.diffusion.featurizer import Featurizer
+    from feddifrc_app.diffusion.pipeline import load_teacher, teacher_identity
+
+    for model, res, want in (
+        ("tiny", 16, {0: 2, 1: 4, 2: 8, 3: 8, MID_BLOCK: 1}),  # latent 8: 8, 4, 2, 1 going down
+        ("tiny-sdxl", 20, {0: 5, 1: 10, 2: 10, MID_BLOCK: 3}),  # latent 10: an odd map rounds up
+    ):
+        ident = teacher_identity(model, teacher_cache)
+        assert map_sides(ident.folder, ident.family, res) == want
+        t = load_teacher(model, teacher_cache, torch.device("cpu"), torch.float32)
+        got: dict[int, int] = {}
+
+        def side(b: int, got: dict[int, int] = got):
+            def hook(_m, _i, out) -> None:
+                got[b] = (out[0] if isinstance(out, tuple) else out).shape[-1]
+
+            return hook
+
+        hooks = [layer_module(t.unet, t.adapter, b).register_forward_hook(side(b)) for b in want]
+        f = Featurizer(t, resolution=res, timestep=100, blocks=tuple(want), ensemble=1, seed=0)
+        f(torch.zeros(1, 3, res, res, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64), ("a",))
+        for h in hooks:
+            h.remove()
+        assert got == want, model
+
+
+def test_a_grid_no_map_holds_and_adaln_on_a_unet_fail_in_one_line_before_any_work(
+    tmp_path: Path, teacher_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 45 case 7: diffusion.pool-grid larger than a hooked map, grid pooling of the 1x1
+    mid-block and diffusion.dit-features = 'adaln' on a UNet passed `extract --check` (and `fetch`),
+    then extraction (a run's node setup) raised a traceback from inside the featurizer."""
+    from feddifrc_app.tools import cli
+    from feddifrc_app.tools.run_config import load_app_config
+
+    grid = lambda g: {"diffusion.pooling": "grid", "diffusion.pool-grid": g}  # noqa: E731
+    cases = [  # the plumbing's tiny UNet at 16 px: up_blocks 2x2, 4x4, 8x8, 8x8, its mid-block 1x1
+        (
+            grid(16),
+            "diffusion.pool-grid = 16 exceeds the feature map of diffusion.blocks (1, 2, 3) of this sd "
+            "teacher at diffusion.resolution = 16 (unet.up_blocks[1] 4x4, unet.up_blocks[2] 8x8, "
+            "unet.up_blocks[3] 8x8); choose a diffusion.pool-grid <= 4, other diffusion.blocks, or "
+            "diffusion.pooling = 'mean'",
+        ),
+        (
+            grid(2) | {"diffusion.blocks": "-1,1,2"},
+            "diffusion.pool-grid = 2 exceeds the feature map of diffusion.blocks (-1,) of this sd teacher at "
+            "diffusion.resolution = 16 (the mid-block 1x1); choose a diffusion.pool-grid <= 1",
+        ),
+        ({"diffusion.dit-features": "adaln"}, "diffusion.dit-features = 'adaln' reads AdaLN-modulated"),
+        ({"diffusion.resolution": 15}, "diffusion.resolution = 15 must be a positive multiple of this sd"),
+    ]
+    app = ["--app", str(ROOT), "--cache-dir", str(teacher_cache)]
+    for over, said in cases:
+        keys = " ".join(f"{k}={v!r}" for k, v in (PLUMBING | over).items())
+        with pytest.raises(FamilyError) as e:  # where a run's node meets it first, before any work
+            teacher_spec(load_app_config(str(ROOT), [keys]), teacher_cache)
+        for command in (["extract", "--check"], ["fetch", "--split", "test"]):
+            assert cli.main([*command, *app, "--run-config", keys]) == 2, (command, keys)
+            err = capsys.readouterr().err
+            assert err == f"feddifrc {command[0]}: error: {e.value}\n" and said in err, err

@@ -326,6 +326,7 @@ def test_cli_pretrain_refuses_in_one_line_and_rewrites_its_own_folder(
     for out, why in [
         (tmp_path / "thesis", "did not write (thesis.tex)"),
         (tmp_path / "f", "is a file"),
+        (tmp_path / "f" / "t", "is under"),
         (ROOT, "is the current working directory" if Path.cwd() == ROOT else "is the app folder"),
         (ROOT.parent, "holds"),
     ]:

@@ -294,18 +294,30 @@ def test_a_client_mode_clips_the_update_and_hands_the_basis_to_the_clientapp():
     np.testing.assert_allclose(out.content["arrays"]["w"].numpy(), [0.6, 0.8], rtol=1e-6)
 
 
-def test_noise_far_above_what_a_model_absorbs_is_warned_at_load():
-    (warn,) = [privacy.noise_warning(make_config(strategy__dp="server-fixed"))]
+def test_noise_far_above_what_a_model_absorbs_is_warned_and_recorded_in_results(tmp_path):
+    """m is the nodes a round samples of those connected (the noise is calibrated to them), not
+    min-nodes: the quickstart's 2 nodes at the default min-nodes = 1 give 10 / 2 = 5, not 10."""
+    from feddifrc_app.results import Results
+    from feddifrc_app.server_app import warn_noise
+
+    (warn,) = [privacy.noise_warning(make_config(strategy__dp="server-fixed"), nodes=2)]
     assert warn.startswith(
-        "strategy.dp = 'server-fixed': DP noise of std 10 per coordinate per round (strategy.dp-noise-"
-        "multiplier 1 x strategy.dp-clipping-norm 10 / 1 sampled node(s)) is far above 0.01"
+        "strategy.dp = 'server-fixed': DP noise of std 5 per coordinate per round (strategy.dp-noise-"
+        "multiplier 1 x strategy.dp-clipping-norm 10 / 2 sampled node(s)) is far above 0.01"
     )
-    adaptive = make_config(strategy__dp="server-adaptive", min_nodes=20)  # 1 x 0.1 / 20 = 0.005
-    assert privacy.noise_warning(adaptive) is None
-    assert "0.0125 per coordinate" in privacy.noise_warning(
-        make_config(strategy__dp="client-adaptive", min_nodes=8)
-    )
-    assert privacy.noise_warning(make_config()) is None  # no DP
+    adaptive = make_config(strategy__dp="server-adaptive")  # 1 x 0.1 / 20 = 0.005
+    assert privacy.noise_warning(adaptive, nodes=20) is None
+    assert "0.05 per coordinate" in privacy.noise_warning(adaptive, nodes=2)
+    half = make_config(strategy__dp="client-adaptive", fraction_train=0.5)  # 8 of 16 sampled
+    assert "0.0125 per coordinate" in privacy.noise_warning(half, nodes=16)
+    assert privacy.noise_warning(make_config(), nodes=2) is None  # no DP
+    results = Results()
+    for _ in range(2):  # a resumed run is warned at setup again: recorded once
+        warn_noise(make_config(strategy__dp="server-fixed"), 2, results)
+    assert results.warnings == [warn]
+    assert Results.from_json(results.to_json()).warnings == [warn]
+    warn_noise(adaptive, 20, none := Results())
+    assert none.warnings is None and "warnings" not in none.to_json()
 
 
 def test_results_record_the_dp_settings():

@@ -13,8 +13,8 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from test_server_app import _FailingFederation
 
 from feddifrc_app.outputs import RunDir
-from feddifrc_app.results import Results
-from feddifrc_app.rounds import FrozenModelError, RoundLoop
+from feddifrc_app.results import Results, RoundRow
+from feddifrc_app.rounds import CHANCE_MARGIN, NO_LEARNING_ROUNDS, FrozenModelError, RoundLoop, no_learning
 from feddifrc_app.train import DivergedError
 
 
@@ -129,3 +129,70 @@ def test_max_frozen_rounds_counts_rounds_in_a_row_and_zero_never_judges(tmp_path
     off.strategy.aggregate_train = lambda rnd, replies: (off.arrays, MetricRecord())
     off.run_all()
     assert _on_disk(tmp_path / "off")["status"] == "completed"
+
+
+# ------------------------------------------------------------------ a model that learns nothing
+
+
+def _rows(accs: list[float], losses: list[float], split: str = "test") -> list[RoundRow]:
+    """Round 0 (the initial model) and one trained round per further value."""
+    rows = []
+    for rnd, (acc, loss) in enumerate(zip(accs, losses, strict=True)):
+        row = RoundRow(rnd)
+        row.set_scores({f"{split}-accuracy": acc, f"{split}-loss": loss})
+        rows.append(row)
+    return rows
+
+
+def test_the_no_learning_rule_judges_the_last_rounds_by_chance_accuracy_or_rising_loss() -> None:
+    assert NO_LEARNING_ROUNDS == 3 and CHANCE_MARGIN == 0.02
+    # The DP quickstart of issue 45: 10.00% every round, test loss 2.34 -> 12.72.
+    dp = _rows([0.1] * 11, [2.34, 3.1, 4.0, 4.9, 5.5, 6.6, 7.7, 8.8, 9.9, 11.2, 12.72])
+    assert no_learning(dp, 10) == (
+        "no learning: test accuracy 10.00%, 10.00%, 10.00% in rounds 8-10, at most chance (1/10) "
+        "+ 2% = 12.00% in each of the last 3 rounds"
+    )
+    # Above chance, but the loss rose in each of the last 3 rounds to above the initial model's.
+    rising = _rows([0.1, 0.3, 0.2, 0.2, 0.2], [2.3, 2.0, 2.2, 2.4, 2.6])
+    assert no_learning(rising, 10) == (
+        "no learning: test loss rose in each of the last 3 rounds (2 -> 2.2 -> 2.4 -> 2.6), to above "
+        "the initial model's 2.3"
+    )
+    # Validation is judged where there is one (the split choices are read from).
+    val = _rows([0.5, 0.51, 0.5, 0.52], [0.7] * 4, split="val")
+    for r in val:
+        r.set_scores({"test-accuracy": 0.9, "test-loss": 0.1})
+    assert no_learning(val, 2).startswith("no learning: val accuracy 51.00%, 50.00%, 52.00% in rounds 1-3")
+    # Not judged: a run at chance for its first rounds that then learns (docs/privacy.md's measured
+    # run), a loss rising from below the initial model's (late overfitting), fewer trained rounds,
+    # a probe without a loss.
+    late = [0.1, 0.1, 0.101, 0.118, 0.1, 0.11, 0.112, 0.135, 0.276, 0.384, 0.544]
+    assert no_learning(_rows(late, [2.3] * 11), 10) is None
+    assert no_learning(_rows([0.1, 0.8, 0.8, 0.8, 0.8], [2.3, 0.5, 0.6, 0.7, 0.8]), 10) is None
+    assert no_learning(_rows([0.1, 0.1, 0.1], [2.3, 2.4, 2.5]), 10) is None
+    assert no_learning(_rows([0.5, 0.9, 0.9, 0.9], [None] * 4), 10) is None
+
+
+def test_a_run_that_learns_nothing_completes_with_a_recorded_warning(tmp_path) -> None:
+    """The round loop's end: results.json says completed AND why its model learned nothing (with
+    the keys to check); a resumed run that then learns drops the old verdict, keeps other warnings."""
+    loop = _loop(tmp_path, lambda m: _central(2.3), num_server_rounds=3, strategy__dp="server-adaptive")
+    loop.results.warn("strategy.dp = 'server-adaptive': ... expect no learning")
+    loop.results.warn("strategy.dp = 'server-adaptive': ... expect no learning")  # once
+    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, 1e-3), MetricRecord())
+    loop.run_all()
+    res = _on_disk(tmp_path)
+    assert res["status"] == "completed"
+    assert res["warnings"] == [
+        "strategy.dp = 'server-adaptive': ... expect no learning",
+        "no learning: test accuracy 10.00%, 10.00%, 10.00% in rounds 1-3, at most chance (1/10) + 2% = "
+        "12.00% in each of the last 3 rounds; the model learns nothing: check train.lr (= 0.05) and "
+        "strategy.name = 'fedavg', strategy.dp = 'server-adaptive', strategy.dp-noise-multiplier = 1.0, "
+        "strategy.dp-initial-clipping-norm = 0.1, strategy.dp-target-clipped-quantile = 0.5, "
+        "strategy.dp-clip-norm-lr = 0.2, strategy.dp-clipped-count-stddev = 0.0",
+    ]
+    learned = _loop(tmp_path / "l", lambda m: _central(2.3) | {"test-accuracy": 0.9}, num_server_rounds=3)
+    learned.results.warnings = ["no learning: an earlier process's verdict", "other"]
+    learned.strategy.aggregate_train = lambda rnd, replies: (_shifted(learned.arrays, 1e-3), MetricRecord())
+    learned.run_all()
+    assert _on_disk(tmp_path / "l")["warnings"] == ["other"]

@@ -28,11 +28,44 @@ def test_parse_run_config_pairs_exactly_like_flwr():
     assert parse_run_config(['diffusion.ndcr-prompt="a photo"']) == {"diffusion.ndcr-prompt": "a photo"}
     assert parse_run_config(["seed=1", "seed=2"]) == {"seed": 2}  # later wins
     assert parse_run_config(None) == {} and parse_run_config([""]) == {}
-    # As strict as flwr: a bare word is not TOML, so it is an error, not a guess.
-    with pytest.raises(RunConfigError, match="invalid format"):
+    # As strict as flwr: a bare word is not TOML, so it is an error, not a guess (with a hint below).
+    with pytest.raises(RunConfigError, match="quote string values"):
         parse_run_config(["method=feddifrc-ssl"])
     with pytest.raises(RunConfigError, match="cannot parse"):
         parse_run_config(["seed 3"])
+
+
+def test_an_unquoted_string_value_gets_a_one_line_hint_to_quote_it(capsys):
+    """`method=fedavg` (or `method="fedavg"` outside the shell's quotes) was Flower's "invalid format"
+    without the word to fix; the hint names each bare value and gives the line to type."""
+    from feddifrc_app.tools import cli
+
+    with pytest.raises(RunConfigError) as e:
+        parse_run_config(["strategy.name=scaffold method=fedavg seed=3", "diffusion.channels=64,32,32"])
+    assert str(e.value) == (
+        "--run-config: quote string values (strategy.name=scaffold, method=fedavg, "
+        "diffusion.channels=64,32,32: not a number or true/false), inside the shell's quotes: "
+        "--run-config \"strategy.name='scaffold' method='fedavg' seed=3 diffusion.channels='64,32,32'\""
+    )
+    fixed = str(e.value).split("--run-config ")[-1].strip('"')
+    assert parse_run_config([fixed]) == {
+        "strategy.name": "scaffold",
+        "method": "fedavg",
+        "seed": 3,
+        "diffusion.channels": "64,32,32",
+    }
+    assert parse_run_config(["seed=3 train.lr=1e-3 train.augment=false"]) == {
+        "seed": 3,
+        "train.lr": 0.001,
+        "train.augment": False,
+    }
+    # A feddifrc command says it in one line, exit status 2, before any work.
+    assert cli.main(["extract", "--check", "--app", str(ROOT), "--run-config", "method=fedavg"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "feddifrc extract: error: --run-config: quote string values (method=fedavg: not a number or "
+        "true/false), inside the shell's quotes: --run-config \"method='fedavg'\"\n"
+    )
 
 
 def test_parse_run_config_toml_file(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from feddifrc_app.tools import cli, cmd_sweep
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.report import write_sweep_table
 from feddifrc_app.tools.run_config import app_defaults
-from feddifrc_app.tools.sweep import Cell, Flower, Sweep, SweepError, make_cells
+from feddifrc_app.tools.sweep import Cell, Flower, Sweep, SweepError, make_cells, run_sweep
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
@@ -91,6 +91,48 @@ def test_a_finished_cell_from_before_a_key_existed_is_done_unless_the_cell_asks_
     cfg = adaln.validate([cell])[cell.name]
     assert "diffusion.dit-features: 'raw' -> 'adaln'" in adaln.stale(cell, cfg)
     assert adaln.finished(cell, cfg) is None
+
+
+def test_a_resumed_sweep_reuses_cells_written_before_loss_ndcr_view(tmp_path, capsys):
+    """A cell written before e53e94c lacks loss.ndcr-view and every key added since (an older
+    sweep folder): rerunning the sweep reuses it, runs nothing, and its table shows it."""
+    sweep = sweep_in(tmp_path, **{"num-server-rounds": 2})
+    cell = Cell("", 0)
+    flat = sweep.validate([cell])[cell.name].to_flat()
+    since = {"loss.ndcr-view", "dataset.eval-limit", "dataset.val-fraction", "evaluate-holdout", "strategy.q"}
+    since |= {
+        "loss.tdcl-targets",
+        "fednh.max-grad-norm",
+        "strategy.num-malicious-nodes",
+        "strategy.num-nodes-to-select",
+    }
+    since |= {
+        k for k in flat if k.startswith(("strategy.dp", "diffusion.pool", "diffusion.dit", "tracking."))
+    }
+    since |= {"server.device", "max-frozen-rounds", "min-nodes-timeout", "strategy.setup-timeout"}
+    old = {k: v for k, v in flat.items() if k not in since}
+    sweep.runs.joinpath(cell.name).mkdir(parents=True)
+    (sweep.runs / cell.name / "config.json").write_text(json.dumps(old))
+    rounds = [{"round": r, "test-accuracy": 0.5 + r / 10} for r in range(3)]
+    summary = {"final-accuracy": 0.7, "best-accuracy": 0.7, "mean-last-5-accuracy": 0.65}
+    results = {"rounds": rounds, "summary": summary, "status": "completed"}
+    (sweep.runs / cell.name / "results.json").write_text(json.dumps(results))
+    sweep.record(cell, status="completed", reason="")
+
+    class NoFlower:
+        def run(self, *_a):
+            raise AssertionError("a reused cell must not run again")
+
+    assert run_sweep(sweep, [cell], NoFlower(), 60) == {}
+    assert "1 cells, 1 already done, 0 to run" in capsys.readouterr().out
+    assert json.loads(sweep.state_path.read_text())["cells"][cell.name]["status"] == "completed"
+    assert "| defaults | 70.00 ± 0.00 / 70.00 ± 0.00 / 65.00 ± 0.00 (n=1) |" in write_sweep_table(sweep.out)
+    # The same folder asked for the clean view: the old run used the augmented one.
+    clean = sweep_in(tmp_path / "b", **{"num-server-rounds": 2, "loss.ndcr-view": "clean"})
+    cfg = clean.validate([cell])[cell.name]
+    clean.runs.mkdir(parents=True)
+    (clean.runs / cell.name).symlink_to(sweep.runs / cell.name)
+    assert "loss.ndcr-view: 'augmented' -> 'clean'" in clean.stale(cell, cfg)
 
 
 def _fake_cell(out: Path, name: str, conf: str, alpha: float, final: float, best: float, paper=None) -> dict:
@@ -252,6 +294,11 @@ def test_sweep_out_that_is_a_file_or_holds_a_corrupt_sweep_json_is_one_line(tmp_
         "(new, or an earlier sweep's)\n"
     )
     assert f.read_text() == "x"
+    assert cli.main(["sweep", "--app", str(ROOT), "--out", str(f / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"feddifrc sweep: error: --out {f / 'sub'}: {f} is a file, so no folder can be " + (
+        "created under it\n"
+    )
     (tmp_path / "sw").mkdir()
     (tmp_path / "sw" / "sweep.json").write_text('{"cells": {"a"')
     with pytest.raises(SweepError, match=f"{tmp_path / 'sw' / 'sweep.json'} is unreadable"):
@@ -260,6 +307,41 @@ def test_sweep_out_that_is_a_file_or_holds_a_corrupt_sweep_json_is_one_line(tmp_
     err = capsys.readouterr().err
     assert err.startswith("feddifrc table: error: ") and str(tmp_path / "sw" / "sweep.json") in err
     assert err.count("\n") == 1
+
+
+def test_a_folder_in_place_of_sweep_json_is_refused_before_any_run(tmp_path, capsys):
+    """Issue 45 case 9: the sweep ran its first cell, then crashed writing sweep.json."""
+    (tmp_path / "sw" / "sweep.json").mkdir(parents=True)
+    with pytest.raises(SweepError, match=r"sweep.json is not a file \(a folder\?\); .* move it aside"):
+        sweep_in(tmp_path)
+    assert cli.main(["table", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"feddifrc table: error: {tmp_path / 'sw' / 'sweep.json'} is not a file (a folder?); move it "
+        "aside and rerun the sweep\n"
+    )
+
+
+def test_closing_the_local_federation_stops_what_its_flwr_commands_started_and_nothing_else(tmp_path):
+    """Issue 45: after an interrupted sweep, two Ray agents of its simulation (children of a gone
+    raylet, so no SuperLink's descendants) lived on for minutes; close() now stops every process
+    started with the sweep's own FLWR_HOME, and no other."""
+    import os
+    import subprocess
+    import sys
+
+    flower = Flower(ROOT, tmp_path / "home", "local", "")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleeper, env=flower.env)
+    other = subprocess.Popen(sleeper, env={**os.environ, "FLWR_HOME": str(tmp_path / "home2")})
+    try:
+        flower.close(grace=0)
+        assert ours.wait(timeout=10) == -15  # SIGTERM
+        assert other.poll() is None
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
 
 
 def test_table_uses_only_completed_runs_of_the_configured_rounds_and_names_each_skipped_cell(tmp_path):

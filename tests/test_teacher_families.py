@@ -64,16 +64,20 @@ def _make(teacher, **kw) -> Featurizer:
 
 def test_default_sd_feature_keys_are_unchanged(teacher_cache: Path) -> None:
     """The SD path's keys are the ones measured on the commit before the families (8e1e06f):
-    every feature cache filled before this change still serves."""
+    every feature cache filled before this change still serves, with the noise those runs drew
+    (``diffusion.noise-seed = -1``: the run seed); the default fixed noise is another key."""
     expected = {
         False: "97f0750da359ab4dcf994a51c18811d77a56f1daf060850ae5b3e1f473156f8a",  # tiny-mnist, mnist-5k
         True: "c1d80559a9bea461927183e00980af76191a89788898fa79059f4441f9d25d07",  # tiny, digits
     }
     for plumbing, key in expected.items():
-        cfg = make_config(plumbing, **{"diffusion.device": "cpu"})
+        cfg = make_config(plumbing, **{"diffusion.device": "cpu", "diffusion.noise-seed": -1})
         data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-        fs = feature_set(teacher_spec(cfg, teacher_cache), data, teacher_prompts(cfg, data.class_names))
-        assert fs.key == key and "family" not in fs.fields
+        prompts = teacher_prompts(cfg, data.class_names)
+        fs = feature_set(teacher_spec(cfg, teacher_cache), data, prompts)
+        assert fs.key == key and "family" not in fs.fields and fs.fields["seed"] == cfg.seed
+        fixed = make_config(plumbing, **{"diffusion.device": "cpu"})  # diffusion.noise-seed = 0
+        assert feature_set(teacher_spec(fixed, teacher_cache), data, prompts).fields["seed"] == 0
         assert fs.spec.identity.family == "sd"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import PLUMBING, ROOT, make_config
 
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
@@ -84,3 +84,41 @@ def test_the_test_split_is_refused(teacher_cache: Path, capsys: pytest.CaptureFi
     cfg = make_config(**{"diffusion.device": "cpu", "dataset.eval-limit": 20})
     with pytest.raises(ValueError, match="train/val split, not 'test'"):
         probe(cfg, teacher_cache, load_dataset(cfg.dataset, "test"), (100,), ("mean",), 2)
+
+
+def test_probe_teacher_refuses_what_it_cannot_probe_in_one_line_before_any_work(
+    tmp_path: Path, teacher_cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 45 case 4: a teacher that does not load (a missing folder, a hub id offline), --json
+    naming a folder, an empty split and a class with fewer images than --folds were tracebacks
+    (the last two after the teacher work, the --json one after the whole probe)."""
+    from feddifrc_app.methods.feddifrc import teacher_probe
+
+    monkeypatch.setattr(teacher_probe, "score_pass", lambda *a: pytest.fail("the probe started"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["probe-teacher", "--app", str(ROOT), "--cache-dir", str(teacher_cache)]
+    argv += ["--timesteps", "100", "--poolings", "mean", "--folds", "2"]
+    cases = [  # (run config keys, flags, the line)
+        ({"diffusion.model": "{tmp}/nope"}, [], "diffusion model folder '{tmp}/nope' does not exist"),
+        ({"diffusion.model": "nobody/no-such-model"}, [], "diffusion model 'nobody/no-such-model' is not in"),
+        ({}, ["--json", "{tmp}"], "--json {tmp}: {tmp} is a folder; give a file path"),
+        (
+            {"dataset.val-fraction": 0.0},
+            ["--split", "val"],
+            "the val split has 0 images of 0 class(es) (none); the probe needs two classes or more with "
+            "--folds (2) images each: raise dataset.val-fraction and dataset.eval-limit",
+        ),
+        (
+            {"dataset.train-limit": 15},
+            ["--folds", "5"],
+            "the train split has 15 images of 10 class(es) (1 in its smallest class); the probe needs two "
+            "classes or more with --folds (5) images each: raise dataset.train-limit",
+        ),
+    ]
+    for keys, flags, said in cases:
+        tmp = lambda s: s.replace("{tmp}", str(tmp_path))  # noqa: E731
+        keys = tmp(" ".join(f"{k}={v!r}" for k, v in (PLUMBING | keys).items()))
+        assert cli.main([*argv, "--run-config", keys, *map(tmp, flags)]) == 2, said
+        err = capsys.readouterr().err
+        want = "feddifrc probe-teacher: error: " + tmp(said)
+        assert err.startswith(want) and err.count("\n") == 1, err

@@ -205,6 +205,33 @@ def test_tensorboard_drops_steps_an_earlier_process_wrote_after_the_checkpoint(t
     ]
 
 
+def test_a_shared_tracking_dir_keeps_runs_whose_folders_share_a_name_apart(tmp_path) -> None:
+    """Two sweeps' `defaults-s0` cells tracked into one tracking.dir: two TensorBoard runs, each
+    with its own rows, never one interleaved run; each run keeps its folder on a resume."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    shared = tmp_path / "tracking"
+    cfg = make_config(method="fedavg", tracking__backend="tensorboard", tracking__dir=str(shared))
+    for sweep, acc in [("a", 0.25), ("b", 0.75)]:
+        run = tmp_path / sweep / "runs" / "defaults-s0"
+        run.mkdir(parents=True)
+        tracker = tracking.start(cfg, run, RunDir(run).begin(cfg, 1)[0])
+        tracker.log(RoundRow(0, test_accuracy=acc))
+        tracker.close("completed")
+    folders = sorted((shared / "tensorboard").iterdir())
+    assert len(folders) == 2 and all(f.name.startswith("defaults-s0-") for f in folders)
+    got = {
+        tuple(
+            tensor_util.make_ndarray(e.tensor_proto).item()
+            for e in EventAccumulator(str(f)).Reload().Tensors("test-accuracy")
+        )
+        for f in folders
+    }
+    assert got == {(0.25,), (0.75,)}
+    assert tracking.run_key(tmp_path / "a" / "runs" / "defaults-s0") in {f.name for f in folders}
+
+
 def test_the_tracked_run_is_named_after_the_run_folder_and_carries_config_and_tags(tmp_path) -> None:
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -238,6 +265,33 @@ def test_a_missing_extra_is_one_line_naming_the_install_before_the_run_folder(tm
     with pytest.raises(ConfigError, match=r"pip install 'feddifrc-app\[mlflow\]'"):
         sweep.validate([Cell("", 0)])  # before the sweep's first cell
     tracking.check(make_config(tracking__backend="none"))  # none needs nothing
+
+
+def test_an_unusable_tracking_dir_is_one_line_naming_it_before_any_work(tmp_path) -> None:
+    """A tracking.dir under a file fails at load; one that cannot be created (/proc/nope) when the
+    ServerApp starts, before the run folder or any node: never a bare errno."""
+    (tmp_path / "file").write_text("x")
+    under = tmp_path / "file" / "tracking"
+    with pytest.raises(ConfigError) as e:
+        make_config(tracking__backend="tensorboard", tracking__dir=str(under))
+    assert str(e.value) == (
+        f"config key 'tracking.dir' = '{under}' is invalid: {tmp_path / 'file'} is a file, so no folder "
+        "can be created under it; expected a folder path"
+    )
+    if Path("/proc/self").is_dir() and not Path("/proc/nope").exists():  # Linux: /proc takes no folder
+        grid = RecordingGrid(node_ids=[11, 12])
+        with pytest.raises(ConfigError) as e:
+            server_app.main(
+                grid, _context(tmp_path, tracking__backend="tensorboard", tracking__dir="/proc/nope")
+            )
+        assert str(e.value) == (
+            "config key 'tracking.dir' = '/proc/nope' cannot be used (No such file or directory: "
+            "'/proc/nope'); set it to a folder this user can create and "
+            "write, or to '' (the run folder)"
+        )
+        assert grid.calls == [] and not (tmp_path / "runs").exists()
+    tracking.check(make_config(tracking__backend="tensorboard", tracking__dir=str(tmp_path / "t")))
+    assert (tmp_path / "t").is_dir()  # created, as the tracker would
 
 
 @pytest.mark.parametrize(

@@ -40,16 +40,17 @@ import torch
 from torch import Tensor
 
 from feddifrc_app.config import DIT_FEATURES as MODES
+from feddifrc_app.diffusion.family import FamilyError
 
 MASSIVE_RATIO = 100.0
 
 
 def check_mode(mode: str, family: str, adapter: ModuleType) -> str:
-    """``mode`` if the family can be read that way, else a one-line ValueError."""
+    """``mode`` if the family can be read that way, else a one-line FamilyError (a ValueError)."""
     if mode not in MODES:
-        raise ValueError(f"diffusion.dit-features = {mode!r}; choose one of {', '.join(MODES)}")
+        raise FamilyError(f"diffusion.dit-features = {mode!r}; choose one of {', '.join(MODES)}")
     if mode != "raw" and getattr(adapter, "DIT_COND_ATTR", None) is None:
-        raise ValueError(
+        raise FamilyError(
             f"diffusion.dit-features = {mode!r} reads AdaLN-modulated transformer blocks; this {family} "
             "teacher has none (use 'raw', or a pixart / sd3 teacher)"
         )

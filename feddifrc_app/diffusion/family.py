@@ -117,10 +117,41 @@ def family_module(family: str) -> ModuleType:
     return importlib.import_module(ADAPTERS[family])
 
 
+def component_config(folder: Path, part: str) -> dict:
+    """``<folder>/<part>/config.json`` as a dict (no network); an unreadable or non-object file is
+    a FamilyError naming it (a folder without ``feddifrc.json`` is not checksummed: a damaged
+    config is found here, before any work)."""
+    path = Path(folder) / part / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+        return cfg
+    except (OSError, ValueError) as e:
+        msg = " ".join(str(e).split())[:160]
+        raise FamilyError(
+            f"teacher folder {folder}: {part}/config.json is unreadable ({type(e).__name__}: {msg}); "
+            "restore it, or download or rebuild the whole folder (feddifrc fetch)"
+        ) from None
+
+
+def _config_value(folder: Path, part: str, cfg: dict, name: str, ok) -> object:
+    """``cfg[name]`` if ``ok`` says it is usable, else a FamilyError naming the file and key."""
+    value = cfg.get(name)
+    if not ok(value):
+        raise FamilyError(
+            f"teacher folder {folder}: {part}/config.json has no usable {name!r} ({value!r}); restore "
+            "the file, or download or rebuild the whole folder (feddifrc fetch)"
+        )
+    return value
+
+
 def layer_count(folder: Path, family: str) -> int:
     """How many hookable layers the folder's denoiser has, read from its config.json (no network)."""
     mod = family_module(family)
-    value = json.loads((Path(folder) / mod.DENOISER / "config.json").read_text())[mod.LAYER_COUNT_KEY]
+    cfg = component_config(folder, mod.DENOISER)
+    ok = lambda v: (isinstance(v, list) and v) or (type(v) is int and v > 0)  # noqa: E731
+    value = _config_value(folder, mod.DENOISER, cfg, mod.LAYER_COUNT_KEY, ok)
     return len(value) if isinstance(value, list) else int(value)
 
 
@@ -129,8 +160,65 @@ def has_mid_block(folder: Path, family: str) -> bool:
     mod = family_module(family)
     if getattr(mod, "MID_ATTR", None) is None:
         return False
-    cfg = json.loads((Path(folder) / mod.DENOISER / "config.json").read_text())
+    cfg = component_config(folder, mod.DENOISER)
     return cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn") is not None  # diffusers' default
+
+
+def vae_factor(folder: Path) -> int:
+    """Pixel -> latent downsampling of the folder's VAE (``Teacher.vae_scale_factor``), from its
+    config.json: one factor 2 per encoder block but the last."""
+    ok = lambda v: isinstance(v, list) and v  # noqa: E731
+    blocks = _config_value(folder, "vae", component_config(folder, "vae"), "block_out_channels", ok)
+    return 2 ** (len(blocks) - 1)
+
+
+def map_sides(folder: Path, family: str, resolution: int) -> dict[int, int]:
+    """The side of each hookable layer's feature map (``diffusion.blocks`` index -> side) for
+    ``resolution`` px images, from the folder's config files (no network). The latent is
+    ``resolution / vae_factor``. A DiT (``patch_size`` in its config) holds its patch grid on
+    every layer. A UNet halves the map after every down block but the last (a stride-2
+    convolution: ``ceil(n / 2)``); its mid-block holds the smallest map and ``up_blocks[i]``
+    (upsampled after every one but the last, to the matching skip's size) down level
+    ``n - 2 - i``'s, the last one the latent's. {} for a denoiser config that says neither."""
+    mod = family_module(family)
+    cfg, n = component_config(folder, mod.DENOISER), layer_count(folder, family)
+    latent = int(resolution) // vae_factor(folder)
+    if type(patch := cfg.get("patch_size")) is int and patch > 0:
+        return {b: latent // patch for b in range(n)}
+    downs = cfg.get("block_out_channels")
+    if not isinstance(downs, list) or not downs:
+        return {}
+    sides = [latent]
+    for _ in downs[1:]:
+        sides.append(-(-sides[-1] // 2))
+    out = {i: sides[max(len(downs) - 2 - i, 0)] for i in range(n)}
+    if has_mid_block(folder, family):
+        out[MID_BLOCK] = sides[-1]
+    return out
+
+
+def check_maps(folder: Path, family: str, blocks: tuple[int, ...], resolution: int, grid: int) -> None:
+    """``diffusion.resolution`` fits the folder's VAE and, under grid pooling (``grid`` = g > 0),
+    every layer of ``blocks`` holds a g x g grid (``pool_map``): else a FamilyError naming the key,
+    before any network is built."""
+    f = vae_factor(folder)
+    if int(resolution) < f or int(resolution) % f:
+        raise FamilyError(
+            f"diffusion.resolution = {resolution} must be a positive multiple of this {family} teacher's "
+            f"VAE factor {f} (its vae/config.json)"
+        )
+    sides = map_sides(folder, family, resolution) if grid else {}
+    small = {b: sides[b] for b in blocks if b in sides and sides[b] < grid}
+    if small:
+        name = family_module(family).LAYER_NAME
+        where = lambda b: "the mid-block" if b == MID_BLOCK else f"{name}[{b}]"  # noqa: E731
+        maps = ", ".join(f"{where(b)} {s}x{s}" for b, s in small.items())
+        raise FamilyError(
+            f"diffusion.pool-grid = {grid} exceeds the feature map of diffusion.blocks {tuple(small)} of "
+            f"this {family} teacher at diffusion.resolution = {resolution} ({maps}); choose a "
+            f"diffusion.pool-grid <= {min(small.values())}, other diffusion.blocks, or "
+            "diffusion.pooling = 'mean'"
+        )
 
 
 def check_layers(layers: tuple[int, ...], n: int, family: str, mid: bool = False) -> tuple[int, ...]:
@@ -168,8 +256,7 @@ def vae_dtype(folder: Path, family: str, dtype: torch.dtype) -> torch.dtype:
     bfloat16 has float32's exponent range: no upcast."""
     if dtype != torch.float16 or not family_module(family).VAE_FORCE_UPCAST:
         return dtype
-    cfg = json.loads((Path(folder) / "vae" / "config.json").read_text())
-    return torch.float32 if cfg.get("force_upcast", True) else dtype
+    return torch.float32 if component_config(folder, "vae").get("force_upcast", True) else dtype
 
 
 def encode_image(vae, x: Tensor) -> Tensor:

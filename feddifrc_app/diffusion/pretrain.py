@@ -81,6 +81,9 @@ def check_out_folder(out: Path, force: bool = False, protected: Sequence[Path] =
         raise OutFolderError(
             f"output folder {out} is a file, not a folder; pass a missing or empty folder path"
         )
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # found now, not after the training
+        raise OutFolderError(f"output folder {out} is under {above}, a file; pass a folder path")
     for p, what in _protected(protected):
         if out == p or out in p.parents:
             raise OutFolderError(

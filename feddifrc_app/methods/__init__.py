@@ -92,7 +92,8 @@ class NodeHalf:
     of each batch in the same forward pass, takes the step's loss from ``loss`` (else CE),
     adds ``term`` (reported as ``train-<name>``, 0 when it never adds one: every node of a round
     reports the same keys) and calls ``before_step`` between backward and the optimiser step;
-    the ClientApp calls ``finish`` after training.
+    the ClientApp calls ``finish`` after training. A diverged training names each half's
+    ``divergence_remedy``.
     """
 
     name = ""
@@ -119,6 +120,12 @@ class NodeHalf:
 
     def before_step(self, model: torch.nn.Module) -> None:
         """After ``loss.backward()``, before ``opt.step()``."""
+
+    def divergence_remedy(self) -> str:
+        """What else to change when local training diverges, besides train.lr and the loss
+        weights, naming the key and its value (a contrastive temperature: "raise moon.tau (=
+        0.5)"); "" = nothing."""
+        return ""
 
     def finish(self, model: torch.nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
         """After training: add reply metrics to ``metrics``; return extra records for the reply."""

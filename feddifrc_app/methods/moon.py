@@ -88,6 +88,9 @@ class Moon(NodeHalf):
     def term(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
         return None if self.reg is None else self.reg(batch.x, batch.z)
 
+    def divergence_remedy(self) -> str:
+        return f"raise moon.tau (= {self.tau:g})"
+
     def finish(self, model: nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
         from feddifrc_app.records import state_to_record  # Flower's records (see above)
 

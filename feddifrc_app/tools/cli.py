@@ -27,8 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from feddifrc_app.casting import PathError
-from feddifrc_app.tools.cmd_common import CLIError, HelpFormatter
+from feddifrc_app.tools.cmd_common import HelpFormatter, is_app_error, one_line
 from feddifrc_app.tools.cmd_node import (
     add_extract,
     add_fetch,
@@ -41,7 +40,6 @@ from feddifrc_app.tools.cmd_pretrain import add_pretrain, cmd_pretrain
 from feddifrc_app.tools.cmd_probe import add_probe, cmd_probe
 from feddifrc_app.tools.cmd_runs import add_report, add_status, cmd_report, cmd_status
 from feddifrc_app.tools.cmd_sweep import add_sweep, add_table, cmd_sweep, cmd_table
-from feddifrc_app.tools.run_config import RunConfigError
 
 COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -136,8 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (CLIError, RunConfigError, PathError) as e:  # PathError: a path argument, named
-        print(f"feddifrc {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not is_app_error(e):
+            raise  # a bug: its traceback is what to report
+        logging.getLogger(__name__).debug("feddifrc %s failed", args.command, exc_info=True)  # -v
+        print(f"feddifrc {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         kept = INTERRUPTED.get(args.command, "nothing half-written is left")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -35,6 +39,62 @@ def examples(p: argparse.ArgumentParser, *commands: str) -> None:
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+# The app's own errors, whatever command meets them: each says in its message what is wrong (the
+# key, file or flag) and what to do, so a command prints it as one line. (module, class): looked up
+# only where its module is imported already (a command that never imported it cannot have raised
+# it), so that no command and no --help imports a heavy module for this.
+APP_ERRORS = (
+    ("feddifrc_app.casting", "ConfigError"),  # a config key
+    ("feddifrc_app.casting", "PathError"),  # a path argument that cannot be resolved, named
+    ("feddifrc_app.tools.run_config", "RunConfigError"),  # --app, --run-config
+    ("feddifrc_app.data.images", "DatasetUnavailableError"),
+    ("feddifrc_app.device", "DeviceError"),
+    ("feddifrc_app.diffusion.digests", "TeacherLoadError"),
+    ("feddifrc_app.diffusion.family", "FamilyError"),  # a teacher folder, or a key it refuses
+    ("feddifrc_app.diffusion.pretrain", "OutFolderError"),
+    ("feddifrc_app.files", "FolderInUse"),
+    ("feddifrc_app.privacy", "DPError"),
+    ("feddifrc_app.tools.sweep", "SweepError"),
+)
+
+
+def is_app_error(e: BaseException) -> bool:
+    """Whether ``e`` is a user error to print in one line (exit status 2): one of the CLI's own,
+    one of ``APP_ERRORS``, or an OSError (a file or folder the system refused: its message names
+    it). Anything else is a bug and keeps its traceback."""
+    if isinstance(e, (CLIError, OSError)):
+        return True
+    loaded = (getattr(sys.modules.get(m), name, None) for m, name in APP_ERRORS)
+    return any(isinstance(e, cls) for cls in loaded if isinstance(cls, type))
+
+
+def one_line(e: BaseException) -> str:
+    """The error's message on one line (an OSError's errno text and file name included)."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def one_line_errors(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """A command line's ``main`` whose app errors (``is_app_error``) end in one line on stderr,
+    ``<prog>: error: ...``, exit status 2 (the benchmarks' command lines use it)."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args: Any, **kwargs: Any) -> int:
+            try:
+                return main(*args, **kwargs)
+            except Exception as e:
+                if not is_app_error(e):
+                    raise
+                print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+                return 2
+
+        return run
+
+    return wrap
 
 
 def int_list(flag: str, s: str | None) -> list[int] | None:

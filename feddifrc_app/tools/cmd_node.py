@@ -84,7 +84,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
     from feddifrc_app.methods.feddifrc.teacher import feature_set
 
-    spec = _teacher(cfg, cache_dir)
+    spec = resolve_teacher(cfg, cache_dir)
     for split in splits:
         data = load_dataset(cfg.dataset, split, seed=cfg.seed)
         features = feature_set(spec, data, teacher_prompts(cfg, data.class_names))
@@ -96,8 +96,9 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _teacher(cfg: Config, cache_dir: Path) -> TeacherSpec:
-    """The run config's teacher, said in one line (no network is built for this)."""
+def resolve_teacher(cfg: Config, cache_dir: Path) -> TeacherSpec:
+    """The run config's teacher, said in one line (no network is built for this); a teacher it
+    cannot have (missing, damaged, a key its folder refuses, no such device) is a CLIError."""
     from feddifrc_app.device import DeviceError
     from feddifrc_app.diffusion.family import FamilyError
     from feddifrc_app.diffusion.pipeline import TeacherLoadError
@@ -179,11 +180,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     from feddifrc_app.data.images import DatasetUnavailableError
     from feddifrc_app.data.registry import load_dataset
+    from feddifrc_app.diffusion.family import FamilyError
     from feddifrc_app.diffusion.pipeline import TeacherLoadError, teacher_identity
+    from feddifrc_app.methods.feddifrc.teacher import check_folder
 
     try:
         if cfg.uses_diffusion:
             ident = teacher_identity(cfg.diffusion.model, cache_dir)
+            check_folder(cfg.diffusion, ident)  # the keys its folder decides: a node would refuse them
             print(
                 f"teacher {ident.model_id}: weights sha256 {ident.weights_hash} in {ident.folder}"
                 + (" (RANDOM weights: plumbing only)" if ident.random_weights else "")
@@ -191,7 +195,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         for split in split_names(args.split):
             data = load_dataset(cfg.dataset, split, seed=cfg.seed)
             print(f"dataset {data.name}/{split}: {len(data)} images, {data.num_classes} classes")
-    except (TeacherLoadError, DatasetUnavailableError) as e:
+    except (TeacherLoadError, FamilyError, DatasetUnavailableError) as e:
         raise CLIError(str(e)) from None
     print(
         f"to seed an offline node, copy {cfg.dataset.data_dir} (datasets)"

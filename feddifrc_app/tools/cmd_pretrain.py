@@ -6,16 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from feddifrc_app.casting import resolve_path
-from feddifrc_app.config import DatasetConfig
-from feddifrc_app.data.images import ImageData
 from feddifrc_app.diffusion.recipe_numbers import FAMILIES, PretrainRecipe  # torch-free
 from feddifrc_app.tools.cmd_common import CLIError, examples
 from feddifrc_app.tools.run_config import load_app_config
+
+if TYPE_CHECKING:  # --help stays torch-free
+    import numpy as np
+
+    from feddifrc_app.config import DatasetConfig
+    from feddifrc_app.data.images import ImageData
 
 
 def add_pretrain(p: argparse.ArgumentParser) -> None:
@@ -53,6 +55,20 @@ def add_pretrain(p: argparse.ArgumentParser) -> None:
         help="denoiser (UNet or DiT) steps; 0 with --vae-steps 0: the untrained control",
     )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="images per step, both phases")
+    _add_data_choice(p)
+    p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    examples(
+        p,
+        "feddifrc pretrain-teacher --out ~/teachers/tiny-mnist-seed1 --seed 1",
+        "feddifrc pretrain-teacher --out ~/teachers/tiny-pixart --family pixart",
+        "feddifrc pretrain-teacher --out ~/teachers/t-small --exclude-val --limit 500 "
+        "--run-config \"dataset.name='mnist-5k-pool'\"",
+    )
+
+
+def _add_data_choice(p: argparse.ArgumentParser) -> None:
+    """Which public-split images the teacher trains on."""
     p.add_argument(
         "--limit",
         type=int,
@@ -64,15 +80,6 @@ def add_pretrain(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave out the student's validation images (mnist-5k-pool: 500 of its public split) "
         "before --limit, so they stay held out from this teacher",
-    )
-    p.add_argument("--name", default="tiny-mnist", help="model id recorded in the folder")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    examples(
-        p,
-        "feddifrc pretrain-teacher --out ~/teachers/tiny-mnist-seed1 --seed 1",
-        "feddifrc pretrain-teacher --out ~/teachers/tiny-pixart --family pixart",
-        "feddifrc pretrain-teacher --out ~/teachers/t-small --exclude-val --limit 500 "
-        "--run-config \"dataset.name='mnist-5k-pool'\"",
     )
 
 
@@ -120,6 +127,9 @@ def pretrain_data(dataset: DatasetConfig, limit: int = 0, exclude_val: bool = Fa
     """The images a teacher trains on: the public split of ``dataset`` less the validation split
     (``exclude_val``), then a stratified ``limit`` of them (seed 0; 0 = all); and the note that
     says so in the teacher's card (with the images' fingerprint)."""
+    import numpy as np
+    import torch
+
     from feddifrc_app.data.holdouts import stratified_subset
     from feddifrc_app.data.images import PUBLIC_SPLIT, ImageData, fingerprint_of
     from feddifrc_app.data.registry import SOURCES, load_dataset
@@ -158,6 +168,8 @@ def pretrain_data(dataset: DatasetConfig, limit: int = 0, exclude_val: bool = Fa
 def _val_positions(dataset: DatasetConfig) -> np.ndarray:
     """Positions, in the public split, of the validation images (mnist-5k-pool: both are sorted
     positions into the same 5,000 digits)."""
+    import numpy as np
+
     from feddifrc_app.data.images import PUBLIC_SPLIT
     from feddifrc_app.data.sources.digits import mnist5k_positions
 

@@ -7,8 +7,10 @@ import argparse
 import time
 from pathlib import Path
 
+from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import resolve_cache_dir
 from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, examples, int_list
+from feddifrc_app.tools.cmd_node import resolve_teacher
 from feddifrc_app.tools.run_config import load_app_config
 
 
@@ -59,8 +61,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise CLIError(f"--timesteps {args.timesteps!r}: expected comma-separated integers in 0..999")
     if args.folds < 2:
         raise CLIError(f"--folds {args.folds}: at least 2")
+    out = json_out(args.json)
     cfg = load_app_config(args.app, args.run_config)
     cache_dir = resolve_cache_dir(cfg, args.cache_dir)
+    resolve_teacher(cfg, cache_dir)  # a teacher it cannot have, in one line, before the data
     data = load_dataset(cfg.dataset, args.split, seed=cfg.seed)
     t0 = time.perf_counter()
     try:
@@ -82,13 +86,27 @@ def cmd_probe(args: argparse.Namespace) -> int:
         "(as many as diffusion.blocks has) have the highest mean NDCR nearest-centroid accuracy, "
         f"{score:.3f}; diffusion.channels must still sum to 8 x model.width)"
     )
-    if args.json:
+    if out is not None:
         from dataclasses import asdict
 
         from feddifrc_app.files import write_json
 
         rec = {"pooling": pooling, "timestep": t, "blocks": list(blocks), "mean_ndcr_ncc": score}
-        write_json(
-            Path(args.json), {"cells": [asdict(c) for c in cells], "recommendation": rec, "seconds": wall}
-        )
+        write_json(out, {"cells": [asdict(c) for c in cells], "recommendation": rec, "seconds": wall})
     return 0
+
+
+def json_out(value: str | None) -> Path | None:
+    """``--json``'s file, checked before any work: not a folder, in a folder that takes a file."""
+    if value is None:
+        return None
+    path = resolve_path(value, "--json")
+    if path.is_dir():
+        raise CLIError(f"--json {value}: {path} is a folder; give a file path, e.g. {path / 'probe.json'}")
+    try:
+        from feddifrc_app.files import ensure_writable_dir  # numpy: not for --help
+
+        ensure_writable_dir(path.parent, "--json's folder")
+    except OSError as e:
+        raise CLIError(str(e)) from None
+    return path

@@ -61,6 +61,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
     )
     print(f"status: {_ending(run_dir, results) or results.status or 'unknown (results.json has none)'}")
+    for warning in results.warnings or []:  # each in full (status shows the newest)
+        print(f"WARNING: {warning}")
     if bad := _non_finite(results):  # printed as nan/inf below: not measurements
         print(f"NOT FINITE (nan/inf below are not measurements): {'; '.join(bad)}")
     print(format_table(results))
@@ -85,6 +87,10 @@ def add_status(p: argparse.ArgumentParser) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     """The newest runs under outputs-dir: rounds done, latest and best accuracy, failures."""
     root = resolve_path(args.outputs_dir, "--outputs-dir")
+    if args.last < 1:
+        raise CLIError(f"--last {args.last}: expected >= 1 (how many of the newest runs to show)")
+    if root.exists() and not root.is_dir():
+        raise CLIError(f"--outputs-dir {args.outputs_dir}: {root} is not a folder; give a runs folder")
     # lexists, lstat: a results.json that is a broken link or a symlink loop is listed and named too.
     found = [d / "results.json" for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir()]
     found = [p for p in found if not p.parent.name.startswith(".") and os.path.lexists(p)]
@@ -133,8 +139,9 @@ def _status_line(path: Path, r: Results) -> str:
 
 
 def _ending(run_dir: Path, r: Results) -> str:
-    """How a run ended, or who runs it ("" when it completed): its status and the first line of
-    its error, or, for a "running" one, its live holder or that its process is gone."""
+    """How a run ended, or who runs it ("" when it completed unwarned): its status and the first
+    line of its error or its newest warning, or, for a "running" one, its live holder or that its
+    process is gone."""
     if r.status == "running":
         from feddifrc_app.files import folder_holder
 
@@ -146,6 +153,9 @@ def _ending(run_dir: Path, r: Results) -> str:
             else f"DEAD: results.json says running but no process holds the folder (last pid "
             f"{proc.get('pid', '?')} on {proc.get('host', '?')}); resume with resume-from='{run_dir}'"
         )
+    if r.status == "completed" and r.warnings:  # e.g. a model that learned nothing (rounds.no_learning)
+        more = f" (+{len(r.warnings) - 1} more: feddifrc report)" if len(r.warnings) > 1 else ""
+        return f"completed, WARNED: {str(r.warnings[-1])[:200]}{more}"
     if r.status in (None, "completed"):
         return ""
     first = r.error.splitlines()[0][:200] if isinstance(r.error, str) and r.error.strip() else ""

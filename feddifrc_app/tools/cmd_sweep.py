@@ -83,7 +83,15 @@ def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> Non
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from feddifrc_app.tools.report import write_sweep_table
-    from feddifrc_app.tools.sweep import Flower, Sweep, SweepError, make_cells, run_sweep, validate_cells
+    from feddifrc_app.tools.sweep import (
+        Flower,
+        Sweep,
+        SweepError,
+        check_out,
+        make_cells,
+        run_sweep,
+        validate_cells,
+    )
 
     if args.seeds < 1:
         raise CLIError(f"--seeds {args.seeds}: expected >= 1")
@@ -95,6 +103,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         defaults, overrides = app_defaults(app), parse_run_config(args.set)
         confs = [str(resolve_path(c, "override file")) for c in args.confs]
         cells = make_cells(confs, list(range(args.seeds)), _grid(args.grid))
+        check_out(out)  # before the cells' configs, whose outputs-dir is under it
         _check_supernodes(args.federation_config, validate_cells(cells, defaults, overrides, out / "runs"))
         sweep = Sweep(out, app, defaults, overrides)
     except (ConfigError, SweepError) as e:
@@ -120,6 +129,8 @@ def cmd_table(args: argparse.Namespace) -> int:
     from feddifrc_app.tools.report import write_sweep_table
 
     out = resolve_path(args.sweep_dir, "SWEEP_DIR")
+    if (out / "sweep.json").exists() and not (out / "sweep.json").is_file():
+        raise CLIError(f"{out / 'sweep.json'} is not a file (a folder?); move it aside and rerun the sweep")
     if not (out / "sweep.json").is_file():
         raise CLIError(f"{out} has no sweep.json (is it a `feddifrc sweep --out` folder?)")
     try:

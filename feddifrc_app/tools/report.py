@@ -237,8 +237,8 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
         return None, why
     try:
         r = Results.from_json(obj)
-    except (AttributeError, TypeError):  # valid JSON of another layout
-        return None, f"{path} lacks rounds or summary"
+    except (AttributeError, TypeError) as e:  # valid JSON of another layout, named
+        return None, f"{path} has an unexpected layout ({e})"
     try:
         last = r.rounds[-1].round if r.rounds else None
         summary_ok = all(isinstance(r.summary[k], (int, float)) for k in _SUMMARY)
@@ -256,6 +256,23 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
     return r, ""
 
 
+# What `feddifrc sweep` writes in each entry of sweep.json (Sweep.record) and the table reads.
+_ENTRY_TYPES = {"status": (str,), "conf": (str,), "grid": (dict,), "paper": (int, float, type(None))}
+_REWRITE = "rerun the same `feddifrc sweep` command to rewrite it (finished runs are reused, not rerun)"
+
+
+def _entry_problem(cell: Any) -> str:
+    """Why a sweep.json entry is not one the sweep writes ("" = it is): the field and its type."""
+    if not isinstance(cell, dict):
+        return f"a {type(cell).__name__}, not an object"
+    if "status" not in cell:
+        return "no 'status'"
+    for key, types in _ENTRY_TYPES.items():
+        if key in cell and (not isinstance(cell[key], types) or isinstance(cell[key], bool)):
+            return f"{key!r} is a {type(cell[key]).__name__} ({cell[key]!r:.40})"
+    return ""
+
+
 def collect(
     sweep_dir: Path,
 ) -> tuple[dict[tuple[str, str], dict[str, Any]], list[tuple[str, str]]]:
@@ -270,9 +287,12 @@ def collect(
     skipped: list[tuple[str, str]] = []
     for name, cell in sorted(cells.items()):
         run = sweep_dir / "runs" / name
-        if not isinstance(cell, dict) or cell.get("status") != "completed":
-            status = cell.get("status") if isinstance(cell, dict) else None
+        status = cell.get("status") if isinstance(cell, dict) else None
+        if isinstance(status, str) and status != "completed":
             skipped.append((name, f"sweep.json status {status!r}"))
+            continue
+        if problem := _entry_problem(cell):
+            skipped.append((name, f"sweep.json's entry is malformed ({problem}): {_REWRITE}"))
             continue
         r, why = completed_results(run)
         if r is None:
@@ -286,12 +306,15 @@ def collect(
             continue
         g = groups.setdefault((method_label(cell.get("conf", ""), cell.get("grid", {})), setting), {})
         g.setdefault("runs", []).append(r)
+        g.setdefault("names", []).append(name)
         g["paper"] = cell.get("paper")
     return groups, skipped
 
 
 def _cell_text(runs: list[Results], key: str) -> str:
     v = np.array([100 * r.summary[key] for r in runs])
+    if not np.isfinite(v).all():  # a hand-edited or foreign results.json: not a measurement
+        return f"NOT FINITE ({', '.join(sorted({str(x) for x in v[~np.isfinite(v)]}))})"
     return f"{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0:.2f}"
 
 
@@ -324,7 +347,9 @@ def _table_rows(
                 continue
             final, best, last5 = (_cell_text(g["runs"], k) for k in _SUMMARY)
             paper = f" (paper {g['paper']:.2f})" if g["paper"] is not None else ""
-            entries.append(f"{final} / {best} / {last5} (n={len(g['runs'])}){paper}")
+            warned = sum(bool(r.warnings) for r in g["runs"])  # listed after the table (warned_text)
+            warned_mark = f" WARNED {warned} of {len(g['runs'])}" if warned else ""
+            entries.append(f"{final} / {best} / {last5} (n={len(g['runs'])}){paper}{warned_mark}")
             nums = [np.array([100 * r.summary[k] for r in g["runs"]]) for k in _SUMMARY]
             stats = [
                 f"{f(v):.4f}" for v in nums for f in (np.mean, lambda a: a.std(ddof=1) if len(a) > 1 else 0.0)
@@ -334,6 +359,16 @@ def _table_rows(
     return lines, rows
 
 
+def warned_text(groups: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """``warned <cell>: <warning>`` for each warning of a tabled run (results.json's warnings: a
+    model that learned nothing, DP noise far above what a model absorbs), one a line."""
+    cells = sorted(
+        ((n, r) for g in groups.values() for n, r in zip(g["names"], g["runs"], strict=True)),
+        key=lambda cell: cell[0],
+    )
+    return "".join(f"warned {n}: {w}\n" for n, r in cells for w in r.warnings or [])
+
+
 def write_sweep_table(sweep_dir: Path) -> str:
     """table.md, table.csv and curves.png in ``sweep_dir``; returns the markdown.
 
@@ -341,11 +376,13 @@ def write_sweep_table(sweep_dir: Path) -> str:
     best (max over rounds: the paper's endpoint, beside its number where one exists) and
     mean-of-last-5 test accuracy (%).
     Only completed runs of the configured rounds count (:func:`completed_results`); every
-    other cell is listed after the table with why. An unreadable sweep.json is a ValueError.
+    other cell is listed after the table with why, and every warning of a tabled run (an entry
+    with such runs says ``WARNED k of n``). An unreadable sweep.json is a ValueError.
     """
     groups, skipped = collect(sweep_dir)
     # Every cell left out is named with why, in the printed text and in table.md.
     skip_text = "".join(f"skipped {name}: {why}\n" for name, why in skipped)
+    skip_text = warned_text(groups) + skip_text
     if not groups:
         return "no cell of this sweep has completed yet\n" + skip_text
     methods = sorted({m for m, _ in groups}, key=lambda m: (m != "fedavg", m))

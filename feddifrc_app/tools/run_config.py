@@ -13,6 +13,9 @@ from typing import Any
 
 from feddifrc_app.config import Config, ConfigError, load_config
 
+# A key=value pair as Flower's parser finds it (flwr.common.config.parse_config_args).
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
 
 class RunConfigError(Exception):
     """An app folder or an override that cannot be read, or a value ``load_config`` refuses: one line."""
@@ -31,16 +34,45 @@ def parse_run_config(values: Sequence[str] | None) -> dict[str, Any]:
     if values and values[0].strip().endswith(".toml") and not Path(values[0]).expanduser().is_file():
         raise RunConfigError(f"--run-config: override file {values[0]!r} not found")
     for line in values:
-        rest = re.sub(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)", "", line).strip()
+        rest = _PAIR.sub("", line).strip()
         if rest and not line.strip().endswith(".toml"):
             raise RunConfigError(
                 f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs"
             )
+    if hint := _quote_hint(values):
+        raise RunConfigError(hint)
     try:
         return parse_config_args(values or None)
     except (ValueError, click.ClickException, tomllib.TOMLDecodeError) as e:
         msg = e.message if isinstance(e, click.ClickException) else str(e)
         raise RunConfigError(f"--run-config {' '.join(values)!r}: {msg}") from None
+
+
+def _quote_hint(values: Sequence[str]) -> str:
+    """How to quote the bare words among ``values``' pairs, "" if none: ``method=fedavg`` is not
+    TOML, which Flower's parser refuses without saying why (a shell drops the quotes of
+    ``method="fedavg"`` outside quotes of its own)."""
+    if any(v.strip().endswith(".toml") for v in values):
+        return ""  # a file: TOML itself says what is wrong in it (and a file takes no pairs)
+    bare = [f"{k}={v}" for line in values for k, v in _PAIR.findall(line) if _bare(v)]
+    if not bare:
+        return ""
+    fixed = " ".join(_PAIR.sub(lambda m: f"{m[1]}='{m[2]}'" if _bare(m[2]) else m[0], x) for x in values)
+    return (
+        f"--run-config: quote string values ({', '.join(bare)}: not a number or true/false), "
+        f'inside the shell\'s quotes: --run-config "{fixed}"'
+    )
+
+
+def _bare(value: str) -> bool:
+    """An unquoted value that is not TOML (a word such as fedavg, a path, 64,32,32)."""
+    if value[0] in "'\"":
+        return False
+    try:
+        tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError:
+        return True
+    return False
 
 
 def app_defaults(app: str | Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feddifrc_app.casting import file_above
 from feddifrc_app.config import Config, load_config, resumable
 from feddifrc_app.config_changes import run_changes
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
@@ -248,8 +249,23 @@ class Flower:
         self.stop(run_id)
         return "timeout", f"not finished after {timeout:.0f}s (last status {info.get('status')})"
 
-    def close(self) -> None:
-        """Stop a flower-superlink whose --log-file lies in OUR FLWR_HOME (never another one)."""
+    def close(self, grace: float = 10) -> None:
+        """Stop a flower-superlink whose --log-file lies in OUR FLWR_HOME (never another one), then
+        what our `flwr` commands started and outlived it: every process whose environment holds our
+        FLWR_HOME (the local simulation's Ray GCS, raylet and agents, which otherwise linger for
+        minutes after an interrupted run)."""
+        self._stop_superlinks()
+        if self.federation != "local":
+            return  # a deployed SuperLink's processes are not ours
+        mark = f"FLWR_HOME={self.home}".encode()
+        deadline = time.monotonic() + grace  # the SuperLink ends its own simulation first, if it can
+        while (left := _processes_with(mark)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+
+    def _stop_superlinks(self) -> None:
         mine = str(self.home) + "/"
         for entry in Path("/proc").glob("[0-9]*"):
             try:
@@ -266,15 +282,33 @@ class Flower:
                         os.kill(int(entry.name), signal.SIGTERM)
 
 
+def _processes_with(mark: bytes) -> list[int]:
+    """Our user's processes (never this one) whose environment holds the entry ``mark``."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) != os.getpid() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                out.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            continue
+    return out
+
+
+def check_out(out: Path) -> None:
+    """``--out`` can be a sweep folder: not a file, nor under one (checked first, before the cells'
+    configs would name their outputs-dir, ``<out>/runs``, instead)."""
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--out {out} is a file; pass a folder for the sweep (new, or an earlier sweep's)")
+    if above := file_above(out):
+        raise SweepError(f"--out {out}: {above} is a file, so no folder can be created under it")
+
+
 class Sweep:
     """The cells of one sweep folder, their run configs, and running them in order."""
 
     def __init__(self, out: Path, app: Path, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
         refuse_owned_keys(overrides, "--set")
-        if out.exists() and not out.is_dir():
-            raise SweepError(
-                f"--out {out} is a file; pass a folder for the sweep (new, or an earlier sweep's)"
-            )
+        check_out(out)
         try:
             out.mkdir(parents=True, exist_ok=True)
             # Owned for this process's life: a second sweep into the same --out would run every
@@ -287,6 +321,11 @@ class Sweep:
         self.out, self.app, self.defaults, self.overrides = out, app, defaults, overrides
         self.runs, self.state_path = out / "runs", out / "sweep.json"
         self.state: dict[str, dict[str, Any]] = {}
+        if self.state_path.exists() and not self.state_path.is_file():
+            raise SweepError(
+                f"{self.state_path} is not a file (a folder?); the sweep records its cells there: "
+                "move it aside and rerun"
+            )
         if self.state_path.is_file():
             try:
                 self.state = json.loads(self.state_path.read_text())["cells"]

@@ -54,6 +54,9 @@ class FedDifRC(NodeHalf):
         self.gen = torch.Generator().manual_seed(n.seed)  # negative sampling in TDCL
         return cost
 
+    def divergence_remedy(self) -> str:
+        return f"raise loss.temperature (= {self.lc.temperature:g})"  # TDCL's similarities / it
+
     def view(self, batch: Batch) -> torch.Tensor | None:
         """NDCR's target was computed from the un-augmented image: align that view's embedding."""
         clean = self.lc.ndcr_weight > 0 and self.lc.ndcr_view == "clean" and batch.augmented

@@ -33,7 +33,14 @@ from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
 from feddifrc_app.diffusion.dit_features import check_mode
-from feddifrc_app.diffusion.family import check_layers, family_module, has_mid_block, layer_count, vae_dtype
+from feddifrc_app.diffusion.family import (
+    check_layers,
+    check_maps,
+    family_module,
+    has_mid_block,
+    layer_count,
+    vae_dtype,
+)
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
@@ -58,7 +65,7 @@ class TeacherSpec:
     timestep: int
     blocks: tuple[int, ...]
     ensemble: int
-    seed: int
+    seed: int  # of the noise draws: diffusion.noise-seed, or the run seed where that is -1
     batch_size: int  # images per UNet call: changes the speed, never a feature
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
     pool_grid: int = 0  # diffusion.pooling: 0 = the mean over each map, g = a g x g grid of means
@@ -84,13 +91,14 @@ def teacher_spec(cfg: Config, cache_dir: Path) -> TeacherSpec:
     network is built (``family.FamilyError``, naming the valid range). The weights' identity is
     looked up on every call (``pipeline.teacher_identity`` keeps it per process and looks again
     when the folder was rebuilt); the rest, which reads the model's config files, is resolved
-    once per process per (``diffusion.*``, seed, cache folder, identity): a simulation actor or
+    once per process per (``diffusion.*``, noise seed, cache folder, identity): a simulation actor or
     a long-lived node handles many messages. A failure is not kept."""
     d = cfg.diffusion
     device = resolve_device(d.device, "diffusion.device")
     resolve_dtype(d.dtype, device, "diffusion.dtype")  # a refused dtype fails before the weights are found
     identity = teacher_identity(d.model, cache_dir)
-    return _resolved(d, cfg.seed, Path(cache_dir), Path(cache_dir).resolve(), identity, device)
+    noise_seed = cfg.seed if d.noise_seed < 0 else d.noise_seed  # diffusion.noise-seed = -1: the run's
+    return _resolved(d, noise_seed, Path(cache_dir), Path(cache_dir).resolve(), identity, device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -104,9 +112,7 @@ def _resolved(
 ) -> TeacherSpec:
     """``teacher_spec`` past the identity; ``where`` (the resolved cache folder) only keys the memo."""
     family = identity.family
-    mid = has_mid_block(identity.folder, family)
-    check_layers(d.blocks, layer_count(identity.folder, family), family, mid=mid)
-    check_mode(d.dit_features, family, family_module(family))
+    check_folder(d, identity)
     dtype = resolve_dtype(d.dtype, device, "diffusion.dtype", prefer_bf16=family_module(family).AUTO_BF16)
     return TeacherSpec(
         model=d.model,
@@ -124,6 +130,17 @@ def _resolved(
         pool_grid=d.pool_grid if d.pooling == "grid" else 0,
         dit_features=d.dit_features,
     )
+
+
+def check_folder(d: DiffusionConfig, identity: TeacherIdentity) -> None:
+    """The ``diffusion.*`` keys the teacher's folder decides, from its config files alone (no
+    network, no device): the layers (``diffusion.blocks``), the reading (``diffusion.dit-features``),
+    the input size and grid (``diffusion.resolution``, ``diffusion.pool-grid``): a FamilyError
+    naming the key. ``teacher_spec`` and ``feddifrc fetch`` run it."""
+    folder, family = identity.folder, identity.family
+    check_layers(d.blocks, layer_count(folder, family), family, mid=has_mid_block(folder, family))
+    check_mode(d.dit_features, family, family_module(family))
+    check_maps(folder, family, d.blocks, d.resolution, d.pool_grid if d.pooling == "grid" else 0)
 
 
 @dataclass(frozen=True, eq=False)

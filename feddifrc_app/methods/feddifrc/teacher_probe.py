@@ -33,13 +33,12 @@ import torch
 
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
-from feddifrc_app.diffusion.family import MID_BLOCK, has_mid_block, layer_count
-from feddifrc_app.diffusion.featurizer import Featurizer
+from feddifrc_app.diffusion.family import MID_BLOCK, has_mid_block, layer_count, map_sides
+from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.methods.feddifrc.losses import tdcl_paper
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import (
     feature_set,
-    featurizer,
     pooled_features,
     release,
     teacher_spec,
@@ -128,21 +127,27 @@ def with_diffusion(cfg: Config, **diffusion) -> Config:
     return dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, **diffusion))
 
 
-def grid_blocks(cfg: Config, cache_dir: Path, blocks: Sequence[int], data: ImageData) -> tuple[int, ...]:
-    """The ``blocks`` whose maps hold ``diffusion.pool-grid`` (one image through each alone)."""
-    teacher = featurizer(teacher_spec(with_diffusion(cfg, blocks=tuple(blocks)), cache_dir)).teacher
-    d, ok = cfg.diffusion, []
-    for b in blocks:
-        f = Featurizer(
-            teacher, resolution=d.resolution, timestep=d.timestep, blocks=(b,), ensemble=1, seed=0,
-            pool_grid=d.pool_grid, dit_features=d.dit_features,
-        )  # fmt: skip
-        try:
-            f(data.images[:1], torch.zeros(1, dtype=torch.int64), ("",))
-        except ValueError:  # the map is smaller than the grid
-            continue
-        ok.append(int(b))
-    return tuple(ok)
+def grid_blocks(cfg: Config, cache_dir: Path, blocks: Sequence[int]) -> tuple[int, ...]:
+    """The ``blocks`` whose maps hold ``diffusion.pool-grid`` (``family.map_sides``: from the
+    teacher folder's config files, no network)."""
+    ident, d = teacher_identity(cfg.diffusion.model, cache_dir), cfg.diffusion
+    sides = map_sides(ident.folder, ident.family, d.resolution)
+    return tuple(int(b) for b in blocks if sides.get(int(b), d.pool_grid) >= d.pool_grid)
+
+
+def check_split(data: ImageData, folds: int) -> None:
+    """The split can be scored ``folds``-fold: two classes or more, each with ``folds`` images
+    (stratified k-fold), else a one-line ValueError naming what sizes it (before any teacher work)."""
+    counts = np.bincount(np.asarray(data.labels, dtype=np.int64).reshape(-1))
+    present = counts[counts > 0]
+    sized = "dataset.train-limit" if data.split == "train" else "dataset.val-fraction and dataset.eval-limit"
+    if len(present) < 2 or present.min() < folds:
+        few = f"{present.min()} in its smallest class" if len(present) else "none"
+        raise ValueError(
+            f"the {data.split} split has {len(data)} images of {len(present)} class(es) ({few}); the probe "
+            f"needs two classes or more with --folds ({folds}) images each: raise {sized} (0 = all) "
+            "or lower --folds"
+        )
 
 
 def score_pass(
@@ -178,13 +183,18 @@ def probe(
     """Every candidate layer x ``timesteps`` x ``poolings`` (``mean`` / ``grid``: diffusion.pool-grid)."""
     if data.split not in PROBE_SPLITS:
         raise ValueError(f"the teacher probe reads the {'/'.join(PROBE_SPLITS)} split, not {data.split!r}")
+    check_split(data, folds)
     cfg = dataclasses.replace(cfg, method="feddifrc")  # the class prompts, whatever the run's method
     blocks = candidate_blocks(cfg, cache_dir)
+    layers = {p: grid_blocks(cfg, cache_dir, blocks) if p == "grid" else blocks for p in poolings}
+    if not layers.get("grid", blocks):
+        d = cfg.diffusion
+        raise ValueError(
+            f"diffusion.pool-grid = {d.pool_grid} exceeds every layer's map at diffusion.resolution = "
+            f"{d.resolution}: lower diffusion.pool-grid, or probe --poolings mean"
+        )
     cells: list[Cell] = []
-    for pooling in poolings:
-        usable = blocks
-        if pooling == "grid":
-            usable = grid_blocks(with_diffusion(cfg, pooling="grid"), cache_dir, blocks, data)
+    for pooling, usable in layers.items():
         for t in timesteps:
             c = with_diffusion(cfg, timestep=int(t), pooling=pooling)
             cells += score_pass(c, cache_dir, data, usable, folds)
