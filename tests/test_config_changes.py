@@ -55,6 +55,7 @@ INTRODUCED = {
     **dict.fromkeys(("ssl.num-negatives", "ssl.probe-epochs"), FIRST),
     **dict.fromkeys(("moon.mu", "moon.tau", "fednh.rho", "fednh.scale"), "222672e"),
     "fednh.max-grad-norm": "f49764d",
+    "diffusion.noise-seed": "44684ef",
     **dict.fromkeys(("tracking.backend", "tracking.dir", "tracking.project", "tracking.tags"), "2a3060a"),
 }
 

@@ -2,7 +2,9 @@
 (families, pipeline, cache) must leave every key as it was, or every filled cache is lost.
 
 The keys were computed on commit 113fb0d (before the runtime was split); the inputs are fixed
-(the plumbing digits data, three prompts, each family's default layers, seed 0)."""
+(the plumbing digits data, three prompts, each family's default layers, the run seed 7). They
+predate ``diffusion.noise-seed``: their noise came from the run seed, which ``-1`` keeps
+(``OLD_NOISE``); caches filled then still serve with it."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from feddifrc_app.diffusion.family import family_module
 from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
 
 PROMPTS = ("a photo of a zero", "a photo of a one", "")
+OLD_NOISE = {"diffusion.noise-seed": -1}  # the noise of the run seed, as before the key existed
 MODELS = {"sd": ("tiny", "1,2,3"), "sdxl": ("tiny-sdxl", "0,1,2"), "pixart": ("tiny-pixart", "1,2,3")}
 MODELS["sd3"] = ("tiny-sd3", "1,2,3")
 KEYS = {
@@ -43,7 +46,9 @@ AUTO_ON_CUDA = {"sd": "float16", "sdxl": "bfloat16", "pixart": "float16", "sd3":
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_feature_key_of_each_family_is_pinned(family: str, dtype: str, teacher_cache: Path) -> None:
     model, blocks = MODELS[family]
-    cfg = make_config(**{"diffusion.model": model, "diffusion.blocks": blocks, "diffusion.device": "cpu"})
+    cfg = make_config(
+        **{"diffusion.model": model, "diffusion.blocks": blocks, "diffusion.device": "cpu"}, **OLD_NOISE
+    )
     spec = teacher_spec(cfg, teacher_cache)
     # float16 / bfloat16 are what CUDA runs (refused on the CPU as a setting): the key is known without a GPU
     spec = dataclasses.replace(spec, dtype=getattr(torch, dtype))
@@ -78,6 +83,7 @@ def test_pooling_and_mid_block_keys_are_pinned(
     cfg = make_config(
         **{"diffusion.model": "tiny", "diffusion.blocks": blocks, "diffusion.device": "cpu"},
         **{"diffusion.pooling": pooling, "diffusion.pool-grid": grid},
+        **OLD_NOISE,
     )
     spec = teacher_spec(cfg, teacher_cache)
     fs = feature_set(spec, load_dataset(cfg.dataset, "train", seed=cfg.seed), PROMPTS)
@@ -86,7 +92,7 @@ def test_pooling_and_mid_block_keys_are_pinned(
     assert fs.fields["blocks"] == [int(b) for b in blocks.split(",")]
     # nothing else moves: the fields are the default's but for pool_grid and the blocks
     default = make_config(
-        **{"diffusion.model": "tiny", "diffusion.blocks": "1,2,3", "diffusion.device": "cpu"}
+        **{"diffusion.model": "tiny", "diffusion.blocks": "1,2,3", "diffusion.device": "cpu"}, **OLD_NOISE
     )
     base = feature_set(teacher_spec(default, teacher_cache), fs.data, PROMPTS).fields
     rest = {k: v for k, v in fs.fields.items() if k not in ("pool_grid", "blocks")}
