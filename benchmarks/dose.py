@@ -51,7 +51,8 @@ def train_teachers() -> dict:
     if path.is_file():
         record = json.loads(path.read_text())
     for t in design.TEACHER_LIST:
-        if (t.folder / "feddifrc.json").is_file() and t.name in record:
+        if (t.folder / "feddifrc.json").is_file():  # built: never trained twice
+            record.setdefault(t.name, {"command": "(not recorded)", "cpu_seconds": None})
             continue
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.perf_counter()
