@@ -3,6 +3,7 @@ experiment (design: dose_design.py and docs/method_effect/dose/design.md).
 
     python benchmarks/dose.py teachers   # T-big, T-small, the untrained control (pretrain-teacher)
     python benchmarks/dose.py gate       # gate.json: matching, prompt effect, probes; the setting
+    python benchmarks/dose.py decide     # the declared rules again on gate.json's measures
     python benchmarks/dose.py confs      # the arms' conf files for the chosen setting
     python benchmarks/dose.py fill       # every cell's feature cache, filled once, in one process
     python benchmarks/dose.py plan       # the cells, what is done, the budget
@@ -120,6 +121,12 @@ def gate(out: Path) -> dict:
                     f"(pixels {m['pixels-ncc']['mean']:.3f})",
                     flush=True,
                 )
+    result["seed"], result["torch_threads"] = design.GATE_SEED, TORCH_THREADS
+    return decide(result)
+
+
+def decide(result: dict) -> dict:
+    """The declared rules applied to the gate's measures: the setting, and whether cells run."""
     big_val = {name: rows["t-big"]["val"] for name, rows in result["settings"].items()}
     chosen = gate_measures.choose_setting(
         big_val, design.MIN_PROMPT_EFFECT, key=lambda m: m["matching"]["mean"]
@@ -131,9 +138,8 @@ def gate(out: Path) -> dict:
         "setting": f"highest T-big label-free matching on the validation set among settings with "
         f"T-big prompt effect >= {design.MIN_PROMPT_EFFECT}",
         "stop": "stop if T-big's label-free matching 95% interval (validation set, chosen setting) "
-        "includes chance (0.10)",
+        "includes chance (0.10); an interval wholly below chance excludes it (design.md, amendment)",
     }
-    result["seed"], result["torch_threads"] = design.GATE_SEED, TORCH_THREADS
     write_json(design.GATE, result)
     print(f"setting: {chosen}; proceed: {result['proceed']}")
     return result
@@ -288,7 +294,8 @@ def run(out: Path, args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("teachers", "gate", "confs", "fill", "plan", "run", "table"))
+    stages = ("teachers", "gate", "decide", "confs", "fill", "plan", "run", "table")
+    ap.add_argument("stage", choices=stages)
     ap.add_argument("--out", default=str(OUT), help="working folder (runs, caches)")
     ap.add_argument("--cell-timeout", type=float, default=1800)
     args = ap.parse_args()
@@ -297,6 +304,8 @@ def main() -> int:
         print(json.dumps(train_teachers(), indent=1))
     elif args.stage == "gate":
         gate(out)
+    elif args.stage == "decide":  # the rules again on gate.json's measures (nothing extracted)
+        decide(json.loads(design.GATE.read_text()))
     elif args.stage == "confs":
         print("\n".join(str(design.conf_path(a)) for a in write_confs()))
     elif args.stage == "fill":

@@ -103,9 +103,10 @@ def measures(reps: np.ndarray, labels: np.ndarray, pixels: np.ndarray, folds: in
 
 
 def passes(matching: dict[str, float], chance: float) -> bool:
-    """The declared stop rule: the teacher passes only if its label-free matching interval lies
-    entirely above chance (an interval that includes chance stops the experiment)."""
-    return matching["lo"] > chance
+    """The declared stop rule (design.md): stop if the label-free matching interval includes chance.
+    An interval wholly below chance also passes: the nearest prompt is then systematically a
+    wrong class, which takes per-image class knowledge too (see design.md, "Gate amendment")."""
+    return not matching["lo"] <= chance <= matching["hi"]
 
 
 def choose_setting(scores: dict[str, dict], min_effect: float, key: Callable[[dict], float]) -> str | None:

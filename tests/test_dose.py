@@ -61,8 +61,9 @@ def test_bootstrap_interval_and_the_stop_rule() -> None:
     assert ci["mean"] == pytest.approx(0.3) and ci["lo"] < 0.3 < ci["hi"] and ci["n"] == 100
     assert 0.2 < ci["lo"] and ci["hi"] < 0.4  # binomial SE 0.046: about +-0.09
     assert gate.bootstrap_ci(np.ones(10)) == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 10}
-    assert gate.passes({"lo": 0.11}, 0.10) and not gate.passes({"lo": 0.10}, 0.10)
-    assert not gate.passes({"lo": 0.05}, 0.10)
+    assert gate.passes({"lo": 0.11, "hi": 0.2}, 0.10) and not gate.passes({"lo": 0.10, "hi": 0.2}, 0.10)
+    assert not gate.passes({"lo": 0.05, "hi": 0.15}, 0.10)  # includes chance: stop
+    assert gate.passes({"lo": 0.02, "hi": 0.05}, 0.10)  # wholly below chance: excludes it
 
 
 def test_the_setting_is_the_best_matching_among_settings_prompts_move() -> None:
