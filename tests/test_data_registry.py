@@ -80,7 +80,7 @@ def test_the_validation_fraction_moves_images_between_train_and_val_and_the_trai
 
 
 def test_public_split_exists_for_mnist5k_only() -> None:
-    with pytest.raises(ValueError, match="'public' exists for mnist-5k only"):
+    with pytest.raises(ValueError, match="'public' exists for mnist-5k, mnist-5k-pool only"):
         load_dataset(dcfg(), "public")
 
 
@@ -106,4 +106,5 @@ def test_pinned_digits_and_mnist5k_fingerprints() -> None:
 def test_every_configurable_dataset_has_a_source() -> None:
     """config.DATASETS (what dataset.name accepts) and the registry name the same datasets."""
     assert sorted(SOURCES) == sorted(DATASETS)
-    assert [n for n, s in SOURCES.items() if s.public_val] == ["mnist-5k"]
+    assert [n for n, s in SOURCES.items() if s.public_val] == ["mnist-5k", "mnist-5k-pool"]
+    assert [n for n, s in SOURCES.items() if s.own_val] == ["mnist-5k-pool"]

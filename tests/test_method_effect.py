@@ -154,12 +154,20 @@ def test_earlier_cells_rebuilt_from_their_commit(monkeypatch):
     assert reused == [("fedavg", 0.05, s) for s in range(6)]  # teacher arms wait for NDCR_TARGET
     fednh = next(p for p in planned if p.arm.name == "fednh" and p.part.alpha == 0.05)
     assert "fednh.scale: 1.0 -> 20.0" in fednh.why_not
-    monkeypatch.setattr(design, "NDCR_TARGET", {})  # today's target: the teacher arms as they ran
+    # The earlier teacher arms drew the teacher's noise from the run seed: reused at that noise only.
+    monkeypatch.setattr(design, "NDCR_TARGET", {"diffusion.noise-seed": -1})
     planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
     reused = sorted((p.arm.name, p.part.alpha, p.seed) for p in planned if p.reuse is not None)
     assert reused == sorted((a, 0.05, s) for a in ("fedavg", "feddifrc", "tdcl-only") for s in range(6))
     assert next(p for p in planned if p.arm.name == "tdcl-anchors").why_not == "new arm"
-    monkeypatch.setattr(design, "NDCR_TARGET", {"diffusion.pooling": "grid"})
+    monkeypatch.setattr(design, "NDCR_TARGET", {})  # today's default noise (diffusion.noise-seed = 0)
+    planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
+    tdcl = next(p for p in planned if p.arm.name == "tdcl-only" and p.part.alpha == 0.05)
+    assert (
+        tdcl.reuse is None
+        and tdcl.why_not == "diffusion.noise-seed = 0 is new and not declared neutral at that value"
+    )
+    monkeypatch.setattr(design, "NDCR_TARGET", {"diffusion.pooling": "grid", "diffusion.noise-seed": -1})
     planned = design.plan(json.loads(design.LEGACY_CELLS.read_text()))
     tdcl = next(p for p in planned if p.arm.name == "tdcl-only")
     assert (

@@ -77,7 +77,11 @@ def test_default_sd_feature_keys_are_unchanged(teacher_cache: Path) -> None:
         fs = feature_set(teacher_spec(cfg, teacher_cache), data, prompts)
         assert fs.key == key and "family" not in fs.fields and fs.fields["seed"] == cfg.seed
         fixed = make_config(plumbing, **{"diffusion.device": "cpu"})  # diffusion.noise-seed = 0
-        assert feature_set(teacher_spec(fixed, teacher_cache), data, prompts).fields["seed"] == 0
+        key = feature_set(teacher_spec(fixed, teacher_cache), data, prompts)
+        assert key.fields["seed"] == 0 and key.key != fs.key
+        # Another run seed, the same images: the same key, so a second seed extracts 0 images.
+        other = make_config(plumbing, **{"diffusion.device": "cpu", "seed": cfg.seed + 1})
+        assert feature_set(teacher_spec(other, teacher_cache), data, prompts).key == key.key
         assert fs.spec.identity.family == "sd"
 
 
