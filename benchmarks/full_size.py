@@ -275,10 +275,17 @@ def count_params(part: str) -> int:
 
 
 def teacher(
-    family: str, device: torch.device, dtype: torch.dtype, *, small: bool = False, seed: int = 0
+    family: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    small: bool = False,
+    seed: int = 0,
+    vae_dtype: torch.dtype | None = None,
 ) -> Teacher:
-    """A random-weight ``Teacher`` of ``family``: denoiser and VAE encoder built on ``device``, no
-    text encoder (prompts come from ``stand_in``), SD's DDPM schedule or SD3's flow-matching grid."""
+    """A random-weight ``Teacher`` of ``family``: denoiser and VAE encoder built on ``device`` (the
+    VAE in ``vae_dtype``, default ``dtype``: the app's is ``family.vae_dtype``), no text encoder
+    (prompts come from ``stand_in``), SD's DDPM schedule or SD3's flow-matching grid."""
     import diffusers.utils.logging as dlog
     from diffusers import FlowMatchEulerDiscreteScheduler, PNDMScheduler
 
@@ -286,7 +293,7 @@ def teacher(
 
     dlog.set_verbosity_error()  # no "cast with to()" notes for random weights
     den = denoiser(family, device, small=small, seed=seed).to(dtype)
-    vae = vae_encoder(family, device, small=small, seed=seed).to(dtype)
+    vae = vae_encoder(family, device, small=small, seed=seed).to(vae_dtype or dtype)
     parts: dict[str, Any] = {}
     alphas = torch.empty(0)
     if family == "sd3":
@@ -314,10 +321,11 @@ def teacher(
     )
 
 
-def recast(t: Teacher, dtype: torch.dtype) -> Teacher:
-    """The same teacher in another dtype (the modules are cast in place: ``t`` is then stale)."""
+def recast(t: Teacher, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Teacher:
+    """The same teacher in another dtype, its VAE in ``vae_dtype`` (default ``dtype``); the
+    modules are cast in place: ``t`` is then stale."""
     t.unet.to(dtype)
-    t.vae.to(dtype)
+    t.vae.to(vae_dtype or dtype)
     return dataclasses.replace(t, dtype=dtype)
 
 

@@ -1,24 +1,28 @@
 """One-shot GPU check: what a bare GPU host can tell about this app in about nine minutes.
 
-    python benchmarks/gpu_check.py                 # on a CUDA host (docs/gpu-check.md)
+    python benchmarks/gpu_check.py --out DIR       # on a CUDA host (docs/gpu-check.md)
     python benchmarks/gpu_check.py --dry-run       # anywhere: every section small, on the CPU
 
 A. environment, matmul and copy ceilings, device resolution in a process given no GPU;
-B. the tiny teachers of every family through ``load_teacher`` in float32/16/bfloat16: agreement,
-   the fast path against the plain one, a dtype audit of every component;
+B. the tiny teachers of every family through ``load_teacher`` in float32/16/bfloat16: agreement
+   (bounded by the same model's error on the CPU), the fast path against the plain one, a dtype
+   audit of every component;
 C. the four full-size denoisers (SD-2.1, SDXL, PixArt-XL-2-512, SD3-medium; random weights built
-   on the device, stand-in prompt embeddings of the real shapes) through the real Featurizer:
-   images/s, TFLOP/s, peak memory, GPU-busy fraction and attention kernels per batch size;
+   on the device in the dtypes ``diffusion.dtype = "auto"`` picks, stand-in prompt embeddings of
+   the real shapes) through the real Featurizer: images/s, TFLOP/s, peak memory, GPU-busy
+   fraction and attention kernels per batch size;
 D. the text encoders' memory (CLIP-H, CLIP-L, bigG, T5-XXL) and GPU memory per actor;
 E. the feature cache's write stall; F. the training step with 0 and 4 loader workers;
-G. two co-resident processes sharing the GPU; H. (``--simulation``) a Flower simulation.
+G. one FedDifRC round in Flower's deployment engine on loopback, no Ray (its own time share);
+H. two co-resident processes sharing the GPU; I. (``--simulation``) a Flower simulation.
 
 Each section runs in its own try/except (an exception is that section's FAIL, the run goes on);
 a section whose module is not installed (diffusers, torchvision, flwr, ...) is a SKIP row naming
-it, and so is a section the internal deadline leaves no time for. One JSON file, rewritten
-atomically after every section, and one closing table ``section | item | value | bound |
-verdict``. In a dry run a bound that only a GPU can meet reads ``n/a``. Exit status 1 if a row
-FAILed, 2 without CUDA (and without ``--dry-run``), else 0.
+it, and so is a section the internal deadline leaves no time for. ``--out`` is a folder: the
+JSON (``gpu-check.json``) and the full table (``gpu-check-table.txt``), rewritten atomically
+after every section, and G's Flower logs; what is printed last is a compact summary that fits in
+10,000 characters. In a dry run a bound that only a GPU can meet reads ``n/a``. Exit status 1 if
+a row FAILed, 2 without CUDA (and without ``--dry-run``) or for a bad argument, else 0.
 """
 
 from __future__ import annotations
@@ -50,11 +54,16 @@ if str(ROOT) not in sys.path:  # a bare GPU host runs the checkout without insta
 
 import featurizer as fb  # noqa: E402  (the sibling benchmarks: benchmarks/ is sys.path[0])
 import full_size as fs  # noqa: E402
+import gpu_check_dtypes as gd  # noqa: E402
+import gpu_check_flower as gf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_check_dtypes import rel_l2  # noqa: E402
+from gpu_check_summary import JSON_NAME, TABLE_NAME, summary  # noqa: E402
 
 from feddifrc_app.config import DEFAULT_CACHE_DIR  # noqa: E402
 from feddifrc_app.files import atomic_write  # noqa: E402
+from feddifrc_app.tools.cmd_common import CLIError, one_line_errors  # noqa: E402
 
 DEADLINE_S = 530.0
 PROMPTS = tuple(f"a photo of a {d}" for d in fb.DIGITS) + ("",)  # 10 class prompts + the NDCR one
@@ -90,9 +99,11 @@ class Check:
         self.dry = bool(args.dry_run)
         self.device = torch.device("cpu" if self.dry else "cuda")
         self.cuda = self.device.type == "cuda"
-        self.dtype = torch.float32 if self.dry else torch.float16  # the teachers' compute dtype
+        self.dtype = torch.float32 if self.dry else torch.float16  # D and E: SD-2.1's auto dtype
         self.cache_dir = Path(args.cache_dir).expanduser()
-        self.out = Path(args.out)
+        self.out_dir = Path(args.out).expanduser()
+        self.out = self.out_dir / JSON_NAME
+        self.reserved = 0.0  # seconds held for later sections' own shares (RESERVED), on a GPU
         self.rows: list[Row] = []
         self.data: dict[str, dict[str, Any]] = {}
         self.section = ""
@@ -104,12 +115,13 @@ class Check:
         return self.args.deadline - (time.perf_counter() - self.t0)
 
     def time_for(self, gpu_s: float, what: str) -> bool:
-        """False, with a SKIP row for ``what``, when fewer than ``gpu_s`` seconds are left (any
-        time does in a dry run, where sections take seconds)."""
-        need = 0.0 if self.dry else gpu_s
-        if self.left() >= need:
+        """False, with a SKIP row for ``what``, when fewer than ``gpu_s`` seconds are left beside
+        the later sections' shares (any time does in a dry run, where sections take seconds)."""
+        need, held = (0.0, 0.0) if self.dry else (gpu_s, self.reserved)
+        if self.left() - held >= need:
             return True
-        self.skip(what, f"deadline: {max(self.left(), 0):.0f} s left, this needs about {gpu_s:.0f} s")
+        kept = f" ({held:.0f} s of them held for a later section)" if held else ""
+        self.skip(what, f"deadline: {max(self.left(), 0):.0f} s left{kept}, this needs about {gpu_s:.0f} s")
         return False
 
     # ---- rows
@@ -162,6 +174,8 @@ class Check:
         }
         text = json.dumps(doc, indent=1, default=_plain)
         atomic_write(self.out, lambda f: f.write(text + "\n"), mode="w")
+        table = self.table()
+        atomic_write(self.out_dir / TABLE_NAME, lambda f: f.write(table + "\n"), mode="w")
 
     def table(self) -> str:
         head = ("section", "item", "value", "bound", "verdict")
@@ -234,11 +248,6 @@ def timed(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
 def images(n: int, seed: int, size: int = 32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, 3, size, size), generator=g, dtype=torch.uint8)
-
-
-def rel_l2(a: dict[int, torch.Tensor], r: dict[int, torch.Tensor]) -> float:
-    """The worst relative L2 error over the layers (``featurizer.compare``'s)."""
-    return fb.compare(a, r, fp32=True)[2]
 
 
 def finite(*outs: dict[int, torch.Tensor]) -> bool:
@@ -405,77 +414,30 @@ def section_b(c: Check) -> None:
     x, ids = images(n, seed=1), torch.arange(n)
     c.data["B"] = {}
     for model in TINY_MODELS:
-        if not c.time_for(15, model):
+        if not c.time_for(25, model):
             continue
         res = teacher_resolution(model, c.cache_dir) or TINY_RESOLUTION
 
-        def feats(device: torch.device, dtype: torch.dtype, fast: bool = True, model=model, res=res):
+        def feats(device: torch.device, dtype: torch.dtype, fast=True, k=n, model=model, res=res):
             t = load_teacher(model, c.cache_dir, device, dtype)
-            return t, make_featurizer(t, res, fast)(x, ids, PROMPTS)
+            return t, make_featurizer(t, res, fast)(x[:k], ids[:k], PROMPTS)
 
         _, ref = feats(c.device, torch.float32)
         _, plain = feats(c.device, torch.float32, fast=False)
-        out: dict[str, dict] = {}
+        out: dict[torch.dtype, dict] = {}
         for dtype in (torch.float16, torch.bfloat16):
-            t, out[str(dtype)] = feats(c.device, dtype)
-            _audit(c, model, t)
+            t, out[dtype] = feats(c.device, dtype)
+            gd.audit(c, model, t)
         ok = finite(ref, plain, *out.values())
         c.judge(f"{model}: all finite", ok, ok, "fp32, fp16, bf16, plain")
-        r16, rbf = rel_l2(out["torch.float16"], ref), rel_l2(out["torch.bfloat16"], ref)
-        c.judge(f"{model}: fp16 vs fp32", r16, r16 <= 2e-2, "<= 2e-2", f"{r16:.2e}")
-        c.judge(f"{model}: bf16 vs fp32", rbf, rbf <= 5e-2, "<= 5e-2", f"{rbf:.2e}")
-        rfp = rel_l2(ref, plain)
-        c.judge(f"{model}: fast vs plain, fp32", rfp, rfp <= 1e-4, "<= 1e-4", f"{rfp:.2e}")
-        row = {"fp16": r16, "bf16": rbf, "fast_vs_plain": rfp}
-        if c.cuda:
-            _, cpu = feats(torch.device("cpu"), torch.float32)
-            row["cuda_vs_cpu"] = rel_l2(ref, cpu)
-            c.add(
-                f"{model}: cuda vs cpu, fp32",
-                row["cuda_vs_cpu"],
-                f"{row['cuda_vs_cpu']:.2e}",
-                "report (TF32: ~1e-3)",
-            )
-        else:
-            c.add(f"{model}: cuda vs cpu, fp32", "n/a", "no CUDA in a dry run", verdict="n/a")
+        own = gd.cpu_errors(c, model, feats, ref)
+        row: dict[str, Any] = {"cpu": own}
+        for dtype, floor in ((torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
+            row[gd.name(dtype)] = gd.judge_rounding(c, model, dtype, rel_l2(out[dtype], ref), floor, own)
+        row["fast_vs_plain"] = rfp = rel_l2(ref, plain)
+        bound = gd.rounding_bound(1e-4, own.get("cuda_vs_cpu"))
+        c.judge(f"{model}: fast vs plain, fp32", rfp, rfp <= bound, f"<= {bound:.1e}", f"{rfp:.2e}")
         c.data["B"][model] = row
-
-
-def _dtype_of(module) -> str:
-    names = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
-    return "+".join(names).replace("float", "fp").replace("bfp16", "bf16")
-
-
-def _audit(c: Check, model: str, t) -> None:
-    """Each component's dtype as loaded, the VAE's force_upcast, and T5's ``wo`` under fp16."""
-    pipe = t.parts.get("pipe")
-    parts = {"denoiser": t.unet, "vae": t.vae}
-    for name in t.adapter.TEXT_PARTS:
-        enc = (
-            getattr(pipe, name, None)
-            if pipe is not None
-            else t.text_encoder
-            if name == "text_encoder"
-            else None
-        )
-        if enc is not None:
-            parts[name] = enc
-    dtypes = {k: _dtype_of(m) for k, m in parts.items()}
-    upcast = bool(getattr(t.vae.config, "force_upcast", False))
-    dt = str(t.dtype).removeprefix("torch.")
-    text = ", ".join(f"{k} {v}" for k, v in dtypes.items()) + f"; vae force_upcast={upcast}"
-    value = {"components": dtypes, "force_upcast": upcast}
-    if t.family == "sdxl" and dtypes["vae"] == "fp16" and upcast:
-        bound = "SDXL's VAE encodes in fp32 (it overflows in fp16)"
-        c.add(f"{model} {dt}: dtypes", value, text, bound, "WARN")
-    else:
-        c.add(f"{model} {dt}: dtypes", value, text)
-    wo = [m.weight.dtype for enc in parts.values() for n, m in enc.named_modules() if n.endswith(".wo")]
-    if wo and t.dtype == torch.float16:
-        ok = all(d == torch.float32 for d in wo)
-        c.judge(
-            f"{model} {dt}: T5 wo", str(wo[0]), ok, "float32 under fp16", str(wo[0]).removeprefix("torch.")
-        )
 
 
 # --------------------------------------------------------------------------- C
@@ -509,17 +471,7 @@ def _family_speed(c: Check, fam: str, f: fs.Family) -> None:
     reps = 1 if c.dry else 3
     d: dict[str, Any] = {"per_b": {}}
     c.data["C"][fam] = d
-    # parameters of the full-size config (on the meta device in a dry run, where the model is shrunk)
-    t0 = time.perf_counter()
-    teacher = fs.teacher(fam, c.device, c.dtype, small=c.dry)
-    d["build_s"] = time.perf_counter() - t0
-    params = fs.count_params(fam) if c.dry else sum(p.numel() for p in teacher.unet.parameters())
-    c.judge(
-        f"{f.label}: parameters", params, params == fs.PARAMS[fam], f"= {fs.PARAMS[fam]:,}", f"{params:,}"
-    )
-    d["weights_bytes"] = sum(
-        p.numel() * p.element_size() for m in (teacher.unet, teacher.vae) for p in m.parameters()
-    )
+    teacher = _build(c, fam, f, d)
     feat = stand_in_featurizer(teacher, res)
     x, ids = images(max(sizes), seed=2), torch.arange(max(sizes))
     from torch.utils.flop_counter import FlopCounterMode
@@ -555,22 +507,44 @@ def _family_speed(c: Check, fam: str, f: fs.Family) -> None:
     c.judge(f"{f.label}: outputs finite", ok, ok, "finite (random weights: WARN only)", warn=True)
     _profile(c, f, feat, x[:best], ids[:best], d)
     if fam in ("sd", "sdxl") and c.time_for(15, f"{f.label}: fast vs plain"):
-        plain = stand_in_featurizer(teacher, res, fast=False)
-        xb, ib = x[:extra_b], ids[:extra_b]
-        fast_out, plain_out = feat(xb, ib, PROMPTS), plain(xb, ib, PROMPTS)
-        rel = rel_l2(fast_out, plain_out)
-        fast_s, plain_s = (
-            statistics.median(timed(lambda m=m: m(xb, ib, PROMPTS), c.device, 0, reps)) for m in (feat, plain)
-        )
-        d["fast_vs_plain"] = {"rel_l2": rel, "speedup": plain_s / fast_s}
-        text = f"{rel:.2e}; the fast path {plain_s / fast_s:.2f}x the plain one's speed at B={extra_b}"
-        c.judge(f"{f.label}: fast vs plain", rel, rel <= 3e-2, "<= 3e-2", text)
-        del plain
+        _fast_vs_plain(c, f, teacher, feat, x[:extra_b], ids[:extra_b], reps, d)
     if fam in ("sd", "sd3") and c.time_for(20, f"{f.label}: another dtype"):
         teacher = _other_dtype(c, fam, f, teacher, feat, x, ids, res, reps, d)
         feat = stand_in_featurizer(teacher, res)
     if fam == "sd" and c.time_for(30, "SD-2.1: cudnn.benchmark and channels_last"):
         _layout_ab(c, teacher, feat, x[:extra_b], ids[:extra_b], reps, d)
+
+
+def _build(c: Check, fam: str, f: fs.Family, d: dict) -> Any:
+    """The random full-size teacher on the device in the dtypes ``diffusion.dtype = "auto"``
+    picks there (``gd.app_dtypes``: bfloat16 for SDXL and SD3 on Hopper, SDXL's VAE in float32
+    under float16); its parameters against the published count (on the meta device in a dry run,
+    where the model is shrunk)."""
+    dtype, vae = gd.app_dtypes(fam, c.device, f.vae)
+    d["dtype"], d["vae_dtype"] = gd.name(dtype), gd.name(vae)
+    c.add(f"{f.label}: dtype", d["dtype"], f"{d['dtype']}, VAE {d['vae_dtype']} (diffusion.dtype = auto)")
+    t0 = time.perf_counter()
+    teacher = fs.teacher(fam, c.device, dtype, small=c.dry, vae_dtype=vae)
+    d["build_s"] = time.perf_counter() - t0
+    params = fs.count_params(fam) if c.dry else sum(p.numel() for p in teacher.unet.parameters())
+    c.judge(
+        f"{f.label}: parameters", params, params == fs.PARAMS[fam], f"= {fs.PARAMS[fam]:,}", f"{params:,}"
+    )
+    d["weights_bytes"] = sum(
+        p.numel() * p.element_size() for m in (teacher.unet, teacher.vae) for p in m.parameters()
+    )
+    return teacher
+
+
+def _fast_vs_plain(c: Check, f: fs.Family, teacher, feat, xb, ib, reps: int, d: dict) -> None:
+    plain = stand_in_featurizer(teacher, feat.resolution, fast=False)
+    rel = rel_l2(feat(xb, ib, PROMPTS), plain(xb, ib, PROMPTS))
+    fast_s, plain_s = (
+        statistics.median(timed(lambda m=m: m(xb, ib, PROMPTS), c.device, 0, reps)) for m in (feat, plain)
+    )
+    d["fast_vs_plain"] = {"rel_l2": rel, "speedup": plain_s / fast_s}
+    text = f"{rel:.2e}; the fast path {plain_s / fast_s:.2f}x the plain one's speed at B={len(xb)}"
+    c.judge(f"{f.label}: fast vs plain", rel, rel <= 3e-2, "<= 3e-2", text)
 
 
 def _speed_at(c: Check, feat, x, ids, reps: int, gflop: float) -> tuple[dict, dict[str, Any]]:
@@ -625,19 +599,22 @@ def _profile(c: Check, f: fs.Family, feat, x, ids, d: dict) -> None:
 
 
 def _other_dtype(c: Check, fam: str, f: fs.Family, teacher, feat, x, ids, res: int, reps: int, d: dict):
-    """SD against float32 at B=8 (fp16's error), SD3 in bfloat16 (its speed and distance from
-    fp16); a dry run compares float32 with bfloat16. Returns the teacher back in ``c.dtype``."""
-    other = torch.bfloat16 if (c.dry or fam == "sd3") else torch.float32
+    """SD against float32 at B=8 (float16's error); SD3 in the other half-precision dtype than
+    the app's (float16 where it picks bfloat16: its speed and distance); a dry run compares
+    float32 with bfloat16. Returns the teacher back in its own dtypes."""
+    own, own_vae = teacher.dtype, teacher.vae.dtype
+    half = torch.float16 if own == torch.bfloat16 else torch.bfloat16
+    other = torch.bfloat16 if c.dry else (torch.float32 if fam == "sd" else half)
     b = 1 if c.dry else (8 if fam == "sd" else 32)
     xb, ib = x[:b], ids[:b]
     base = feat(xb, ib, PROMPTS)
     base_s = statistics.median(timed(lambda: feat(xb, ib, PROMPTS), c.device, 0, reps))
-    t2 = fs.recast(teacher, other)
+    t2 = fs.recast(teacher, other, gd.vae_dtype_for(fam, other, f.vae))
     f2 = stand_in_featurizer(t2, res)
     got = f2(xb, ib, PROMPTS)
     other_s = statistics.median(timed(lambda: f2(xb, ib, PROMPTS), c.device, 1, reps))
-    rel = rel_l2(base, got) if other == torch.float32 else rel_l2(got, base)  # against the wider dtype
-    a, o = (str(t).removeprefix("torch.") for t in (c.dtype, other))
+    rel = rel_l2(base, got) if gd.reference_first(other, own) else rel_l2(got, base)  # vs the more precise
+    a, o = gd.name(own), gd.name(other)
     d["other_dtype"] = {"dtype": o, "rel_l2": rel, "speed_ratio": base_s / other_s, "finite": finite(got)}
     text = f"{rel:.2e}; {o} runs at {base_s / other_s:.2f}x the speed of {a} (B={b}); finite: {finite(got)}"
     item = f"{f.label}: {a} vs {o}"
@@ -645,7 +622,7 @@ def _other_dtype(c: Check, fam: str, f: fs.Family, teacher, feat, x, ids, res: i
         c.judge(item, rel, rel <= 2e-2, "<= 2e-2", text)
     else:
         c.add(item, rel, text, "report")
-    return fs.recast(t2, c.dtype)
+    return fs.recast(t2, own, own_vae)
 
 
 def _layout_ab(c: Check, teacher, feat, x, ids, reps: int, d: dict) -> None:
@@ -854,6 +831,7 @@ def section_f(c: Check) -> None:
             seed=0,
             num_workers=workers,
             augment=cfg.train.augment,
+            pin_memory=c.cuda,  # as the ClientApp's training loader (client_app.py): on a CUDA device
         )
 
         def epoch(seed: int, cfg=cfg, loader=loader) -> dict[str, float]:
@@ -885,7 +863,7 @@ def section_f(c: Check) -> None:
         c.add("4 workers / 0 workers", ratio, f"{ratio:.2f}x", "report: decides num-workers and pin_memory")
 
 
-# --------------------------------------------------------------------------- G
+# --------------------------------------------------------------------------- H
 
 
 def _actor(k: int, dry: bool, b: int, seconds: float, barrier, queue) -> None:
@@ -913,7 +891,7 @@ def _actor(k: int, dry: bool, b: int, seconds: float, barrier, queue) -> None:
         queue.put({"k": k, "error": _one_line(e)})
 
 
-def section_g(c: Check) -> None:
+def section_h(c: Check) -> None:
     """Two spawned processes extracting on the same GPU (``client-resources-num-gpus = 0.5``)."""
     import multiprocessing as mp
     import queue as queue_mod
@@ -950,7 +928,7 @@ def section_g(c: Check) -> None:
             timer.join(timeout=30)
     errors = [r["error"] for r in got if "error" in r]
     codes = [p.exitcode for p in procs]
-    c.data["G"] = {"actors": got, "exitcodes": codes, "nvidia_smi_used_mib": smi}
+    c.data["H"] = {"actors": got, "exitcodes": codes, "nvidia_smi_used_mib": smi}
     c.judge(
         "two actors ran",
         codes,
@@ -996,42 +974,6 @@ def _nvidia_smi() -> str:
         return f"nvidia-smi unavailable ({type(e).__name__})"
 
 
-# --------------------------------------------------------------------------- H
-
-
-def section_h(c: Check) -> None:
-    """(--simulation) A 2-round FedDifRC simulation through ``feddifrc sweep``, two ClientApps
-    sharing the GPU (``client-resources-num-gpus = 0.5``); needs flwr and ray."""
-    if not c.args.simulation:
-        c.skip("Flower simulation", "not asked for (--simulation; needs flwr and ray)")
-        return
-    import flwr  # noqa: F401  a SKIP naming them when absent
-    import ray  # noqa: F401
-
-    from feddifrc_app.tools import cli
-
-    out = Path(tempfile.mkdtemp(prefix="feddifrc-gpu-check-sim-"))
-    conf = out / "gpu-check.toml"
-    dev = c.device.type
-    lines = [
-        'method = "feddifrc"',
-        'dataset.name = "mnist-5k"',
-        f'train.device = "{dev}"',
-        f'diffusion.device = "{dev}"',
-    ]
-    conf.write_text("\n".join(lines) + "\n")
-    argv = [
-        "sweep", str(conf), "--seeds", "1", "--app", str(ROOT), "--out", str(out / "sweep"),
-        "--set", f"num-server-rounds={1 if c.dry else 2} dataset.train-limit={60 if c.dry else 1000}",
-        "--federation-config", f"num-supernodes=2 client-resources-num-gpus={0 if c.dry else 0.5}",
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    rc = cli.main(argv)
-    c.judge(
-        "Flower simulation", rc, rc == 0, "exit 0", f"exit {rc} in {time.perf_counter() - t0:.0f} s; {out}"
-    )
-
-
 # --------------------------------------------------------------------------- main
 
 # (key, title, function, seconds it needs on a GPU: skipped with fewer left)
@@ -1042,9 +984,13 @@ SECTIONS = (
     ("D", "text encoders and memory per actor", section_d, 40),
     ("E", "cache-write stall", section_e, 40),
     ("F", "training step", section_f, 50),
-    ("G", "two co-resident actors", section_g, 90),
-    ("H", "Flower simulation", section_h, 150),
+    ("G", "one Flower round, deployment engine on loopback", gf.section_deploy, 60),
+    ("H", "two co-resident actors", section_h, 90),
+    ("I", "Flower simulation", gf.section_simulation, 150),
 )
+# A section's own time share on a GPU: held back from the sections before it, so that C's batch
+# sizes cannot use up the Flower round's time (G runs before the optional H and I).
+RESERVED = {"G": gf.DEPLOY_SHARE_S}
 
 
 def run_section(c: Check, key: str, title: str, fn, need_s: float) -> None:
@@ -1070,20 +1016,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--deadline", type=float, default=DEADLINE_S, help="seconds; sections that cannot finish are skipped"
     )
-    ap.add_argument("--out", default="gpu-check.json", help="the JSON file (rewritten after every section)")
+    ap.add_argument(
+        "--out",
+        default="gpu-check",
+        help=f"a folder: {JSON_NAME} and {TABLE_NAME} (rewritten after every section), flower-logs/",
+    )
     ap.add_argument(
         "--cache-dir", default=DEFAULT_CACHE_DIR, help="where the tiny teachers are built / found"
     )
-    ap.add_argument("--sections", default="ABCDEFGH", help="which sections to run (letters)")
+    ap.add_argument("--sections", default="ABCDEFGHI", help="which sections to run (letters)")
     ap.add_argument(
-        "--simulation", action="store_true", help="H: a 2-round Flower simulation (needs flwr and ray)"
+        "--simulation", action="store_true", help="I: a 2-round Flower simulation (needs flwr and ray)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     return ap.parse_args(argv)
 
 
+@one_line_errors("benchmarks/gpu_check.py")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():  # found before any section, not at the first save
+        raise CLIError(f"--out {args.out} is a file; --out names a folder (for {JSON_NAME}, {TABLE_NAME})")
+    out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.dry_run and not torch.cuda.is_available():
@@ -1092,13 +1047,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no CUDA device: {no_cuda_reason()}; --dry-run checks the script on a CPU")
         return 2
     c = Check(args, t0=T0)
-    print(f"GPU check{' (dry run, CPU)' if c.dry else ''}: deadline {args.deadline:.0f} s, writing {c.out}")
-    for key, title, fn, need in SECTIONS:
-        if key in args.sections.upper():
-            run_section(c, key, title, fn, need)
+    print(f"GPU check{' (dry run, CPU)' if c.dry else ''}: deadline {args.deadline:.0f} s, into {c.out_dir}")
+    chosen = [s for s in SECTIONS if s[0] in args.sections.upper()]
+    for i, (key, title, fn, need) in enumerate(chosen):
+        c.reserved = sum(RESERVED.get(later[0], 0.0) for later in chosen[i + 1 :])
+        run_section(c, key, title, fn, need)
     c.section = "-"
     c.save(complete=True)
-    print(f"\n== summary ({time.perf_counter() - T0:.0f} s; {c.out})\n{c.table()}", flush=True)
+    head = f"== summary ({time.perf_counter() - T0:.0f} s; all rows: {c.out_dir / TABLE_NAME}; JSON: {c.out})"
+    print("\n" + summary(c.rows, head), flush=True)
     return 1 if any(r.verdict == "FAIL" for r in c.rows) else 0
 
 

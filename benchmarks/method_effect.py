@@ -152,7 +152,8 @@ TEST, VAL = attrgetter("test_accuracy"), attrgetter("val_accuracy")  # a row's s
 
 
 def curve(run: dict, value: Callable[[RoundRow], float | None]) -> np.ndarray:
-    """One score of every trained round, e.g. ``curve(run, TEST)``."""
+    """One score of every trained round, e.g. ``curve(run, TEST)``; NaN for a round the server
+    did not score (``server.evaluate-every`` > 1: its row holds null)."""
     return np.array([value(r) for r in run["results"].rounds if r.round >= 1], dtype=float)
 
 

@@ -136,6 +136,8 @@ class TrainConfig:
 class ServerConfig:
     # The ServerApp's own torch work (central evaluation): its machine need not be the nodes'.
     device: str = key(choices=DEVICES, resume=True)
+    # Central evaluation every k rounds (and always round 0 and the last): which rows results.json scores.
+    evaluate_every: int = key(lo=1)
 
 
 @dataclass(frozen=True)

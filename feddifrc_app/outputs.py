@@ -146,6 +146,8 @@ class RunDir:
         results.rounds = [r for r in results.rounds if r.round <= last]
         if results.diverged_rounds is not None:
             results.diverged_rounds = [r for r in results.diverged_rounds if r <= last]
+        if results.evaluated_rounds is not None:
+            results.evaluated_rounds = [r for r in results.evaluated_rounds if r <= last]
         results.resumed = [*(results.resumed or []), {"after-round": last, "run-id": run_id}]
         results.error = None
         log.info("resumed from %s at round %d", self.path, last)

@@ -26,12 +26,13 @@ def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
 
 @dataclass
 class RoundRow:
-    """One evaluated round of results.json's ``rounds``: round 0 is the initial model.
+    """One round of results.json's ``rounds``: round 0 is the initial model.
 
     JSON keys are the field names with ``-`` for ``_``, in field order. A row this code builds
     writes a key once its value is set, and a null where null is a value: every row has its
     central scores (null: the server has no validation split, the self-supervised probe has no
-    loss); a round with federated evaluation its federated scores (null: no node replied); an
+    loss, or the server did not score the round: ``server.evaluate-every``); a round with
+    federated evaluation its federated scores (null: no node replied); an
     accounted DP round its release (null: nothing was released). A row read from a file is
     written back as it was read: its keys, their order, and keys of another version (``extra``).
     A metric of a new kind is a field here (and, if null must be written, a line in ``_WITH``),
@@ -161,12 +162,23 @@ class Results:
     process: dict[str, Any] | None = None  # pid and host of the ServerApp (`feddifrc status`)
     summary: dict[str, float | int | None] | None = None  # summarize(rounds), set on every save
     diverged_rounds: list[int] | None = None
+    # server.evaluate-every > 1: the rounds the server scored centrally (0, every k-th, the last);
+    # absent: every row was scored. A row not listed has null central scores.
+    evaluated_rounds: list[int] | None = None
     error: str | None = None  # why a stopped or failed run ended
     # What the run was warned of, each once: at setup (strategy.dp's noise: "expect no learning"),
     # at its end (a model that learned nothing: rounds.no_learning, "no learning: ...").
     warnings: list[str] | None = None
     # Keys this code does not write (a file of another version, a hand edit): kept as they are.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def evaluated(self) -> list[RoundRow]:
+        """The rows the server scored centrally: every row, or under ``server.evaluate-every`` > 1
+        those of ``evaluated_rounds`` (the others hold null central scores)."""
+        if self.evaluated_rounds is None:
+            return list(self.rounds)
+        scored = set(self.evaluated_rounds)
+        return [r for r in self.rounds if r.round in scored]
 
     def warn(self, text: str) -> None:
         """Record a warning in ``warnings`` (once: a resumed run is warned again at setup)."""
@@ -229,6 +241,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "process": dict,
     "summary": dict,
     "diverged_rounds": list,
+    "evaluated_rounds": list,
     "error": str,
     "warnings": list,
 }
@@ -255,7 +268,8 @@ def summary_text(s: dict[str, Any]) -> str:
 
 
 def summarize(rounds: list[RoundRow]) -> dict[str, float | int | None]:
-    """Test accuracy final, best and mean of the last 5 (and 10) trained rounds, reported together
+    """Test accuracy final, best and mean of the last 5 (and 10) trained rounds the server scored
+    (every round, or every ``server.evaluate-every``-th and the last), reported together
     (the paper's code reports the max: selection on test), and the test accuracy at the round
     with the best VALIDATION accuracy (first such round), the one checkpoint choice that is not
     read off the test split; with federated evaluation, also the last federated accuracy.

@@ -1,6 +1,7 @@
 """The federated rounds: sample, train through the strategy, aggregate, evaluate, checkpoint.
 
-Evaluation is central every round (the server's validation and test splits) and, with
+Evaluation is central (the server's validation and test splits) every round, or every
+``server.evaluate-every``-th round and always the initial model and the last round, and, with
 ``fraction-evaluate > 0``, also federated (``federated_eval``: nodes score the new global
 model on their held-out data, through the strategy's ``configure_evaluate`` /
 ``aggregate_evaluate``).
@@ -77,8 +78,10 @@ NO_LEARNING = "no learning:"  # how the verdict starts (a resumed run replaces a
 
 
 def no_learning(rounds: list[RoundRow], num_classes: int) -> str | None:
-    """Why the last NO_LEARNING_ROUNDS trained rounds show a model that learns nothing, or None
-    (also for fewer trained rounds, or scores the rule cannot read: a probe without a loss)."""
+    """Why the last NO_LEARNING_ROUNDS trained rounds of ``rounds`` show a model that learns
+    nothing, or None (also for fewer trained rounds, or scores the rule cannot read: a probe
+    without a loss). ``rounds``: the rows the server scored (``Results.evaluated``: under
+    ``server.evaluate-every`` > 1 the last 3 scored rounds are judged, not the last 3 rounds)."""
     n, trained = NO_LEARNING_ROUNDS, [r for r in rounds if r.round >= 1]
     if len(trained) < n or rounds[0].round != 0:
         return None
@@ -130,7 +133,7 @@ def record_end(run: RunDir, results: Results, e: BaseException) -> None:
 
 
 class CentralEvaluator:
-    """Validation and test accuracy of the global model on the server, every round (or the run's
+    """Validation and test accuracy of the global model on the server, every scored round (or the run's
     method's own evaluation, ``methods.central_evaluation``). Choices are read from validation;
     test is the endpoint.
 
@@ -209,6 +212,19 @@ class RoundLoop:
         self.frozen_rounds = 0  # consecutive trained rounds whose aggregate changed nothing
         self.diverged_cause: str | None = None  # the first diverged round's reason
         self.tracker: Tracker = NoTracker()  # tracking.py: gets each committed row (run_all's)
+        self.every = cfg.server.evaluate_every  # central evaluation every k rounds (evaluates)
+
+    def evaluates(self, rnd: int) -> bool:
+        """Whether the server scores round ``rnd`` centrally: every ``server.evaluate-every``-th
+        round and the last (round 0, the initial model, always: ``run_all``)."""
+        return rnd % self.every == 0 or rnd == self.cfg.num_server_rounds
+
+    def _scores_text(self, row: RoundRow) -> str:
+        if not self.evaluates(row.round):
+            return f"not scored (server.evaluate-every = {self.every})"
+        val = "-" if row.val_accuracy is None else f"{row.val_accuracy:.4f}"
+        test = "-" if row.test_accuracy is None else f"{row.test_accuracy:.4f}"
+        return f"val accuracy {val}, test accuracy {test}"
 
     def evaluate(self) -> dict[str, float | None]:
         load_weights(self.model, record_to_state(self.arrays))
@@ -226,6 +242,7 @@ class RoundLoop:
                 initial = RoundRow(0)
                 initial.set_scores(self.evaluate())
                 self.results.rounds = [initial]
+                self.results.evaluated_rounds = [0] if self.every > 1 else None
                 self.run.save_results(self.results)
                 self.tracker.log(initial)
             for rnd in range(self.first, self.cfg.num_server_rounds + 1):
@@ -233,18 +250,14 @@ class RoundLoop:
                 row = self.train_round(rnd)
                 check_stop()  # a round that ends after the stop is not saved
                 self.results.rounds.append(row)
+                if self.every > 1 and self.evaluates(rnd):
+                    self.results.evaluated_rounds = [*(self.results.evaluated_rounds or []), rnd]
                 if self.empty_rounds >= MAX_EMPTY_ROUNDS:
                     raise self.no_update_error(row)  # results.json keeps the round's failures
                 if self.cfg.max_frozen_rounds and self.frozen_rounds >= self.cfg.max_frozen_rounds:
                     raise self.frozen_error()
                 self.save(rnd)
-                log.info(
-                    "round %d: val accuracy %s, test accuracy %.4f (%.1fs)",
-                    rnd,
-                    "-" if row.val_accuracy is None else f"{row.val_accuracy:.4f}",
-                    row.test_accuracy,
-                    row.seconds,
-                )
+                log.info("round %d: %s (%.1fs)", rnd, self._scores_text(row), row.seconds)
         except BaseException as e:
             record_end(self.run, self.results, e)
             self.tracker.close(self.results.status)
@@ -264,9 +277,8 @@ class RoundLoop:
         with what to check; an earlier process's verdict (before a resume) is replaced."""
         kept = [w for w in self.results.warnings or [] if not str(w).startswith(NO_LEARNING)]
         self.results.warnings = kept or None
-        why = (
-            no_learning(self.results.rounds, self.num_classes) if self.results.status == "completed" else None
-        )
+        completed = self.results.status == "completed"
+        why = no_learning(self.results.evaluated(), self.num_classes) if completed else None
         if why:
             why += (
                 f"; the model learns nothing: check train.lr (= {self.cfg.train.lr:g}) and "
@@ -375,7 +387,11 @@ class RoundLoop:
 
     def _score(self, row: RoundRow, installed: bool, previous: ArrayRecord, before: dict) -> bool:
         """The global model's central scores in ``row``; an installed update whose central loss
-        is non-finite is rolled back to ``previous`` and rejected. Whether the model was updated."""
+        is non-finite is rolled back to ``previous`` and rejected. Whether the model was updated.
+        A round the server does not score (``evaluates``) keeps null scores and is not checked
+        here (its weights were: ``_aggregate``); the next scored round is, against its previous."""
+        if not self.evaluates(row.round):
+            return installed
         central = self.evaluate()
         if installed and (split := _non_finite_loss(central)):
             self.arrays = previous  # finite weights that score a NaN loss: rejected the same way

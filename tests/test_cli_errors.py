@@ -102,7 +102,7 @@ def test_each_benchmark_says_a_bad_argument_in_one_line(tmp_path, capsys, monkey
     afile.write_text("x")
     cases = {
         "featurizer": (["--model", str(tmp_path / "nope"), "--images", "2"], "does not exist"),
-        "gpu_check": (["--dry-run", "--out", str(tmp_path)], f"{tmp_path}: a folder; --out names the JSON"),
+        "gpu_check": (["--dry-run", "--out", str(afile)], f"--out {afile} is a file; --out names a folder"),
         "dit_vs_unet": (["--unet", "u", "--dit", "d", "--out", f"{afile}/o"], f"{afile}/o: Not a directory"),
         "teacher_quality": (["--out", f"{afile}/o"], f"{afile}/o: Not a directory"),
         "round_overhead": (["--set", "train.lr=-1"], "config key 'train.lr' = -1"),

@@ -196,3 +196,51 @@ def test_a_run_that_learns_nothing_completes_with_a_recorded_warning(tmp_path) -
     learned.strategy.aggregate_train = lambda rnd, replies: (_shifted(learned.arrays, 1e-3), MetricRecord())
     learned.run_all()
     assert _on_disk(tmp_path / "l")["warnings"] == ["other"]
+
+
+# ------------------------------------------------------------------ server.evaluate-every
+
+
+def test_evaluate_every_k_rounds_records_the_scored_rounds_and_readers_skip_the_others(tmp_path) -> None:
+    """server.evaluate-every = 3 over 7 rounds: the server scores rounds 0, 3, 6 and the last (7),
+    results.json lists them and holds null central scores in the other rows; the summary, the
+    no-learning rule, `feddifrc status` and the sweep table read only the scored rows."""
+    from feddifrc_app.tools import report
+    from feddifrc_app.tools.cmd_runs import _status_line
+
+    accs = iter([0.1, 0.11, 0.1, 0.105])  # rounds 0, 3, 6, 7: each at most chance + 2% (12%)
+    loop = _loop(tmp_path, lambda m: _central(2.3) | {"test-accuracy": next(accs)}, num_server_rounds=7)
+    assert loop.every == 1  # the default: every round (today's behaviour)
+    (tmp_path / "k").mkdir()
+    loop = _loop(
+        tmp_path / "k",
+        lambda m: _central(2.3) | {"test-accuracy": next(accs)},
+        num_server_rounds=7,
+        server__evaluate_every=3,
+    )
+    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, 1e-3), MetricRecord())
+    loop.run_all()
+    res = _on_disk(tmp_path / "k")
+    assert res["status"] == "completed" and res["evaluated-rounds"] == [0, 3, 6, 7]
+    assert [r["test-accuracy"] for r in res["rounds"]] == [0.1, None, None, 0.11, None, None, 0.1, 0.105]
+    assert all("val-accuracy" in r and "test-loss" in r for r in res["rounds"])  # null, not left out
+    s = res["summary"]
+    assert (s["final-accuracy"], s["best-accuracy"], s["mean-last-5-accuracy"]) == (0.105, 0.11, 0.105)
+    assert res["warnings"][0].startswith(
+        "no learning: test accuracy 11.00%, 10.00%, 10.50% in rounds 3-7, at most chance"
+    )
+    (run := tmp_path / "k" / "run" / "config.json").write_text(json.dumps({"num-server-rounds": 7}))
+    read, why = report.completed_results(run.parent)
+    assert why == "" and [r.round for r in read.evaluated()] == [0, 3, 6, 7]
+    assert "round 7/7  latest 10.50%  best 11.00%" in _status_line(run.parent / "results.json", read)
+    report._plot_curves({("fedavg", "s"): {"runs": [read, read]}}, ["s"], tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_a_resume_keeps_the_scored_rounds_up_to_its_checkpoint(tmp_path) -> None:
+    run = RunDir(tmp_path)
+    run.save_results(Results(rounds=[RoundRow(r) for r in range(5)], evaluated_rounds=[0, 2, 4]))
+    run.save_checkpoint(3, {"round": 3, "model": {}}, keep=2)
+    cfg = make_config(method="fedavg", server__evaluate_every=2, resume_from=str(tmp_path))
+    results, _ = run.begin(cfg, run_id=9)
+    assert [r.round for r in results.rounds] == [0, 1, 2, 3] and results.evaluated_rounds == [0, 2]

@@ -143,7 +143,8 @@ def test_the_mid_block_passes_the_config_rules_and_minus_two_does_not():
 @pytest.mark.parametrize("condition", ["none", "global-model"])
 def test_the_teacher_is_released_after_a_cold_extraction_unless_conditioned(tmp_path, condition):
     """After the cache is filled nothing references the denoiser or the text encoders (their
-    memory is free), unless diffusion.condition = "global-model" needs them every round."""
+    memory is free), unless diffusion.condition = "global-model" needs the denoiser and VAE
+    every round; the text encoders are released either way once the prompts are encoded."""
     cfg = make_config(
         **{"diffusion.device": "cpu", "diffusion.condition": condition, "dataset.train-limit": 8}
     )
@@ -153,15 +154,18 @@ def test_the_teacher_is_released_after_a_cold_extraction_unless_conditioned(tmp_
     features = feature_set(spec, data, teacher_prompts(cfg, data.class_names))
     held = teacher.loaded()
     t = featurizer(spec).teacher  # what the extraction below uses (loaded once per spec)
-    parts = [weakref.ref(m) for m in (t.unet, t.vae, *t.text_encoders)]
+    parts = [weakref.ref(m) for m in (t.unet, t.vae)]
+    texts = [weakref.ref(m) for m in (*t.text_encoders, t.tokenizer)]
     del t
     _, stats = pooled_features(features, np.arange(4))
     assert stats.misses == 4
     gc.collect()
+    assert len(texts) == 2 and [r() for r in texts] == [None, None]  # freed, not parked
     if condition == "none":
         assert [r() for r in parts] == [None] * len(parts) and teacher.loaded() == held
     else:
         assert all(r() is not None for r in parts) and featurizer(spec).teacher.unet is parts[0]()
+        assert featurizer(spec).teacher.text_encoders == ()
         _, warm = pooled_features(features, np.arange(4))
         assert warm.hits == 4 and featurizer(spec).teacher.unet is parts[0]()
         teacher.release(spec)

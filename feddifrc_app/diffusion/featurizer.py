@@ -35,6 +35,7 @@ from feddifrc_app.diffusion.sd import (
     encode_clip as encode_prompts,
 )  # SD's CLIP encoding (pretrain, benchmarks)
 from feddifrc_app.diffusion.speed import Shortcuts
+from feddifrc_app.diffusion.text_encoders import release_text_encoders, restore_text_encoders
 
 __all__ = ["Featurizer", "encode_prompts", "noise_seed", "to_unit_range"]
 
@@ -144,7 +145,8 @@ class Featurizer:
         return self.conditioning(prompts).tokens
 
     def conditioning(self, prompts: tuple[str, ...]) -> Conditioning:
-        """The family's encoding of ``prompts`` (tokens and extras), memoised per tuple."""
+        """The family's encoding of ``prompts`` (tokens and extras), memoised per tuple; a new
+        tuple after ``encode_then_release`` loads the text encoders again (``text_encoders.py``)."""
         key = tuple(str(p) for p in prompts)
         if not key:
             raise ValueError("at least one prompt is needed")
@@ -153,12 +155,24 @@ class Featurizer:
             self._prompts.move_to_end(key)
             return hit
         t = self.teacher
+        restore_text_encoders(t)  # nothing to do unless they were released
         with torch.inference_mode(), text_encoders_on(t):  # they wait on the CPU otherwise
             cond = t.adapter.encode_prompts(t, key, self.resolution)
         self._prompts[key] = cond
         if len(self._prompts) > _PROMPT_MEMO:
             self._prompts.popitem(last=False)
         return cond
+
+    def encode_then_release(self, *prompt_lists: tuple[str, ...]) -> None:
+        """Encode every prompt list this featurizer will be called with (memoised, at most
+        ``_PROMPT_MEMO``), then release the teacher's text encoders and tokenizers: only the
+        denoiser and the VAE stay resident. The features are the same: the memoised encodings
+        condition the denoiser as before. A later new prompt list loads the encoders again."""
+        if len(prompt_lists) > _PROMPT_MEMO:
+            raise ValueError(f"at most {_PROMPT_MEMO} prompt lists are kept, got {len(prompt_lists)}")
+        for prompts in prompt_lists:
+            self.conditioning(prompts)
+        release_text_encoders(self.teacher)
 
     # ------------------------------------------------------------------ features
 

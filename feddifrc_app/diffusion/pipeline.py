@@ -5,7 +5,8 @@
 shipped in the package, ``"tiny"`` or a tiny random model of another family, ``"tiny-sdxl"``,
 ``"tiny-pixart"``, ``"tiny-sd3"``) with that family's own diffusers pipeline class, once per
 process, and keeps what feature extraction needs: the denoiser (UNet or transformer), the VAE
-*encoder*, the text encoders and tokenizers and the noise schedule, all frozen. Nothing falls
+*encoder*, the text encoders and tokenizers (until the prompts are encoded:
+``text_encoders.py``) and the noise schedule, all frozen. Nothing falls
 back silently: a missing or damaged model is a ``TeacherLoadError`` with one actionable line.
 """
 
@@ -66,6 +67,7 @@ class Teacher:
     block_channels: tuple[int, ...]  # output width of each hookable layer (up_blocks / transformer_blocks)
     family: str = "sd"  # a family.ADAPTERS name: which module encodes, noises, denoises and pools
     parts: dict[str, Any] = field(default_factory=dict)  # the family's extras (the pipeline, sigmas)
+    folder: Path | None = None  # the pipeline folder: released text encoders load again from it
 
     @property
     def denoiser(self) -> Any:
@@ -92,10 +94,11 @@ class Teacher:
 
     @property
     def text_encoders(self) -> tuple[Any, ...]:
-        """Every text encoder the family's prompt encoding runs (``TEXT_PARTS``)."""
+        """Every text encoder the family's prompt encoding runs (``TEXT_PARTS``); () once released
+        (``text_encoders.release_text_encoders``)."""
         pipe = self.parts.get("pipe")
         if pipe is None:  # sd: no pipeline kept
-            return (self.text_encoder,)
+            return () if self.text_encoder is None else (self.text_encoder,)
         return tuple(m for name in self.adapter.TEXT_PARTS if (m := getattr(pipe, name, None)) is not None)
 
 
@@ -325,16 +328,19 @@ def teacher_resolution(model: str, cache_dir: Path) -> int | None:
     return int(res) if isinstance(res, int) else None
 
 
-def _from_pretrained(folder: Path, model: str, family: str, dtype: torch.dtype, vae: torch.dtype):
+def _from_pretrained(
+    folder: Path, model: str, family: str, dtype: torch.dtype, vae: torch.dtype, skip: tuple[str, ...] = ()
+):
     """The folder loaded with its own diffusers pipeline class (model_index.json's _class_name)
     and its family's ``LOAD_KWARGS``; the VAE in ``vae`` (read in that dtype from the files,
-    never a cast of rounded weights)."""
+    never a cast of rounded weights); the components in ``skip`` are not loaded (None)."""
     import diffusers
 
     name = json.loads((folder / "model_index.json").read_text())["_class_name"]
     torch_dtype: Any = dtype if vae == dtype else {"default": dtype, "vae": vae}
     kw: dict[str, Any] = dict(torch_dtype=torch_dtype, local_files_only=True)
     kw.update(family_module(family).LOAD_KWARGS)
+    kw.update(dict.fromkeys(skip))
     try:  # with accelerate (a dependency) the weights load in place: no random init first
         with quiet(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch_dtype.*", category=FutureWarning)
@@ -418,6 +424,7 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
         block_channels=adapter.layer_widths(denoiser),
         family=ident.family,
         parts=adapter.parts(pipe),
+        folder=ident.folder,
     )
 
 

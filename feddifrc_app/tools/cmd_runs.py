@@ -126,9 +126,10 @@ def _status_line(path: Path, r: Results) -> str:
             cfg_rounds = f"? ({cfg_path} unreadable: {type(e).__name__})"
     s = r.summary or {}
     fails = sum(len(x.failures or []) for x in rounds)
-    acc = (
-        f"latest {100 * rounds[-1].test_accuracy:.2f}%  best {100 * s['best-accuracy']:.2f}%"
-        if rounds and s.get("best-accuracy") is not None
+    scored = [x for x in r.evaluated() if x.round >= 1 and x.test_accuracy is not None]
+    acc = (  # latest: the last round the server scored (server.evaluate-every)
+        f"latest {100 * scored[-1].test_accuracy:.2f}%  best {100 * s['best-accuracy']:.2f}%"
+        if scored and s.get("best-accuracy") is not None
         else "no round finished yet"
     )
     ending = _ending(path.parent, r)

@@ -250,7 +250,7 @@ def completed_results(run_dir: Path, rounds: int | None = None) -> tuple[Results
         return None, f"results.json ends at round {last}, the config asks for {rounds}"
     if not summary_ok:
         return None, f"{path} has no final/best/mean-last-5 accuracy"
-    for row in r.rounds:  # the table's curves read every row: a damaged one skips the run, named
+    for row in r.evaluated():  # the table's curves read every scored row: a damaged one skips the run
         if row.test_accuracy is None or not math.isfinite(row.test_accuracy):
             return None, f"{path} round {row.round!r} has no finite test-accuracy ({row.test_accuracy!r})"
     return r, ""
@@ -407,9 +407,10 @@ def _plot_curves(groups: dict[tuple[str, str], dict[str, Any]], settings: list[s
     for ax, s in zip(axes[0], settings, strict=True):
         for (m, s2), g in sorted(groups.items()):
             if s2 == s:
-                n = min(len(r.rounds) for r in g["runs"])
-                acc = np.array([[100 * row.test_accuracy for row in r.rounds[:n]] for r in g["runs"]])
-                ax.plot(acc.mean(0), label=m)
+                scored = [{row.round: row.test_accuracy for row in r.evaluated()} for r in g["runs"]]
+                x = sorted(set.intersection(*(set(d) for d in scored)))  # server.evaluate-every's rounds
+                acc = np.array([[100 * d[k] for k in x] for d in scored])
+                ax.plot(x, acc.mean(0), label=m)
         ax.set(title=f"{s} (mean over seeds)", xlabel="round", ylabel="test accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")

@@ -215,6 +215,7 @@ def conditioned_targets(
     if k == 0:
         return targets, 0.0
     class_prompts = p.features.prompts[:k]
+    feat.encode_then_release(class_prompts)  # the rounds need no text encoder after this
     # D: the fused width is the student's embedding width
     proj, token_norm = _offset_map(feat, spec, int(targets.prompt_reps.shape[-1]), class_prompts)
     model.to(device).eval()

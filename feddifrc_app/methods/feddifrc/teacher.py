@@ -10,7 +10,9 @@ feature depends on. Everything below takes the spec, never the run config::
     pooled, stats = pooled_features(features, ids) # {block: (n, P, C_b)} from the cache
 
 The teacher itself is built only when some id misses the cache (``featurizer(spec)``, once
-per process per spec): a warm cache never loads Stable Diffusion. After a cold extraction it
+per process per spec): a warm cache never loads Stable Diffusion. Its text encoders are
+released as soon as the prompt list is encoded (``Featurizer.encode_then_release``): only the
+denoiser and the VAE stay resident during the extraction. After a cold extraction the teacher
 is released (its GPU memory returned) unless ``diffusion.condition = "global-model"``, which
 needs it every round (``TeacherSpec.resident``).
 """
@@ -262,6 +264,7 @@ def pooled_features(
 
     def make():
         f = featurizer(spec)
+        f.encode_then_release(features.prompts)  # fixed prompts: the text encoders go (text_encoders.py)
         return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
 
     extractor = LazyExtractor(
