@@ -17,7 +17,7 @@ INTRODUCED = {
     "min-nodes-timeout": "d7440d0",
     "max-frozen-rounds": "3e75a01",
     "server.device": "2245997",
-    "server.evaluate-every": "uncommitted",
+    "server.evaluate-every": "06e9872",
     **dict.fromkeys(("dataset.name", "dataset.data-dir", "dataset.image-size"), FIRST),
     **dict.fromkeys(("dataset.num-workers", "dataset.train-limit"), FIRST),
     "dataset.eval-limit": "e807f2b",
