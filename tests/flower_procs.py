@@ -604,7 +604,7 @@ class FlowerProcs:
         raise TimeoutError(f"{len(online)} of {count} SuperNodes online after {timeout}s\n{self.report()}")
 
 
-def start_ray_head(procs: FlowerProcs, temp_dir: Path, num_cpus: int = 2, timeout: float = 120.0) -> str:
+def start_ray_head(procs: FlowerProcs, temp_dir: Path, num_cpus: int = 2, timeout: float = 300.0) -> str:
     """A Ray head node on 127.0.0.1 (see :func:`flower_env`) in its own process group; its GCS
     address (``RAY_ADDRESS``).
 
@@ -613,6 +613,8 @@ def start_ray_head(procs: FlowerProcs, temp_dir: Path, num_cpus: int = 2, timeou
     cluster never writes ``/tmp/ray/ray_current_cluster``, so a run that starts Ray its own way
     (``ray.init()`` with no address, as `flwr run` does for a user) cannot join it by accident.
     ``num_cpus`` is logical: Flower sizes its actor pool as ``num_cpus // client-resources-num-cpus``.
+    Ready in about 12 s on an idle 2-core machine; ``timeout`` leaves room for a busy one (a CI run
+    measured over 120 s while the suite's other workers ran).
     """
     port = free_port()
     argv = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
