@@ -275,7 +275,7 @@ def table(out: Path) -> None:
             f"p={r['p']:.3f} Holm {r['p-holm']:.3f}: {r['verdict']}"
         )
     if rows:
-        plot_curves([{**e, "alpha": e["alpha"]} for e in rows], design.DOSE / "curves.png")
+        plot_curves(rows, design.DOSE / "curves.png")
 
 
 def run(out: Path, args) -> int:
