@@ -128,6 +128,7 @@ class TrainConfig:
     weight_decay: float = key(lo=0.0)
     keep_momentum: bool = key()
     augment: bool = key()
+    max_grad_norm: float = key(lo=0.0)  # every method's local gradient clipping; 0 = none
     eval_batch_size: int = key(lo=1, resume=True)
     device: str = key(choices=DEVICES, resume=True)
 

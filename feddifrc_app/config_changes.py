@@ -24,6 +24,7 @@ KEYS_ADDED_SINCE: dict[str, Any] = {
     **{"diffusion.pooling": "mean", "diffusion.pool-grid": 2, "diffusion.dit-features": "raw"},
     "diffusion.noise-seed": -1,  # the teacher's noise was drawn from the run seed
     "server.evaluate-every": 1,  # the server scored every round
+    "train.max-grad-norm": 0.0,  # no method but FedNH clipped
     "fednh.max-grad-norm": 0.0,  # FedNH did not clip (a run of another method never read it)
     **{"strategy.dp": "none", "strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 10.0},
     **{"strategy.dp-initial-clipping-norm": 0.1, "strategy.dp-target-clipped-quantile": 0.5},

@@ -57,6 +57,12 @@ def lr_remedy(lr: float, halves: Sequence[NodeHalf] = ()) -> str:
     return f"lower train.lr (= {lr:g}) or the loss weights{more}"
 
 
+def clip_gradients(model: nn.Module, max_norm: float) -> None:
+    """The trainable parameters' gradient norm clipped at ``max_norm`` (0 = none), as FedNH's code does."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+
+
 def _optimizer(
     model: nn.Module, cfg: Config, momentum_state: dict[str, torch.Tensor] | None, device: torch.device
 ) -> torch.optim.SGD:
@@ -104,6 +110,7 @@ def train_local(
             loss.backward()
             for h in halves:
                 h.before_step(model)
+            clip_gradients(model, tc.max_grad_norm)
             opt.step()
             run.add(parts, batch.logits, batch.y)
         if not math.isfinite(float(run.sums.get("total", 0.0))):

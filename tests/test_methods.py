@@ -294,9 +294,8 @@ def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
     assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
     torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
     model.weight.grad = torch.full((2, 2), 1.0)  # norm 2 < 10: unchanged
-    fednh_node.clip_gradients(model, 10.0)
+    fednh_node.Prototypes(node).before_step(model)
     torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 1.0))
-    fednh_node.clip_gradients(model, 0.0)  # 0 = no clipping
 
 
 # ----------------------------------------------------------------------------- a new method

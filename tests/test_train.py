@@ -156,6 +156,22 @@ def test_fedavg_round_changes_weights_and_reports_ce_metrics(sup: Client) -> Non
     assert set(state) == {n for n, _ in model.named_parameters()}
 
 
+@pytest.mark.parametrize("method", ["fedavg", "feddifrc"])
+def test_max_grad_norm_bounds_every_methods_step(sup: Client, method: str) -> None:
+    """train.max-grad-norm (FedNH's clipping for any method): one plain SGD step moves the
+    parameters by exactly lr x the clipped norm; 0 leaves the step as it was."""
+    tc = dataclasses.replace(sup.cfg.train, batch_size=64, momentum=0.0, weight_decay=0.0)
+    moved = {}
+    for norm in (0.0, 1e-3):
+        cfg = dataclasses.replace(sup.cfg, method=method, train=dataclasses.replace(tc, max_grad_norm=norm))
+        model = fresh_model()
+        before = flat(model).clone()
+        run(sup, cfg, model=model, augment=False)
+        moved[norm] = (flat(model) - before).norm().item()
+    assert moved[1e-3] == pytest.approx(tc.lr * 1e-3, rel=1e-3)
+    assert moved[0.0] > 100 * moved[1e-3]
+
+
 def test_feddifrc_round_metrics_are_the_losses_of_the_starting_model(sup: Client) -> None:
     cfg = dataclasses.replace(sup.cfg, train=dataclasses.replace(sup.cfg.train, batch_size=64))
     t = targets_for(sup, cfg)

@@ -14,6 +14,7 @@ from torch import nn
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.methods import Node, NodeHalf
 from feddifrc_app.methods.fednh import PROTOTYPES
+from feddifrc_app.train import clip_gradients
 
 
 @torch.no_grad()
@@ -29,12 +30,6 @@ def class_prototypes(model: nn.Module, loader: Iterable, num_classes: int, devic
         counts.index_add_(0, y, torch.ones_like(y, dtype=counts.dtype))
     scaled = F.normalize(sums / counts.clamp(min=1).unsqueeze(1), dim=1) * counts.unsqueeze(1)
     return scaled.cpu(), counts.cpu()
-
-
-def clip_gradients(model: nn.Module, max_norm: float) -> None:
-    """FedNH's step: the trainable parameters' gradient norm clipped at ``max_norm`` (0 = none)."""
-    if max_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
 
 
 class Prototypes(NodeHalf):
