@@ -18,7 +18,7 @@ INTRODUCED = {
     "max-frozen-rounds": "3e75a01",
     "server.device": "2245997",
     "server.evaluate-every": "06e9872",
-    "train.max-grad-norm": "uncommitted",
+    "train.max-grad-norm": "48ff688",
     **dict.fromkeys(("dataset.name", "dataset.data-dir", "dataset.image-size"), FIRST),
     **dict.fromkeys(("dataset.num-workers", "dataset.train-limit"), FIRST),
     "dataset.eval-limit": "e807f2b",
