@@ -56,7 +56,7 @@ from feddifrc_app.config import Config, ConfigError, load_config
 from feddifrc_app.federation import POPULATION
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import MODEL
-from feddifrc_app.strategy_rules import sampled_per_round
+from feddifrc_app.strategy_rules import sampled_per_round, strategy_settings
 
 # The reply metric the named strategy weighs by under DP, set by the server (never a node's
 # word): 1.0 on every train reply, so the model is the plain mean Flower's noise is calibrated
@@ -87,8 +87,6 @@ def _flower_dp_failure(e: BaseException, where: str, cfg: Config) -> DPError | N
     # flwr/supercore/differential_privacy.py (clipping), flwr/serverapp/strategy/dp_*.py (norm steps)
     if "flwr" not in last.parts or not (last.stem == "differential_privacy" or last.stem.startswith("dp_")):
         return None
-    from feddifrc_app.strategy import strategy_settings  # (strategy imports this module)
-
     return DPError(
         f"{where}: Flower's differential privacy failed ({type(e).__name__}: {e}), e.g. an update of "
         f"norm 0 or a clipping norm out of float range; check {strategy_settings(cfg)}"

@@ -41,9 +41,9 @@ from feddifrc_app.strategy import (
     build_strategy,
     load_strategy_state,
     required_metrics,
-    strategy_settings,
     strategy_state,
 )
+from feddifrc_app.strategy_rules import strategy_settings
 from feddifrc_app.tools import report
 from feddifrc_app.tracking import NoTracker, Tracker
 from feddifrc_app.train import DivergedError, evaluate, lr_remedy

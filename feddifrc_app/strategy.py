@@ -37,43 +37,6 @@ from feddifrc_app import methods, privacy
 from feddifrc_app.config import Config, ConfigError
 from feddifrc_app.strategy_rules import robust_aggregation_error, sampled_per_round
 
-# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
-# error names when the server's aggregate (not a node's training) went wrong.
-STRATEGY_KEYS = {
-    "fedavgm": ("server-learning-rate", "server-momentum"),
-    "fedprox": ("proximal-mu",),
-    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
-    "fedadagrad": ("eta", "eta-l", "tau"),
-    "fedtrimmedavg": ("trim-beta",),
-    "krum": ("num-malicious-nodes",),
-    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
-    "bulyan": ("num-malicious-nodes",),
-    "qfedavg": ("q",),
-    "scaffold": ("server-learning-rate",),
-}
-DP_KEYS = {
-    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
-    "adaptive": (
-        "dp-noise-multiplier",
-        "dp-initial-clipping-norm",
-        "dp-target-clipped-quantile",
-        "dp-clip-norm-lr",
-        "dp-clipped-count-stddev",
-    ),
-}
-
-
-def strategy_settings(cfg: Config) -> str:
-    """The keys behind the server's aggregate, with their values:
-    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
-    s = cfg.strategy
-    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
-    if s.dp != "none":
-        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
-    flat = cfg.to_flat()
-    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)
-
 
 def nodes_per_round(cfg: Config, num_nodes: int) -> int:
     """Nodes sampled per round: ``fraction-train`` of the connected nodes, at least 1."""

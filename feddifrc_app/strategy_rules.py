@@ -1,5 +1,6 @@
 """The run config's rules for ``strategy.*``: the aggregation's (Krum / MultiKrum / Bulyan's
-Byzantine bound) and ``strategy.dp``'s, with each method's ``dp_refusal`` (methods.hooks).
+Byzantine bound) and ``strategy.dp``'s, with each method's ``dp_refusal`` (methods.hooks); and
+the keys behind a strategy's aggregate, as an error names them (``strategy_settings``).
 
 No Flower here: ``config.load_config`` runs these rules, and it runs where Flower is not
 installed (a bare GPU host's check, benchmarks/gpu_check.py). The strategies themselves are
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from feddifrc_app import methods
 from feddifrc_app.casting import ConfigError, invalid
+
+if TYPE_CHECKING:
+    from feddifrc_app.config import Config
 
 # Why a method whose replies carry more than the model cannot run under DP (its dp_refusal).
 TWO_RECORDS = "replies with a second ArrayRecord, which Flower's DP cannot clip"
@@ -96,3 +100,41 @@ def check_dp(v: Mapping[str, Any]) -> None:
             f"multiplier below 2 x that count noise ({2 * given:g}); raise "
             "strategy.dp-clipped-count-stddev (0 derives one) or lower strategy.dp-noise-multiplier"
         )
+
+
+# The strategy.* keys that shape each strategy's aggregate, and DP's by kind of clipping: what an
+# error names when the server's aggregate (not a node's training) went wrong.
+STRATEGY_KEYS = {
+    "fedavgm": ("server-learning-rate", "server-momentum"),
+    "fedprox": ("proximal-mu",),
+    "fedadam": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedyogi": ("eta", "eta-l", "tau", "beta-1", "beta-2"),
+    "fedadagrad": ("eta", "eta-l", "tau"),
+    "fedtrimmedavg": ("trim-beta",),
+    "krum": ("num-malicious-nodes",),
+    "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
+    "bulyan": ("num-malicious-nodes",),
+    "qfedavg": ("q",),
+    "scaffold": ("server-learning-rate",),
+}
+DP_KEYS = {
+    "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
+    "adaptive": (
+        "dp-noise-multiplier",
+        "dp-initial-clipping-norm",
+        "dp-target-clipped-quantile",
+        "dp-clip-norm-lr",
+        "dp-clipped-count-stddev",
+    ),
+}
+
+
+def strategy_settings(cfg: Config) -> str:
+    """The keys behind the server's aggregate, with their values:
+    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
+    s = cfg.strategy
+    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
+    if s.dp != "none":
+        names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
+    flat = cfg.to_flat()
+    return ", ".join(f"strategy.{n} = {flat[f'strategy.{n}']!r}" for n in names)

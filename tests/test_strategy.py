@@ -14,13 +14,13 @@ from feddifrc_app.config import KEYS, STRATEGIES, ConfigError
 from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import scaffold
 from feddifrc_app.strategy import (
-    STRATEGY_KEYS,
     build_strategy,
     factories,
     load_strategy_state,
     nodes_per_round,
     strategy_state,
 )
+from feddifrc_app.strategy_rules import STRATEGY_KEYS
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
