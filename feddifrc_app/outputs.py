@@ -23,8 +23,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.config_changes import run_changes
@@ -173,6 +171,8 @@ class RunDir:
 
     def save_checkpoint(self, rnd: int, payload: dict[str, Any], keep: int = 0) -> Path:
         """Tensors, numbers and strings only (loaded with ``weights_only=True``), plus a sha256 sidecar."""
+        import torch  # here, not at the top: `feddifrc report`/`status` read results.json without it
+
         buf = io.BytesIO()
         torch.save(payload, buf)
         data = buf.getvalue()
@@ -194,6 +194,8 @@ class RunDir:
 
     def load_last_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
         """The newest checkpoint whose digest matches; a corrupt or unverified one is reported and skipped."""
+        import torch
+
         for path in reversed(self.checkpoints()):
             try:
                 data = path.read_bytes()

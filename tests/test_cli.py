@@ -178,7 +178,7 @@ def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
     assert "RANDOM-weight teacher" in out and "2.2000" in out
     assert (tmp_path / "r" / "accuracy.png").is_file()
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
-    assert "results.json does not exist" in capsys.readouterr().err
+    assert f"{tmp_path / 'missing'} does not exist; give a run folder" in capsys.readouterr().err
 
 
 def test_status_lists_runs_with_progress_and_failures(tmp_path, capsys):

@@ -68,7 +68,7 @@ def test_every_command_says_an_app_error_in_one_line(tmp_path, capsys) -> None:
         "fetch": ([*app, "--split", "test", "--cache-dir", f"{afile}/c"], f"{afile}/c: Not a directory"),
         "probe-teacher": ([*app, "--cache-dir", f"{afile}/c"], f"{afile}/c: Not a directory"),
         "status": (["--outputs-dir", str(afile)], f"--outputs-dir {afile}: {afile} is not a folder"),
-        "report": ([str(tmp_path / "none")], "results.json does not exist"),
+        "report": ([str(tmp_path / "none")], f"{tmp_path / 'none'} does not exist; give a run folder"),
         "table": ([str(tmp_path / "none")], "has no sweep.json"),
         "sweep": ([*app, "--out", f"{afile}/s"], f"{afile} is a file, so no folder can be created"),
     }
@@ -118,3 +118,43 @@ def test_each_benchmark_says_a_bad_argument_in_one_line(tmp_path, capsys, monkey
         assert rc == 2, name
         err = one_line(capsys, f"benchmarks/{name}.py")
         assert said in err, err
+
+
+def test_every_command_that_takes_run_config_values_says_to_quote_a_bare_word(tmp_path, capsys) -> None:
+    """`method=fedavg` is not TOML: each flag of each `feddifrc` command that takes run-config
+    values says, in one line, how to quote it, naming that flag (sweep --set said --run-config;
+    --grid showed 'a','b'), before anything is written."""
+    from feddifrc_app.tools.reference import subparsers
+    from feddifrc_app.tools.run_config import parse_run_config
+
+    app, out = ["--app", str(ROOT)], str(tmp_path / "out")
+    rc = ["--run-config", "seed=3 method=fedavg"]
+    fixed_rc = "--run-config \"seed=3 method='fedavg'\""
+    cases = [
+        (["extract", *app, "--check", *rc], fixed_rc),
+        (["fetch", *app, *rc], fixed_rc),
+        (["probe-teacher", *app, *rc], fixed_rc),
+        (["pretrain-teacher", *app, "--out", out, *rc], fixed_rc),
+        (["sweep", *app, "--out", out, "--set", "num-server-rounds=2", "--set", "method=fedavg"],
+         "--set \"num-server-rounds=2 method='fedavg'\""),
+        (["sweep", *app, "--out", out, "--grid", "method=fedavg,'feddifrc',fedprox"],
+         "--grid \"method='fedavg','feddifrc','fedprox'\""),
+        (["sweep", *app, "--out", out, "--federation-config", "num-supernodes=2 backend=ray"],
+         "--federation-config \"num-supernodes=2 backend='ray'\""),
+    ]  # fmt: skip
+    flags = {"--run-config", "--set", "--grid", "--federation-config"}
+    takes = {  # every command and flag that takes run-config values is a case
+        (name, flag) for name, p in subparsers(cli.build_parser()).items() for a in p._actions
+        for flag in set(a.option_strings) & flags
+    }  # fmt: skip
+    assert takes == {(argv[0], next(a for a in argv if a in flags)) for argv, _ in cases}
+    for argv, fixed in cases:
+        assert cli.main(argv) == 2, argv
+        err = one_line(capsys, f"feddifrc {argv[0]}")
+        assert "quote string values" in err and err.endswith(f"inside the shell's quotes: {fixed}\n"), err
+    assert list(tmp_path.iterdir()) == []  # refused before any work
+    # The line given is the fix: it parses.
+    assert parse_run_config(["seed=3 method='fedavg'"]) == {"seed": 3, "method": "fedavg"}
+    from feddifrc_app.tools.cmd_sweep import _grid
+
+    assert _grid(["method='fedavg','feddifrc','fedprox'"]) == {"method": ["fedavg", "feddifrc", "fedprox"]}

@@ -387,8 +387,8 @@ def test_an_unquoted_string_in_grid_says_how_to_quote_it():
     with pytest.raises(CLIError) as e:
         cmd_sweep._grid(["method=fedavg,moon"])
     assert str(e.value) == (
-        "--grid 'method=fedavg,moon': each value must be TOML (a number, true/false, or a quoted string): "
-        """e.g. --grid "method='a','b'\""""
+        "--grid 'method=fedavg,moon': quote string values (TOML: a number, true/false, or a quoted "
+        """string), inside the shell's quotes: --grid "method='fedavg','moon'\""""
     )
     assert cmd_sweep._grid(["method='fedavg','moon'"]) == {"method": ["fedavg", "moon"]}
 

@@ -24,6 +24,8 @@ def add_report(p: argparse.ArgumentParser) -> None:
 
 def _read_results(run_dir: Path) -> Results:
     """A run directory's results.json, read as the ServerApp reads it to resume."""
+    if not os.path.lexists(run_dir / "results.json"):  # said before outputs (and numpy) is imported
+        raise CLIError(_no_results(run_dir))
     from feddifrc_app.outputs import RunDir
 
     run = RunDir(run_dir)
@@ -34,19 +36,67 @@ def _read_results(run_dir: Path) -> Results:
     except ValueError as e:  # not valid JSON, named
         raise CLIError(str(e)) from None
     if results is None:
-        raise CLIError(
-            f"{run.results_path} does not exist (is {run_dir} a feddifrc run directory? "
-            "has round 0 finished?)"
-        )
+        raise CLIError(_no_results(run_dir))
     return results
+
+
+def _no_results(run_dir: Path) -> str:
+    """Why ``run_dir`` has no results.json to read, in words: no such folder, a file, a runs
+    folder, a folder that is no run, or a run that has not recorded round 0 (still setting up,
+    e.g. waiting for min-nodes, or killed before it)."""
+    see = "`feddifrc status --outputs-dir <outputs-dir>` lists the runs"
+    if not run_dir.exists():
+        return f"{run_dir} does not exist; give a run folder, <outputs-dir>/<run-name> ({see})"
+    if not run_dir.is_dir():
+        return f"{run_dir} is a file, not a run folder; give a run folder, <outputs-dir>/<run-name> ({see})"
+    if runs := _run_folders(run_dir):
+        return (
+            f"{run_dir} is a runs folder ({len(runs)} runs), not a run: `feddifrc report "
+            f"{runs[-1]}` (its newest), or `feddifrc status --outputs-dir {run_dir}`"
+        )
+    if not (run_dir / "config.json").is_file():
+        return (
+            f"{run_dir} is not a feddifrc run folder: it holds neither results.json nor config.json "
+            f"(a run writes both in <outputs-dir>/<run-name>; {see})"
+        )
+    return f"{run_dir / 'results.json'} does not exist yet: {_setting_up(run_dir)}"
+
+
+def _setting_up(run_dir: Path) -> str:
+    """A run folder with config.json and no results.json (written once round 0 is scored): its
+    ServerApp is setting up (loading data, waiting for min-nodes), or ended before round 0."""
+    from feddifrc_app.files import folder_holder
+
+    if who := folder_holder(run_dir):
+        return f"its run is setting up (waiting for min-nodes, or before round 0) in {who}"
+    return (
+        "its run ended before round 0 was recorded and no process holds the folder (killed during "
+        f"setup? `flwr log <run-id> <connection>` says why); a new run may reuse the folder "
+        f"(the same outputs-dir and run-name = '{run_dir.name}')"
+    )
+
+
+def _run_folders(root: Path, starting: bool = False) -> list[Path]:
+    """The folders in ``root`` that hold a results.json (a broken link or a symlink loop counts, to
+    be named) and, with ``starting``, those holding only config.json (a run before round 0),
+    oldest first by that file's time; hidden folders are left out."""
+    found = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        if os.path.lexists(d / "results.json"):
+            found.append(((d / "results.json").lstat().st_mtime, d))
+        elif starting and (d / "config.json").is_file():
+            found.append(((d / "config.json").stat().st_mtime, d))
+    return [d for _, d in sorted(found, key=lambda t: t[0])]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
+    run_dir = resolve_path(args.run_dir, "RUN_DIR")
+    results = _read_results(run_dir)  # first: a folder that is no run is refused before any import
     from feddifrc_app.tools.report import format_table, plot_accuracy
 
-    run_dir = resolve_path(args.run_dir, "RUN_DIR")
-    results = _read_results(run_dir)
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
     teacher = results.teacher or {}
@@ -89,16 +139,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = resolve_path(args.outputs_dir, "--outputs-dir")
     if args.last < 1:
         raise CLIError(f"--last {args.last}: expected >= 1 (how many of the newest runs to show)")
-    if root.exists() and not root.is_dir():
+    if not root.exists():
+        raise CLIError(
+            f"--outputs-dir {args.outputs_dir}: {root} does not exist (no run has written there yet, "
+            "or the runs write elsewhere: give the run config's outputs-dir)"
+        )
+    if not root.is_dir():
         raise CLIError(f"--outputs-dir {args.outputs_dir}: {root} is not a folder; give a runs folder")
-    # lexists, lstat: a results.json that is a broken link or a symlink loop is listed and named too.
-    found = [d / "results.json" for d in (sorted(root.iterdir()) if root.is_dir() else []) if d.is_dir()]
-    found = [p for p in found if not p.parent.name.startswith(".") and os.path.lexists(p)]
-    runs = sorted(found, key=lambda p: p.lstat().st_mtime)[-args.last :]
+    runs = _run_folders(root, starting=True)[-args.last :]
     if not runs:
-        print(f"no runs under {root}")
+        if os.path.lexists(root / "results.json"):
+            raise CLIError(
+                f"--outputs-dir {args.outputs_dir}: {root} is one run's folder, not a runs folder: "
+                f"`feddifrc report {root}`, or `feddifrc status --outputs-dir {root.parent}`"
+            )
+        print(f"no runs under {root} (no folder in it holds a results.json or config.json)")
         return 0
-    for path in runs:
+    for d in runs:
+        path = d / "results.json"
+        if not os.path.lexists(path):
+            print(f"{d.name}: no results.json yet: {_setting_up(d)}")
+            continue
         try:
             r = _read_results(path.parent)
         except CLIError as e:

@@ -10,7 +10,7 @@ from typing import Any
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import Config, ConfigError
 from feddifrc_app.tools.cmd_common import CLIError, examples
-from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config
+from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config, quoted
 
 
 def add_sweep(p: argparse.ArgumentParser) -> None:
@@ -54,8 +54,14 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
         key, sep, vals = item.partition("=")
         if not sep or not vals:
             raise CLIError(f"--grid {item!r}: expected KEY=V1,V2 with TOML values")
+        words = vals.split(",")
+        if words != (fixed := [quoted(v) for v in words]):  # method=fedavg,feddifrc: bare words
+            raise CLIError(
+                f"--grid {item!r}: quote string values (TOML: a number, true/false, or a quoted "
+                f'string), inside the shell\'s quotes: --grid "{key}={",".join(fixed)}"'
+            )
         try:
-            grid[key] = [parse_run_config([f"{key}={v}"])[key] for v in vals.split(",")]
+            grid[key] = [parse_run_config([f"{key}={v}"], "--grid")[key] for v in words]
         except RunConfigError:
             raise CLIError(
                 f"--grid {item!r}: each value must be TOML (a number, true/false, or a quoted string): "
@@ -67,7 +73,11 @@ def _grid(values: list[str]) -> dict[str, list[Any]]:
 def _check_supernodes(federation_config: str, configs: dict[str, Config]) -> None:
     """A simulation with fewer SuperNodes than a cell's min-nodes would wait strategy.setup-timeout
     (a day by default) for nodes that never come: refuse it before the first run."""
-    n = parse_run_config([federation_config]).get("num-supernodes") if federation_config else None
+    n = (
+        parse_run_config([federation_config], "--federation-config").get("num-supernodes")
+        if federation_config
+        else None
+    )
     if n is None:
         return
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -100,7 +110,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CLIError(f"no such override file(s): {', '.join(missing)}")
     app, out = resolve_path(args.app, "--app"), resolve_path(args.out, "--out")
     try:  # every check before --out is created: a refused sweep leaves nothing behind
-        defaults, overrides = app_defaults(app), parse_run_config(args.set)
+        defaults, overrides = app_defaults(app), parse_run_config(args.set, "--set")
         confs = [str(resolve_path(c, "override file")) for c in args.confs]
         cells = make_cells(confs, list(range(args.seeds)), _grid(args.grid))
         check_out(out)  # before the cells' configs, whose outputs-dir is under it

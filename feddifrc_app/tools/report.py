@@ -8,21 +8,33 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # no display on servers / in Ray workers
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from feddifrc_app.files import atomic_write
+from feddifrc_app.results import BEST_LABEL, Results, RoundRow, json_key, summary_text
 
-from feddifrc_app.files import atomic_write  # noqa: E402
-from feddifrc_app.results import BEST_LABEL, Results, RoundRow, json_key, summary_text  # noqa: E402
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.figure import Figure
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def _pyplot() -> ModuleType:
+    """pyplot on the headless backend (no display on servers / in Ray workers), imported when a
+    plot is drawn: `feddifrc report` prints its table without loading matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Figure, path: Path) -> None:
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 # Accuracy series of a run's rows, as plotted: label -> the row's value.
@@ -37,6 +49,7 @@ def plot_accuracy(results: Results, path: Path) -> None:
     """Validation and test accuracy per round (round 0 = the initial model) and, with federated
     evaluation, the nodes' example-weighted accuracy beside them; summary in the title."""
     s = results.summary or {}
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, value in _CURVES.items():
         rows = [r for r in results.rounds if value(r) is not None]
@@ -59,17 +72,28 @@ def plot_accuracy(results: Results, path: Path) -> None:
     _save(fig, path)
 
 
+MAX_BARS = 60  # plot_label_distribution: clients drawn as bars, each with its tick
+
+
 def plot_label_distribution(counts: np.ndarray, class_names: list[str], path: Path, title: str) -> None:
     """Stacked bars: per client (x) the number of training samples of each class."""
     m, c = counts.shape
-    fig, ax = plt.subplots(figsize=(max(5, 0.6 * m + 2), 4))
+    plt = _pyplot()
+    # A bar and a tick per client up to MAX_BARS clients; beyond, one stacked area per class in a
+    # figure of fixed width (5,000 clients as bars: a 3,000-inch figure and 50,000 patches).
+    many = m > MAX_BARS
+    fig, ax = plt.subplots(figsize=(min(max(5, 0.6 * m + 2), 0.6 * MAX_BARS + 2), 4))
     bottom = np.zeros(m)
     cmap = plt.get_cmap("tab20", max(c, 1))
     for k in range(c):
         label = class_names[k] if c <= 20 else None
-        ax.bar(np.arange(m), counts[:, k], bottom=bottom, color=cmap(k), label=label)
+        if many:
+            ax.fill_between(np.arange(m), bottom, bottom + counts[:, k], color=cmap(k), label=label, lw=0)
+        else:
+            ax.bar(np.arange(m), counts[:, k], bottom=bottom, color=cmap(k), label=label)
         bottom += counts[:, k]
-    ax.set_xticks(np.arange(m))
+    if not many:
+        ax.set_xticks(np.arange(m))
     ax.set_xlabel("client (partition id)")
     ax.set_ylabel("training samples")
     ax.set_title(title, fontsize=9)
@@ -403,6 +427,7 @@ def write_sweep_table(sweep_dir: Path) -> str:
 
 
 def _plot_curves(groups: dict[tuple[str, str], dict[str, Any]], settings: list[str], path: Path) -> None:
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.2), squeeze=False)
     for ax, s in zip(axes[0], settings, strict=True):
         for (m, s2), g in sorted(groups.items()):

@@ -21,34 +21,35 @@ class RunConfigError(Exception):
     """An app folder or an override that cannot be read, or a value ``load_config`` refuses: one line."""
 
 
-def parse_run_config(values: Sequence[str] | None) -> dict[str, Any]:
+def parse_run_config(values: Sequence[str] | None, flag: str = "--run-config") -> dict[str, Any]:
     """Overrides exactly as ``flwr run --run-config`` parses them (Flower's own parser), flat.
 
     One ``.toml`` file, or strings of space-separated TOML ``key=value`` pairs (strings
-    quoted: ``method="fedavg"``); never both. Later pairs win.
+    quoted: ``method="fedavg"``); never both. Later pairs win. ``flag``: the command's flag
+    that gave ``values`` (``feddifrc sweep --set``), named in every error.
     """
     import click
     from flwr.common.config import parse_config_args
 
     values = [v for v in (values or []) if v and v.strip()]
     if values and values[0].strip().endswith(".toml") and not Path(values[0]).expanduser().is_file():
-        raise RunConfigError(f"--run-config: override file {values[0]!r} not found")
+        raise RunConfigError(f"{flag}: override file {values[0]!r} not found")
     for line in values:
         rest = _PAIR.sub("", line).strip()
         if rest and not line.strip().endswith(".toml"):
             raise RunConfigError(
-                f"--run-config: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs"
+                f"{flag}: cannot parse {rest!r} in {line!r}; expected space-separated key=value pairs"
             )
-    if hint := _quote_hint(values):
+    if hint := _quote_hint(values, flag):
         raise RunConfigError(hint)
     try:
         return parse_config_args(values or None)
     except (ValueError, click.ClickException, tomllib.TOMLDecodeError) as e:
         msg = e.message if isinstance(e, click.ClickException) else str(e)
-        raise RunConfigError(f"--run-config {' '.join(values)!r}: {msg}") from None
+        raise RunConfigError(f"{flag} {' '.join(values)!r}: {msg}") from None
 
 
-def _quote_hint(values: Sequence[str]) -> str:
+def _quote_hint(values: Sequence[str], flag: str) -> str:
     """How to quote the bare words among ``values``' pairs, "" if none: ``method=fedavg`` is not
     TOML, which Flower's parser refuses without saying why (a shell drops the quotes of
     ``method="fedavg"`` outside quotes of its own)."""
@@ -57,16 +58,21 @@ def _quote_hint(values: Sequence[str]) -> str:
     bare = [f"{k}={v}" for line in values for k, v in _PAIR.findall(line) if _bare(v)]
     if not bare:
         return ""
-    fixed = " ".join(_PAIR.sub(lambda m: f"{m[1]}='{m[2]}'" if _bare(m[2]) else m[0], x) for x in values)
+    fixed = " ".join(_PAIR.sub(lambda m: f"{m[1]}={quoted(m[2])}", x) for x in values)
     return (
-        f"--run-config: quote string values ({', '.join(bare)}: not a number or true/false), "
-        f'inside the shell\'s quotes: --run-config "{fixed}"'
+        f"{flag}: quote string values ({', '.join(bare)}: not a number or true/false), "
+        f'inside the shell\'s quotes: {flag} "{fixed}"'
     )
+
+
+def quoted(value: str) -> str:
+    """``value`` as TOML: single-quoted when it is a bare word (``fedavg`` -> ``'fedavg'``)."""
+    return f"'{value}'" if _bare(value) else value
 
 
 def _bare(value: str) -> bool:
     """An unquoted value that is not TOML (a word such as fedavg, a path, 64,32,32)."""
-    if value[0] in "'\"":
+    if not value or value[0] in "'\"":
         return False
     try:
         tomllib.loads(f"v = {value}")
