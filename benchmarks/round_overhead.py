@@ -162,6 +162,13 @@ def paper_scale(tmp: Path) -> dict[str, Any]:
 
 def fill_paper_cache(cfg, cache_dir: Path) -> None:
     """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
+    fill_random_features(cfg, cache_dir, PAPER_SD_WIDTHS)
+
+
+def fill_random_features(cfg, cache_dir: Path, widths: dict[int, int], only_missing: bool = False) -> int:
+    """Random pooled features (``widths``: block -> channels) for every training image of ``cfg``
+    (``only_missing``: those not cached yet), written through the real FeatureStore under the
+    run's real key; no teacher runs. Also used by benchmarks/scale.py. Returns the images filled."""
     from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.shards import FeatureStore
     from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
@@ -173,21 +180,24 @@ def fill_paper_cache(cfg, cache_dir: Path) -> None:
     key, fields = features.key, features.fields
     store = FeatureStore(cache_dir / "features")
     store.describe(key, fields)
+    todo = store.missing(key, np.arange(len(data))) if only_missing else np.arange(len(data))
     rng = np.random.default_rng(1)
     step = 2560
-    for s in range(0, len(data), step):
-        ids = np.arange(s, min(s + step, len(data)))
+    for s in range(0, len(todo), step):
+        ids = todo[s : s + step]
         shape = (len(ids), len(prompts))
         store.save(
             key,
             ids,
-            {b: rng.standard_normal((*shape, c), dtype=np.float32) for b, c in PAPER_SD_WIDTHS.items()},
+            {b: rng.standard_normal((*shape, c), dtype=np.float32) for b, c in widths.items()},
         )
     size = sum(f.stat().st_size for f in store.key_dir(key).glob("*.npz"))
     print(
-        f"  feature cache: {len(data)} images x {len(prompts)} prompts x {sum(PAPER_SD_WIDTHS.values())} "
-        f"channels, {size / 1e9:.2f} GB in {len(list(store.key_dir(key).glob('*.npz')))} shards"
+        f"  feature cache: {len(todo)} of {len(data)} images x {len(prompts)} prompts x "
+        f"{sum(widths.values())} random channels filled, {size / 1e9:.2f} GB in "
+        f"{len(list(store.key_dir(key).glob('*.npz')))} shards"
     )
+    return len(todo)
 
 
 def handle(msg: Message, ctx: Context) -> Message:

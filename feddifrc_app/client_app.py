@@ -12,6 +12,8 @@ Message types:
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -26,10 +28,11 @@ from feddifrc_app.config import Config, NodeConfig, load_config, load_node_confi
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
+from feddifrc_app.metric_keys import METRICS, ORIGIN
 from feddifrc_app.model import load_weights
 from feddifrc_app.records import MODEL, record_to_state, state_to_record
+from feddifrc_app.train import configure_torch, train_local
 from feddifrc_app.train import evaluate as evaluate_model
-from feddifrc_app.train import train_local
 
 app = ClientApp(mods=[privacy.client_mod])  # Flower's DP clipping, for a message that asks
 
@@ -51,7 +54,9 @@ def _arrived(msg: Message) -> float:
 
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
-    return load_config(context.run_config), load_node_config(context.node_config)
+    cfg = load_config(context.run_config)
+    configure_torch(cfg.train)  # every handler: its threads and kernels before any torch work
+    return cfg, load_node_config(context.node_config)
 
 
 def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:
@@ -113,7 +118,21 @@ def train(msg: Message, context: Context) -> Message:
     extra = {k: v for h in halves for k, v in h.finish(model, metrics).items()}
     arrays = state_to_record(model.state_dict())
     log.info("train message: handled in %.2f s", time.perf_counter() - started)
-    return Message(RecordDict({MODEL: arrays, "metrics": MetricRecord(metrics), **extra}), reply_to=msg)
+    content = {MODEL: arrays, METRICS: MetricRecord(metrics), ORIGIN: origin(), **extra}
+    return Message(RecordDict(content), reply_to=msg)
+
+
+def origin() -> ConfigRecord:
+    """Where this reply was computed: ``host`` (the machine's name) and, inside a Ray actor
+    (simulation), ``ray-node``, the Ray node id, which tells apart the raylets of one host too.
+    Outside Ray (a deployment's SuperNode) the key is absent: results.json writes null."""
+    out = {"host": socket.gethostname()}
+    # An actor has imported and initialised Ray; a deployment's ClientApp never imports it (a
+    # second of its process start, for nothing).
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        out["ray-node"] = ray.get_runtime_context().get_node_id()
+    return ConfigRecord(out)
 
 
 def _momentum(cfg: Config, context: Context) -> dict[str, torch.Tensor] | None:

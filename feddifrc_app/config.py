@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import cache, reduce
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -32,10 +32,8 @@ METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "mnist-5k-pool", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
-STRATEGIES = (
-    *("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"),
-    *("krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova"),
-)
+STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian")
+STRATEGIES += ("fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova")
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
 CONDITIONS = ("none", "global-model")
@@ -131,6 +129,8 @@ class TrainConfig:
     max_grad_norm: float = key(lo=0.0)  # every method's local gradient clipping; 0 = none
     eval_batch_size: int = key(lo=1, resume=True)
     device: str = key(choices=DEVICES, resume=True)
+    threads: int = key(lo=0, hi=1024, resume=True)  # torch's threads in a node: device.node_threads
+    deterministic: bool = key(resume=True)  # torch.use_deterministic_algorithms in a node (GPU runs)
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,8 @@ class DiffusionConfig:
     # feature cache (one extraction per sweep); -1 = the run seed (a draw per seed, extracted per seed).
     noise_seed: int = key(lo=-1)
     projection: str = key(choices=PROJECTIONS)
+    # federated-pca's basis from a seeded sample of this many nodes' statistics (0 = every node)
+    basis_nodes: int = key(lo=0)
     prompt_template: str = key()
     ndcr_prompt: str = key()
     batch_size: int = key(lo=1, resume=True)
@@ -309,10 +311,11 @@ def resolve_cache_dir(cfg: Config, override: str | None, name: str = "--cache-di
     return resolve_path(cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR, "diffusion.cache-dir")
 
 
-def _fields(cls: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
+@cache
+def _fields(cls: type) -> tuple[tuple[str, dataclasses.Field, Any], ...]:
+    # Once per class: get_type_hints was 2/3 of load_config, which every ClientApp message runs.
     hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        yield f.name, f, hints[f.name]
+    return tuple((f.name, f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
@@ -430,11 +433,8 @@ def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
         raise invalid("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
     if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
-        raise invalid(
-            "dataset.classes",
-            raw["dataset.classes"],
-            "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'",
-        )
+        why = "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'"
+        raise invalid("dataset.classes", raw["dataset.classes"], why)
 
 
 def _check_evaluation(v: Mapping[str, Any]) -> None:

@@ -23,6 +23,7 @@ KEYS_ADDED_SINCE: dict[str, Any] = {
     "loss.ndcr-view": "augmented",  # NDCR aligned the student's (augmented) view
     **{"diffusion.pooling": "mean", "diffusion.pool-grid": 2, "diffusion.dit-features": "raw"},
     "diffusion.noise-seed": -1,  # the teacher's noise was drawn from the run seed
+    "diffusion.basis-nodes": 0,  # the basis came from every node's statistics
     "server.evaluate-every": 1,  # the server scored every round
     "train.max-grad-norm": 0.0,  # no method but FedNH clipped
     "fednh.max-grad-norm": 0.0,  # FedNH did not clip (a run of another method never read it)

@@ -33,6 +33,8 @@ POPULATION = "population"  # the nodes this round's sample was drawn from (the D
 # 3 s between pulls of the SuperLink's HTTP Grid; one pull is one small request, so 0.1 s costs
 # the SuperLink ~10 requests a second while a round waits.
 REPLY_POLL_SECONDS = 0.1
+# How often a wait for min-nodes repeats its count when the count stays the same.
+WAIT_NOTE_SECONDS = 30.0
 
 
 # How much of a node's error a round's record keeps: its own last message line, not Ray's repr,
@@ -128,26 +130,65 @@ class Federation:
 
     def wait_for_nodes(self) -> list[int]:
         """Wait up to min-nodes-timeout for min-nodes nodes; any connected node will do after (a
-        simulation with fewer SuperNodes than min-nodes starts after it, not after an hour)."""
+        simulation with fewer SuperNodes than min-nodes starts after it, not after an hour).
+        The log says how many are connected when that changes (and every ``WAIT_NOTE_SECONDS``),
+        and, when the wait gives up, min-nodes, the count, the timeout and what to change."""
         timeout, want = self.cfg.min_nodes_timeout, self.cfg.min_nodes
-        deadline = time.monotonic() + timeout
-        while len(ids := sorted(self.grid.get_node_ids())) < want and time.monotonic() <= deadline:
-            log.info("waiting for nodes: %d connected, min-nodes = %d", len(ids), want)
+        start = time.monotonic()
+        said: tuple[int, float] | None = None  # (count, when) of the last "waiting" line
+        while len(ids := sorted(self.grid.get_node_ids())) < want and time.monotonic() - start <= timeout:
+            now = time.monotonic()
+            if said is None or said[0] != len(ids) or now - said[1] >= WAIT_NOTE_SECONDS:
+                log.info(
+                    "waiting for nodes: %d of min-nodes = %d connected; min-nodes-timeout = %gs "
+                    "(%.0fs left), then the run goes on with those connected",
+                    len(ids),
+                    want,
+                    timeout,
+                    max(0.0, timeout - (now - start)),
+                )
+                said = (len(ids), now)
             check_stop()
             time.sleep(1.0)
         if not ids:
-            raise RuntimeError(f"no SuperNode connected within min-nodes-timeout = {timeout:g}s")
+            raise RuntimeError(
+                f"no SuperNode connected within min-nodes-timeout = {timeout:g}s (min-nodes = {want}): "
+                "start the SuperNodes and check that they reach this SuperLink's Fleet API "
+                "(`flwr supernode list <connection>` shows them online), or raise min-nodes-timeout"
+            )
         if len(ids) < want:
+            per_round = sampled_per_round(self.cfg.fraction_train, len(ids))
             log.warning(
-                "%d of min-nodes = %d SuperNodes connected within min-nodes-timeout = %gs: going on",
+                "only %d of min-nodes = %d SuperNodes connected within min-nodes-timeout = %gs: going on "
+                "with %d (fraction-train = %g trains %d a round). To run on %d, set min-nodes = %d and "
+                "fraction-train for them (a deployment: every node's num-partitions too; docs/deploy.md, "
+                "'Fewer machines than the paper's'); to run on %d, start the other %d SuperNodes (a "
+                "simulation: num-supernodes) or raise min-nodes-timeout",
                 len(ids),
                 want,
                 timeout,
+                len(ids),
+                self.cfg.fraction_train,
+                per_round,
+                len(ids),
+                len(ids),
+                want,
+                want - len(ids),
             )
         return ids
 
-    def setup(self, node_ids: list[int], want_stats: bool) -> dict[int, RecordDict]:
-        """Ask nodes who they are (partition id, size, labels, teacher) and, once, for PCA statistics."""
+    def setup(self, node_ids: list[int], want_stats: bool, sample: int = 0) -> dict[int, RecordDict]:
+        """Ask nodes who they are (partition id, size, labels, teacher) and, once, for PCA statistics.
+
+        ``sample`` > 0 (fewer than the nodes): every node says who it is, then a seeded sample of
+        ``sample`` of them (drawn in partition order) is asked for the statistics, so the setup
+        work and what the server holds grow with the sample, not with the federation."""
+        if want_stats and 0 < sample < len(node_ids):
+            out = self.setup(node_ids, want_stats=False)
+            drawn = random.Random(f"setup {self.cfg.seed}").sample(list(out), sample)
+            chosen = sorted(drawn, key=self._order)
+            out.update(self.setup(chosen, want_stats=True))
+            return out
         content = RecordDict({"config": ConfigRecord({SETUP_WORK: want_stats})})
         msgs = [Message(content=content, message_type=SETUP, dst_node_id=nid) for nid in node_ids]
         out: dict[int, RecordDict] = {}
@@ -168,7 +209,8 @@ class Federation:
             raise RuntimeError(
                 f"setup: no node answered ({'; '.join(errors) or f'no reply within {timeout:g}s'})"
             )
-        return out
+        # In partition order, not the replies': the federated basis sums the nodes' statistics in it.
+        return {n: out[n] for n in sorted(out, key=self._order)}
 
     def sample(self, rnd: int, evaluate: bool = False) -> list[int]:
         """This round's nodes: ``fraction-train`` of the known ones (``evaluate``: ``fraction-evaluate``
@@ -206,7 +248,9 @@ class Federation:
             pending -= {r.metadata.reply_to_message_id for r in got}
             if not pending or time.monotonic() >= deadline:
                 break
-            time.sleep(poll)
+            # A pull costs the SuperLink a look-up per pending message: with thousands pending (the
+            # setup query of a large federation) ask less often, at least once a second.
+            time.sleep(min(1.0, poll * max(1.0, len(pending) / 100)))
         return replies
 
     def exchange(self, msgs: list[Message], chosen: list[int]) -> tuple[list[Message], list[dict[str, Any]]]:

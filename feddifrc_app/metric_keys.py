@@ -22,6 +22,9 @@ from flwr.app import Message, MetricRecord
 from feddifrc_app import log
 
 METRICS = "metrics"  # the reply's MetricRecord (client_app.train)
+# The train reply's ConfigRecord naming the machine that computed it (client_app.origin):
+# results.json's per-round "origins". A ConfigRecord, so no strategy aggregates it.
+ORIGIN = "origin"
 
 
 def _keys(reply: Message) -> set[str]:

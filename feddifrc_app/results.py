@@ -63,6 +63,10 @@ class RoundRow:
     test_accuracy: float | None = None
     test_loss: float | None = None
     seconds: float | None = None  # a trained round's wall time
+    # Where each aggregated reply was computed (last: a key newer than the others): node id ->
+    # {"partition-id", "host", "ray-node"} (client_app.origin; ray-node null outside Ray; the
+    # whole value null: the reply named none).
+    origins: dict[str, dict[str, Any] | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this code does not write
     # The keys of the object this row was read from, in its order (None: a row built here).
     read_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
@@ -133,6 +137,7 @@ _ROW_TYPES: dict[str, type | tuple[type, ...]] = {n: (int, float) for n in _ROW_
     "nodes": list,
     "failures": list,
     "train_metrics": dict,
+    "origins": dict,
     "dp_release": dict,
     "evaluate_nodes": list,
     "evaluate_failures": list,

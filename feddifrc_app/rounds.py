@@ -320,6 +320,7 @@ class RoundLoop:
         chosen = self._sample(rnd)
         replies, failures = self._exchange(rnd, self._configure(rnd, chosen), chosen)
         row = RoundRow(rnd, nodes=[self.fed.partition_of[n] for n in chosen], failures=failures)
+        row.origins = {str(r.metadata.src_node_id): self._origin(r) for r in replies}
         before, previous = strategy_state(self.strategy), self.arrays
         installed = self._aggregate(rnd, replies, row, before)
         updated = self._score(row, installed, previous, before)  # False: none, or rolled back
@@ -424,6 +425,14 @@ class RoundLoop:
         in the strategy's state."""
         load_strategy_state(self.strategy, before)
         failures.append({"node": None, "partition-id": None, "reason": str(DivergedError(what, remedy))})
+
+    def _origin(self, reply: Message) -> dict[str, Any] | None:
+        """A train reply's machine (client_app.origin): None for a ClientApp that names none."""
+        if metric_keys.ORIGIN not in reply.content.config_records:
+            return None
+        said = reply.content.config_records[metric_keys.ORIGIN]
+        where = {"host": said.get("host"), "ray-node": said.get("ray-node")}
+        return {"partition-id": self.fed.partition_of.get(reply.metadata.src_node_id), **where}
 
     def _describe(self, reply: Message) -> dict[str, Any]:
         node = reply.metadata.src_node_id

@@ -9,7 +9,7 @@ import numpy as np
 from flwr.app import Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from feddifrc_app import log, methods, privacy, privacy_accounting, tracking
+from feddifrc_app import log, methods, privacy, privacy_accounting, ray_address, tracking
 from feddifrc_app.config import Config, load_config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.registry import load_dataset, load_validation
@@ -36,6 +36,7 @@ def main(grid: Grid, context: Context) -> None:
     tracker: tracking.Tracker = tracking.NoTracker()
     try:
         tracker = tracking.start(cfg, run.path, results)
+        ray_address.check(grid)  # a simulation told to join a Ray that is gone would wait a day
         rounds = prepare(grid, cfg, run, results, checkpoint)
     except BaseException as e:
         record_end(run, results, e)
@@ -65,7 +66,7 @@ def prepare(
     # Setup exchange: node -> partition map, and what the method's server half asks of the
     # nodes and derives from their replies (once: a resumed run continues with its checkpoint).
     t0 = time.perf_counter()
-    setup = fed.setup(fed.wait_for_nodes(), method.setup_work())
+    setup = fed.setup(fed.wait_for_nodes(), method.setup_work(), method.setup_nodes())
     check_classes(setup, fed, test)
     method.after_setup(setup, fed.partition_of, results)
     warn_noise(cfg, len(fed.partition_of), results)

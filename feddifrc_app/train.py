@@ -7,6 +7,7 @@ torch objects used here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, TrainConfig
+from feddifrc_app.device import node_threads
 
 if TYPE_CHECKING:  # only the types: training never touches a method's internals or Flower itself
     from feddifrc_app.methods import NodeHalf
@@ -48,6 +50,20 @@ class DivergedError(FloatingPointError):
 
     def __init__(self, what: str, remedy: str) -> None:
         super().__init__(f"{self.TAG} {what} became non-finite; {remedy}")
+
+
+def configure_torch(tc: TrainConfig) -> int:
+    """A node's torch settings for one message, set at the start of each handler (a simulation
+    actor serves messages of several runs): its intra-op threads (``train.threads``: the float
+    sums, so a run's numbers, follow the count, never the machine's cores) and, under
+    ``train.deterministic``, deterministic kernels. Returns the thread count."""
+    threads = node_threads(tc.threads)
+    torch.set_num_threads(threads)
+    if tc.deterministic:
+        # cuBLAS reads it when this process makes its first handle; set later, torch's error says so
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(tc.deterministic)
+    return threads
 
 
 def lr_remedy(lr: float, halves: Sequence[NodeHalf] = ()) -> str:

@@ -15,9 +15,9 @@ FED = "num-supernodes=2 client-resources-num-cpus=2"
 EVAL = "dataset.eval-limit=200"
 
 
-def run_ok(procs, run_config: str, timeout: float = 600) -> dict:
+def run_ok(procs, run_config: str, timeout: float = 600, fed: str = FED) -> dict:
     """Submit, wait, and require ``finished:completed``; the run id and its ServerApp log."""
-    run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=FED)
+    run_id = procs.submit_run(ROOT, "local", run_config=run_config, federation_config=fed)
     info = procs.wait_for_run(run_id, "local", timeout=timeout)
     log = procs.run_log(run_id, "local")
     assert info["status"] == "finished:completed", f"{info}\n{log[-4000:]}\n{procs.report()}"
@@ -26,3 +26,55 @@ def run_ok(procs, run_config: str, timeout: float = 600) -> dict:
 
 def results(run_dir: Path) -> dict:
     return json.loads((run_dir / "results.json").read_text())
+
+
+# The numbers of the suite's quickstart run (QUICK, 2 nodes, seed 7): every run of it, whatever its
+# layout (one actor or two, one raylet or two) and whoever filled its feature cache, must give them.
+QUICK = f"num-server-rounds=2 dataset.train-limit=120 {EVAL}"
+REFERENCE = Path(__file__).parent / "reference" / "suite-quickstart.json"
+
+
+def numbers(r: dict) -> dict:
+    """What a layout must not change in a results.json: the basis, the summary and every round's
+    row, less the wall times and the replies' machines."""
+
+    def row(x: dict) -> dict:
+        out = {k: v for k, v in x.items() if k not in ("seconds", "origins")}
+        if "train-metrics" in out:
+            out["train-metrics"] = {k: v for k, v in x["train-metrics"].items() if not k.endswith("-seconds")}
+        return out
+
+    return {"basis": r["basis"], "summary": r["summary"], "rounds": [row(x) for x in r["rounds"]]}
+
+
+def _platform() -> dict:
+    """What the guarantee is conditional on (docs/results.md): torch and the CPU's kernels."""
+    import platform
+
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+    }
+
+
+def assert_reference(r: dict) -> None:
+    """``r`` (a run of QUICK) has the reference's numbers, bit for bit. The reference holds where it
+    was written (torch version, CPU kernels): elsewhere the test is skipped, saying why.
+    FEDDIFRC_WRITE_REFERENCE=1 (re)writes it from ``r``, for a change meant to move the numbers."""
+    import os
+
+    import pytest
+
+    if os.environ.get("FEDDIFRC_WRITE_REFERENCE") == "1":
+        REFERENCE.parent.mkdir(exist_ok=True)
+        REFERENCE.write_text(json.dumps({"platform": _platform(), **numbers(r)}, indent=1) + "\n")
+    ref = json.loads(REFERENCE.read_text())
+    if (where := ref.pop("platform")) != _platform():
+        pytest.skip(f"{REFERENCE.name} was written on {where}, this is {_platform()}")
+    assert numbers(r) == ref, (
+        f"the numbers differ from {REFERENCE.name}; if a change is meant to move them, rerun with "
+        "FEDDIFRC_WRITE_REFERENCE=1 (and say why in the commit)"
+    )

@@ -160,6 +160,7 @@ def test_a_run_writes_the_federated_numbers_per_round_and_resumes_with_them(tmp_
         "test-accuracy",
         "test-loss",
         "seconds",
+        "origins",
     ]
     for r in rounds[1:]:
         assert r["federated-accuracy"] == pytest.approx(0.8) and r["federated-loss"] == pytest.approx(0.4)

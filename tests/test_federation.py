@@ -1,6 +1,9 @@
-"""What the server keeps of a node's error: the node's own words, first and short."""
+"""What the server keeps of a node's error: the node's own words, first and short; and what its
+wait for min-nodes logs, over a real LinkState and Grid."""
 
 from __future__ import annotations
+
+import re
 
 from feddifrc_app.federation import REASON_CHARS, node_reason
 
@@ -37,3 +40,107 @@ def test_a_long_reason_is_cut_to_one_short_line() -> None:
     out = node_reason("Exception ClientAppException occurred. Message: " + "a\nb " * 400)
     assert len(out) == REASON_CHARS and out.endswith("...") and "\n" not in out
     assert out.startswith("a b a b")
+
+
+# --------------------------------------------------------------------- waiting for min-nodes
+
+
+class _SuperLink:
+    """A SuperLink's state as the ServerApp's Grid reads it (Flower's in-memory LinkState and the
+    Grid over it), with SuperNodes that register and come online as the Fleet API records them."""
+
+    def __init__(self) -> None:
+        from flwr.server.superlink.linkstate import LinkStateFactory
+        from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+        from flwr.supercore.object_store import ObjectStoreFactory
+        from flwr.superlink.federation import NoOpFederationManager
+        from flwr.superlink.federation.noop_federation_manager import NOOP_FEDERATION_ID, NOOP_FLWR_AID
+        from flwr.superlink.grid import InMemoryGrid
+        from flwr.superlink.servicer.control.control_handlers import TaskType
+
+        factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+        self.state = factory.state()
+        run_id = self.state.create_run(
+            None, None, None, {}, NOOP_FEDERATION_ID, None, NOOP_FLWR_AID, TaskType.SERVER_APP
+        )
+        self.grid = InMemoryGrid(factory)
+        (run,) = self.state.get_run_info(run_ids=[run_id])
+        self.grid.set_run(run)
+
+    def supernode(self) -> int:
+        """One SuperNode online (registered, then its first heartbeat), as fleet_handlers does."""
+        import secrets
+
+        from flwr.superlink.federation.noop_federation_manager import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID
+
+        node = self.state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), 3600.0)
+        assert self.state.activate_node(node, 3600.0)
+        return node
+
+
+def test_a_wait_for_min_nodes_that_gives_up_says_so_with_the_count_the_timeout_and_what_to_change(
+    caplog,
+) -> None:
+    """A deployment whose min-nodes exceeds the SuperNodes that ever connect: the ServerApp's
+    last words name min-nodes, the count, the timeout and the keys to change (they said only
+    "no SuperNode connected" or "2 of min-nodes = 3 ... going on"), and the wait logs its count
+    when it changes, not once a second."""
+    import logging
+
+    import pytest
+    from conftest import make_config
+
+    from feddifrc_app.federation import Federation
+
+    link = _SuperLink()
+    cfg = make_config(min_nodes=3, min_nodes_timeout=1.0, fraction_train=0.5)
+    with caplog.at_level(logging.INFO, logger="flwr.feddifrc"), pytest.raises(RuntimeError) as e:
+        Federation(link.grid, cfg).wait_for_nodes()
+    assert str(e.value) == (
+        "no SuperNode connected within min-nodes-timeout = 1s (min-nodes = 3): start the SuperNodes and "
+        "check that they reach this SuperLink's Fleet API (`flwr supernode list <connection>` shows them "
+        "online), or raise min-nodes-timeout"
+    )
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for nodes")]
+    (line,) = waiting  # once for the count 0 (the wait polls every second, and repeats every 30 s)
+    assert re.fullmatch(
+        r"waiting for nodes: 0 of min-nodes = 3 connected; min-nodes-timeout = 1s \([01]s left\), "
+        r"then the run goes on with those connected",
+        line,
+    ), line
+
+    caplog.clear()
+    nodes = sorted(link.supernode() for _ in range(2))
+    with caplog.at_level(logging.INFO, logger="flwr.feddifrc"):
+        assert Federation(link.grid, cfg).wait_for_nodes() == nodes
+    (warning,) = [r for r in caplog.records if r.name == "flwr.feddifrc" and r.levelno == logging.WARNING]
+    assert warning.getMessage() == (
+        "only 2 of min-nodes = 3 SuperNodes connected within min-nodes-timeout = 1s: going on with 2 "
+        "(fraction-train = 0.5 trains 1 a round). To run on 2, set min-nodes = 2 and fraction-train for "
+        "them (a deployment: every node's num-partitions too; docs/deploy.md, 'Fewer machines than the "
+        "paper's'); to run on 3, start the other 1 SuperNodes (a simulation: num-supernodes) or raise "
+        "min-nodes-timeout"
+    )
+
+
+def test_a_supernode_that_connects_during_the_wait_ends_it_without_a_warning(caplog) -> None:
+    import logging
+    import threading
+
+    from conftest import make_config
+
+    from feddifrc_app.federation import Federation
+
+    link = _SuperLink()
+    first = link.supernode()
+    late: list[int] = []
+    joins = threading.Timer(0.5, lambda: late.append(link.supernode()))
+    cfg = make_config(min_nodes=2, min_nodes_timeout=600.0)  # only a failing wait would take that long
+    joins.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+            ids = Federation(link.grid, cfg).wait_for_nodes()
+    finally:
+        joins.cancel()
+    assert ids == sorted([first, *late]) and len(ids) == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "flwr.feddifrc"] == []

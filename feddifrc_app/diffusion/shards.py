@@ -72,20 +72,19 @@ def key_fields(
     family: str = "sd",
     pool_grid: int = 0,
     dit_features: str = "raw",
+    batch_size: int = 16,
 ) -> dict[str, Any]:
     """The canonical fields of a feature key (everything that changes the numbers, nothing else).
 
-    The teacher is named by the sha256 of its weight files only, never by its hub id or
-    folder: the same weights moved, copied or mirrored serve the same cache. ``dtype`` is the
-    teacher's compute dtype (fp16 on CUDA and fp32 on CPU give slightly different features,
-    so an fp32 CPU extract never serves an fp16 GPU run); pass ``str(teacher.dtype)``.
-    Dataset indices are not part of the key: entries are stored per image id. ``family``
-    (``family.ADAPTERS``: which layers ``blocks`` index, how the image is noised) is a field
-    of every family but SD 1.x/2.x, whose keys predate it and stay as they were. ``vae_dtype``
-    is a field only where the VAE encodes in another dtype than ``dtype`` (SDXL's float32 VAE
-    under float16, ``family.vae_dtype``): every other key is as it was before it existed. So is
-    ``pool_grid`` (g x g grid pooling), when not 0 (the mean), and ``dit_features``
-    (``dit_features.py``), when not ``raw``; the mid-block is one of ``blocks``."""
+    The teacher is named by the sha256 of its weight files only (moved, copied or mirrored weights
+    serve the same cache). ``dtype`` is the teacher's compute dtype (fp16 on CUDA and fp32 on CPU
+    give slightly different features): pass ``str(teacher.dtype)``. Dataset indices are not part
+    of the key: entries are stored per image id. Fields that older keys predate are present only
+    where not at their default, so those keys stay as they were: ``family`` (``family.ADAPTERS``;
+    not for SD 1.x/2.x), ``vae_dtype`` (where the VAE encodes in another dtype than ``dtype``:
+    SDXL's float32 VAE under float16), ``pool_grid`` (not 0, the mean), ``dit_features`` (not
+    ``raw``) and ``batch_size`` (not 16: a call's shape picks the kernels, so the features' last
+    bits; ``cache.LazyExtractor`` pads every call to it). The mid-block is one of ``blocks``."""
     fields = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -104,7 +103,7 @@ def key_fields(
     if vae and vae != fields["dtype"]:
         fields["vae_dtype"] = vae
     optional = {"family": (str(family), "sd"), "dit_features": (str(dit_features), "raw")}
-    optional["pool_grid"] = (int(pool_grid), 0)
+    optional |= {"pool_grid": (int(pool_grid), 0), "batch_size": (int(batch_size), 16)}
     return fields | {k: v for k, (v, default) in optional.items() if v != default}
 
 

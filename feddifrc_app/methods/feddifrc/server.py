@@ -51,7 +51,8 @@ def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Resul
         "nodes": len(stats),
         "widths": list(basis.widths),
     }
-    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in setup.values())
+    asked = [c for c in setup.values() if STATS in c]  # diffusion.basis-nodes: the sample only
+    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in asked)
     return basis
 
 
@@ -78,7 +79,9 @@ def record_teacher(
         "random-weights": bool(teacher[0]["teacher-random-weights"]),
         "devices": devices,  # "cuda float16" -> partition ids
     }
-    log.info("diffusion teacher %s on %s", results.teacher["model"], devices)
+    # Partition ids up to a few dozen nodes; counts beyond (thousands of ids are no log line).
+    where = devices if len(setup) <= 40 else {k: f"{len(v)} nodes" for k, v in devices.items()}
+    log.info("diffusion teacher %s on %s", results.teacher["model"], where)
     if results.teacher["random-weights"]:
         log.warning(
             "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
@@ -98,6 +101,9 @@ class FedDifRCServer(ServerHalf):
     def setup_work(self) -> bool:
         # Once: a resumed run continues with the checkpoint's basis (restore).
         return self.cfg.diffusion.projection == "federated-pca" and self.basis is None
+
+    def setup_nodes(self) -> int:
+        return self.cfg.diffusion.basis_nodes
 
     def after_setup(
         self, setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results

@@ -30,6 +30,7 @@ from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.transforms import eval_transform
+from feddifrc_app.device import EXTRACTION_THREADS, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.methods.feddifrc.anchors import prompt_sums
@@ -131,8 +132,9 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
         PREPARED.put(key, stored)
         return *stored, CacheStats(hits=int(np.unique(ids).size))
     pooled, stats = pooled_features(p.features, ids)
-    basis = client_basis(cfg, pooled, server_basis)
-    targets = build_targets(p, pooled, basis)
+    with torch_threads(EXTRACTION_THREADS):  # stored targets serve runs of any train.threads
+        basis = client_basis(cfg, pooled, server_basis)
+        targets = build_targets(p, pooled, basis)
     PREPARED.put(key, (targets, basis))
     if basis is not None:
         try:

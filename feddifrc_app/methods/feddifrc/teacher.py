@@ -32,7 +32,7 @@ import torch
 from feddifrc_app import log
 from feddifrc_app.config import Config, DiffusionConfig
 from feddifrc_app.data.images import ImageData
-from feddifrc_app.device import resolve_device, resolve_dtype
+from feddifrc_app.device import EXTRACTION_THREADS, resolve_device, resolve_dtype, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
 from feddifrc_app.diffusion.dit_features import check_mode
 from feddifrc_app.diffusion.family import (
@@ -68,7 +68,7 @@ class TeacherSpec:
     blocks: tuple[int, ...]
     ensemble: int
     seed: int  # of the noise draws: diffusion.noise-seed, or the run seed where that is -1
-    batch_size: int  # images per UNet call: changes the speed, never a feature
+    batch_size: int  # images per UNet call (every call padded to it): the speed, and the features' last bits
     resident: bool = False  # keep the teacher loaded after a cold extraction (condition = "global-model")
     pool_grid: int = 0  # diffusion.pooling: 0 = the mean over each map, g = a g x g grid of means
     dit_features: str = "raw"  # diffusion.dit-features (dit_features.py)
@@ -172,6 +172,7 @@ def feature_set(spec: TeacherSpec, data: ImageData, prompts: tuple[str, ...]) ->
         family=spec.identity.family,
         pool_grid=spec.pool_grid,
         dit_features=spec.dit_features,
+        batch_size=spec.batch_size,
     )
     return FeatureSet(spec, data, tuple(prompts), key_from_fields(fields), fields)
 
@@ -270,16 +271,19 @@ def pooled_features(
     extractor = LazyExtractor(
         make, lambda sub: data.images[torch.as_tensor(sub)], features.prompts, spec.batch_size
     )
-    out = cached_pooled_features(
-        store,
-        features.key,
-        np.asarray(ids),
-        extractor,
-        keep=keep,
-        progress=progress,
-        chunk=chunk,
-        desc=f"{data.name}/{data.split} teacher features",
-    )
+    # At a fixed thread count, whatever the process's: a cache filled by any run (or `feddifrc
+    # extract`) holds the bits a cold run of any layout computes and trains on.
+    with torch_threads(EXTRACTION_THREADS):
+        out = cached_pooled_features(
+            store,
+            features.key,
+            np.asarray(ids),
+            extractor,
+            keep=keep,
+            progress=progress,
+            chunk=chunk,
+            desc=f"{data.name}/{data.split} teacher features",
+        )
     cold = extractor.loaded
     del extractor  # it holds the featurizer: the memo must be its only holder when released
     if cold and not spec.resident:  # the rounds read the cache; only global-model conditioning needs it
