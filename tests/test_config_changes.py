@@ -19,7 +19,7 @@ INTRODUCED = {
     "server.device": "2245997",
     "server.evaluate-every": "06e9872",
     "train.max-grad-norm": "48ff688",
-    **dict.fromkeys(("train.threads", "train.deterministic"), "HEAD"),  # the commit that adds them
+    **dict.fromkeys(("train.threads", "train.deterministic"), "a459bf9"),
     **dict.fromkeys(("dataset.name", "dataset.data-dir", "dataset.image-size"), FIRST),
     **dict.fromkeys(("dataset.num-workers", "dataset.train-limit"), FIRST),
     "dataset.eval-limit": "e807f2b",
@@ -59,7 +59,7 @@ INTRODUCED = {
     **dict.fromkeys(("moon.mu", "moon.tau", "fednh.rho", "fednh.scale"), "222672e"),
     "fednh.max-grad-norm": "f49764d",
     "diffusion.noise-seed": "44684ef",
-    "diffusion.basis-nodes": "HEAD",  # the commit that adds it
+    "diffusion.basis-nodes": "a459bf9",
     **dict.fromkeys(("tracking.backend", "tracking.dir", "tracking.project", "tracking.tags"), "2a3060a"),
 }
 
