@@ -110,6 +110,8 @@ def _cuda_bf16(device: torch.device) -> bool:
 # convolution depend on how many threads split it (measured on the quickstart's 600 images: 1.1%
 # of the float32 features differ between 1 and 2 threads, 24 of 1,056,000 after float16 rounding).
 EXTRACTION_THREADS = 1
+# torch's intra-op threads before this app set any (read at import: configure_torch changes them).
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
 @contextlib.contextmanager
@@ -125,13 +127,14 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def node_threads(configured: int) -> int:
     """``train.threads``: N > 0 as given; 0 = ``OMP_NUM_THREADS`` of the node's environment (Ray
-    sets it to client-resources-num-cpus in a simulation's actors), 1 where it is unset: never the
-    machine's core count, which would make a run's numbers depend on the host."""
+    sets it to client-resources-num-cpus in a simulation's actors), or, where it is unset (a
+    deployment's SuperNode without it), torch's own default (a thread per core, as torch chooses):
+    such a node's numbers then follow its host's cores (docs/results.md, "Reproducibility")."""
     if configured > 0:
         return configured
     raw = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not raw:
-        return 1
+        return TORCH_DEFAULT_THREADS
     first = raw.split(",")[0].strip()  # OpenMP's nested form "4,2": the outer level's
     if not first.isdigit() or int(first) < 1:
         raise DeviceError(f"OMP_NUM_THREADS = {raw!r}: expected a positive integer (or set train.threads)")

@@ -204,8 +204,9 @@ class Federation:
             else:
                 out[sender(r)] = r.content
                 self.partition_of[sender(r)] = int(r.content["info"]["partition-id"])
-        if not out and node_ids and not self.partition_of:
-            # The reason reaches `flwr ls`, not only the ClientApp logs.
+        if not out and node_ids and (want_stats or not self.partition_of):
+            # The reason reaches `flwr ls`, not only the ClientApp logs (a basis-nodes sample whose
+            # every node failed too: the basis would have no statistics).
             raise RuntimeError(
                 f"setup: no node answered ({'; '.join(errors) or f'no reply within {timeout:g}s'})"
             )

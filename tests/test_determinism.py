@@ -18,7 +18,7 @@ import torch
 from conftest import make_config
 
 from feddifrc_app.data.registry import load_dataset
-from feddifrc_app.device import DeviceError, node_threads, torch_threads
+from feddifrc_app.device import TORCH_DEFAULT_THREADS, DeviceError, node_threads, torch_threads
 from feddifrc_app.diffusion.shards import FeatureStore
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
@@ -73,7 +73,7 @@ def test_a_cache_holds_the_same_bits_whatever_the_writers_thread_count(tmp_path:
 
 def test_a_nodes_threads_come_from_train_threads_or_its_omp_num_threads_never_the_cores(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert node_threads(0) == 1  # not the machine's cores
+    assert node_threads(0) == TORCH_DEFAULT_THREADS  # a deployment's node without it: torch's choice
     assert node_threads(3) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what Ray sets in an actor of client-resources-num-cpus=2
     assert node_threads(0) == 2 and node_threads(1) == 1
@@ -86,7 +86,8 @@ def test_a_nodes_threads_come_from_train_threads_or_its_omp_num_threads_never_th
 
 def test_configure_torch_sets_the_threads_and_deterministic_kernels(monkeypatch) -> None:
     before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the test's value is undone after it
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     try:
         assert configure_torch(make_config(train__threads=2, train__deterministic=True).train) == 2
         assert torch.get_num_threads() == 2 and torch.are_deterministic_algorithms_enabled()

@@ -201,3 +201,9 @@ def test_every_run_config_loads_without_flower():
     assert got["imported"] == []
     assert set(NAMES) <= set(got["methods"])
     assert got["configs"] == json.loads(json.dumps(want, default=str))
+
+
+def test_a_basis_sample_without_a_federated_basis_is_refused():
+    with pytest.raises(ConfigError, match=r"'diffusion.basis-nodes' = 5.*projection = 'random' fits none"):
+        make_config(diffusion__basis_nodes=5, diffusion__projection="random")
+    assert make_config(diffusion__basis_nodes=5).diffusion.basis_nodes == 5  # federated-pca: the default

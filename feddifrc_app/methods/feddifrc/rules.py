@@ -27,6 +27,10 @@ def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
             "negatives nor a normaliser: set 'loss.num-negatives' = 0 and 'loss.tdcl-normaliser' = 'none'"
         )
     _check_anchors(v)
+    if v["diffusion.basis-nodes"] > 0 and v["diffusion.projection"] != "federated-pca":
+        projection = v["diffusion.projection"]
+        why = f"samples the nodes of the federated basis; diffusion.projection = {projection!r} fits none"
+        raise invalid("diffusion.basis-nodes", v["diffusion.basis-nodes"], why)
     if v["method"] == "feddifrc-ssl" and (fraction := v["fraction-evaluate"]) > 0:
         raise invalid(
             "fraction-evaluate",
