@@ -104,6 +104,16 @@ def test_readme_quickstart_claims_are_the_defaults():
     assert int(width) == defaults["model.width"]
 
 
+def test_readme_quickstart_output_is_the_reference_runs_line():
+    """The quickstart's log line is tests/reference/quickstart.json's, which
+    scripts/quickstart_reference.py writes from a fresh default run (and --check compares with one)."""
+    import json
+
+    ref = json.loads((ROOT / "tests" / "reference" / "quickstart.json").read_text())
+    text = section(README.read_text(), "Quickstart")
+    assert f"finished: {ref['line']} -> " in text, ref["line"]
+
+
 def test_readme_holds_no_dated_measurement():
     found = [m.group(0) for m in DATED.finditer(README.read_text())]
     assert not found, f"dated measurements belong in docs/evidence.md or docs/performance.md: {found}"
