@@ -107,6 +107,10 @@ NEUTRAL_SINCE_LEGACY: dict[str, Any] = {
     "min-nodes-timeout": 300.0,  # how long the server waits for nodes: not a result
     "max-frozen-rounds": 1,  # fails a frozen run; every earlier cell completed
     "server.device": "auto",
+    # a cell's actor ran at the OMP_NUM_THREADS=1 Ray gives it (client-resources-num-cpus=1), as
+    # train.threads = 0 reads it; no cell ran deterministic kernels (a CPU run has no other)
+    "train.threads": 0,
+    "train.deterministic": False,
 }
 # Keys that cannot change a cell's result.
 NOT_RESULT_KEYS = {"outputs-dir", "run-name", "resume-from", "keep-checkpoints", "diffusion.cache-dir"} | {
