@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -70,16 +69,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOOR_APP = ROOT / "benchmarks" / "floor_app"
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_env import load  # noqa: E402  (benchmarks/: sys.path[0])
 from flower_procs import FlowerProcs, free_port  # noqa: E402
 
 NEEDLE = "loaded diffusion teacher"
 SIM_CPUS = 1  # per simulated client, and the thread budget of each deployment node
 FED = "num-supernodes={n} client-resources-num-cpus=" + str(SIM_CPUS)
 CONN = "bench-deploy"
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} CPUs"
 
 
 def read_results(path: Path) -> Results | None:
@@ -95,7 +91,7 @@ def save_log(work: Path, text: str) -> str:
 
 
 def watch(
-    procs: FlowerProcs, run_id: int, conn: str, results: Path, rounds: int, timeout: float, snapshot
+    procs: FlowerProcs, run_id: int, conn: str, results: Path, *, rounds: int, timeout: float, snapshot
 ) -> tuple[dict[str, Any], Any]:
     """Wait for the run to finish with few CLI calls (they cost CPU on a small machine).
 
@@ -117,107 +113,107 @@ def watch(
     raise TimeoutError(f"run {run_id} not finished after {timeout}s\n{procs.run_log(run_id, conn)[-4000:]}")
 
 
-def run_simulation(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
-    out = work / "outputs"
-    rc += f" outputs-dir='{out}' run-name='sim' diffusion.cache-dir='{work / 'cache'}'"
-    # Ray prints a repeated actor log line (the 2nd actor's "loaded ...") only when its dedup
-    # buffer flushes, possibly after setup: print each line as it comes, so the split is right.
-    with FlowerProcs(work / "flower", extra_env={"RAY_DEDUP_LOGS": "0"}) as procs:
-        t0 = time.monotonic()
-        run_id = procs.submit_run(ROOT, "local", run_config=rc, federation_config=FED.format(n=a.nodes))
-        info, at_setup = watch(
-            procs,
-            run_id,
-            "local",
-            out / "sim" / "results.json",
-            a.rounds,
-            a.timeout,
-            lambda: {"flwr log": procs.run_log(run_id, "local").count(NEEDLE)},
-        )
-        wall = time.monotonic() - t0
-        total = {"flwr log": save_log(work, procs.run_log(run_id, "local")).count(NEEDLE)}
+def run_app(
+    procs: FlowerProcs, work: Path, conn: str, a: argparse.Namespace, mode: str, counts=dict, **submit
+) -> dict[str, Any]:
+    """Submit this app (``submit``: its run and federation config) and watch it to the end: its
+    status, wall time and results, and the teacher loads its logs show at setup and in all
+    (``counts()``: the loads in the processes' own logs, beside ``flwr log``'s)."""
+    results = work / "outputs" / mode / "results.json"
+
+    def loads(log: str) -> dict[str, int]:
+        return {"flwr log": log.count(NEEDLE), **counts()}
+
+    t0 = time.monotonic()
+    run_id = procs.submit_run(ROOT, conn, **submit)
+    info, at_setup = watch(
+        procs,
+        run_id,
+        conn,
+        results,
+        rounds=a.rounds,
+        timeout=a.timeout,
+        snapshot=lambda: loads(procs.run_log(run_id, conn)),
+    )
+    wall = time.monotonic() - t0
+    total = loads(save_log(work, procs.run_log(run_id, conn)))
     return {
         "info": info,
         "wall": wall,
-        "results": read_results(out / "sim" / "results.json"),
+        "results": read_results(results),
         "loads": total,
         "loads-at-setup": at_setup,
     }
+
+
+def run_simulation(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
+    rc += f" outputs-dir='{work / 'outputs'}' run-name='sim' diffusion.cache-dir='{work / 'cache'}'"
+    # Ray prints a repeated actor log line (the 2nd actor's "loaded ...") only when its dedup
+    # buffer flushes, possibly after setup: print each line as it comes, so the split is right.
+    with FlowerProcs(work / "flower", extra_env={"RAY_DEDUP_LOGS": "0"}) as procs:
+        fed = FED.format(n=a.nodes)
+        return run_app(procs, work, "local", a, "sim", run_config=rc, federation_config=fed)
 
 
 def run_deployment(work: Path, rc: str, a: argparse.Namespace) -> dict[str, Any]:
     out = work / "outputs"
     rc += f" outputs-dir='{out}' run-name='deploy'"  # no diffusion.cache-dir: the node config's wins
     with FlowerProcs(work / "flower") as procs:
-        port = free_port()
-        procs.start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ],
-            ready_port=port,
-        )
-        procs.add_connection(CONN, f"127.0.0.1:{port}", insecure=True)
-        nodes = []
-        for i in range(a.nodes):
-            rport = free_port()
-            node_cfg = f'partition-id={i} num-partitions={a.nodes} cache-dir="{work / f"cache-{i}"}"'
-            nodes.append(
-                procs.start(
-                    f"supernode-{i}",
-                    [
-                        "flower-supernode",
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{port}",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(rport),
-                        "--node-config",
-                        node_cfg,
-                    ],
-                    ready_port=rport,
-                    # The simulated client's CPU budget (client-resources-num-cpus=1: Ray sets
-                    # OMP_NUM_THREADS=1 in its actors), inherited by every ClientApp process:
-                    # two 2-thread processes on 2 cores measured a 3 s first step instead of 0.75 s.
-                    env={"OMP_NUM_THREADS": str(SIM_CPUS)},
-                )
-            )
-        procs.wait_for_nodes_online(CONN, a.nodes, timeout=90)
-        logs = [procs.procs["superlink"], *nodes]
+        logs = start_deployment(procs, work, a.nodes)
 
         def counts() -> dict[str, int]:
             return {p.name: p.text().count(NEEDLE) for p in logs}
 
-        t0 = time.monotonic()
-        run_id = procs.submit_run(ROOT, CONN, run_config=rc)
-        info, at_setup = watch(
-            procs,
-            run_id,
-            CONN,
-            out / "deploy" / "results.json",
-            a.rounds,
-            a.timeout,
-            lambda: {"flwr log": procs.run_log(run_id, CONN).count(NEEDLE), **counts()},
-        )
-        wall = time.monotonic() - t0
-        total = {"flwr log": save_log(work, procs.run_log(run_id, CONN)).count(NEEDLE), **counts()}
+        got = run_app(procs, work, CONN, a, "deploy", counts, run_config=rc)
         floor = {step: run_floor(procs, work, out / "deploy", a, sgd_step=step) for step in (False, True)}
-    return {
-        "info": info,
-        "wall": wall,
-        "results": read_results(out / "deploy" / "results.json"),
-        "loads": total,
-        "loads-at-setup": at_setup,
-        "floor": floor,
-    }
+    return {**got, "floor": floor}
+
+
+def start_deployment(procs: FlowerProcs, work: Path, n: int) -> list:
+    """A SuperLink and ``n`` SuperNodes on loopback ports, online; their processes (the logs)."""
+    port = free_port()
+    procs.start(
+        "superlink",
+        [
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-runtime-dependency-installation",
+        ],
+        ready_port=port,
+    )
+    procs.add_connection(CONN, f"127.0.0.1:{port}", insecure=True)
+    nodes = []
+    for i in range(n):
+        rport = free_port()
+        node_cfg = f'partition-id={i} num-partitions={n} cache-dir="{work / f"cache-{i}"}"'
+        nodes.append(
+            procs.start(
+                f"supernode-{i}",
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(rport),
+                    "--node-config",
+                    node_cfg,
+                ],
+                ready_port=rport,
+                # The simulated client's CPU budget (client-resources-num-cpus=1: Ray sets
+                # OMP_NUM_THREADS=1 in its actors), inherited by every ClientApp process:
+                # two 2-thread processes on 2 cores measured a 3 s first step instead of 0.75 s.
+                env={"OMP_NUM_THREADS": str(SIM_CPUS)},
+            )
+        )
+    procs.wait_for_nodes_online(CONN, n, timeout=90)
+    return [procs.procs["superlink"], *nodes]
 
 
 def update_shapes(run_dir: Path) -> str:
@@ -275,6 +271,30 @@ def report(mode: str, r: dict[str, Any]) -> float | None:
     return med
 
 
+def report_overhead(m_sim: float | None, m_dep: float | None, floor: dict[bool, list[float]]) -> None:
+    """The floor app's rounds, and the deployment's overhead per round against both floors."""
+    floors = {}
+    for step, label in ((False, "Flower's floor"), (True, "the training floor (+ one torch.optim step)")):
+        secs = floor[step]
+        print(f"\n== {label}, benchmarks/floor_app on the same deployment: round seconds", end=" ")
+        print(", ".join(f"{s:.2f}" for s in secs))
+        floors[step] = statistics.median(secs[1:] or secs)  # rounds >= 2, as for the app
+    if m_sim and m_dep:
+        over = m_dep - m_sim
+        print(
+            f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
+            f"= {m_dep / m_sim:.2f}x"
+        )
+        print(f"overhead per round: {over:.2f} s")
+        print(f"flower floor per round: {floors[False]:.2f} s")
+        print(f"excess over floor: {over - floors[False]:.2f} s")
+        print(
+            f"training floor per round: {floors[True]:.2f} s "
+            f"(torch.optim first use: {floors[True] - floors[False]:.2f} s)"
+        )
+        print(f"excess over training floor: {over - floors[True]:.2f} s")
+
+
 @one_line_errors("benchmarks/deploy_vs_sim.py")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -302,27 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     dep = run_deployment(work / "deploy", rc, a)
     print(f"load average after deployment: {load()}")
 
-    m_sim, m_dep = report("simulation", sim), report("deployment", dep)
-    floors = {}
-    for step, label in ((False, "Flower's floor"), (True, "the training floor (+ one torch.optim step)")):
-        secs = dep["floor"][step]
-        print(f"\n== {label}, benchmarks/floor_app on the same deployment: round seconds", end=" ")
-        print(", ".join(f"{s:.2f}" for s in secs))
-        floors[step] = statistics.median(secs[1:] or secs)  # rounds >= 2, as for the app
-    if m_sim and m_dep:
-        over = m_dep - m_sim
-        print(
-            f"\nmedian round time (rounds >= 2): deployment {m_dep:.2f}s / simulation {m_sim:.2f}s "
-            f"= {m_dep / m_sim:.2f}x"
-        )
-        print(f"overhead per round: {over:.2f} s")
-        print(f"flower floor per round: {floors[False]:.2f} s")
-        print(f"excess over floor: {over - floors[False]:.2f} s")
-        print(
-            f"training floor per round: {floors[True]:.2f} s "
-            f"(torch.optim first use: {floors[True] - floors[False]:.2f} s)"
-        )
-        print(f"excess over training floor: {over - floors[True]:.2f} s")
+    report_overhead(report("simulation", sim), report("deployment", dep), dep["floor"])
     if a.keep:
         print(f"kept: {work}")
     else:

@@ -164,7 +164,7 @@ def default_setting(cfg, args, out: Path, family: str) -> dict:
     return {"blocks": list(blocks), "timestep": d.timestep, "channels": list(d.channels)}
 
 
-def arm(cfg, args, data, out: Path, family: str, mode: str, probed: bool = True) -> dict:
+def arm(cfg, args, data, out: Path, family: str, mode: str, *, probed: bool = True) -> dict:
     """Every seed of one family (one DiT mode) and its control, at the family's probed setting
     (``probed``) or at the app's defaults."""
     train, test = data

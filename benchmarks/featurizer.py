@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from sd21_random import sd21_random_teacher  # the sibling benchmark: benchmarks/ is on sys.path
 
 from feddifrc_app.device import resolve_device, resolve_dtype
 from feddifrc_app.diffusion.featurizer import Featurizer, encode_prompts, noise_seed, to_unit_range
@@ -53,91 +54,6 @@ from feddifrc_app.tools.cmd_common import one_line_errors
 ROOT = Path(__file__).resolve().parents[1]
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-# The published SD-2.1 (768-v) component configs, for --model sd21-random.
-SD21_UNET = dict(
-    sample_size=96,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=1024,
-    attention_head_dim=(5, 10, 20, 20),
-    use_linear_projection=True,
-    upcast_attention=True,
-    norm_num_groups=32,
-)
-SD21_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    latent_channels=4,
-    layers_per_block=2,
-    norm_num_groups=32,
-    sample_size=768,
-    block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-)
-SD21_TEXT = dict(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=23,
-    num_attention_heads=16,
-    max_position_embeddings=77,
-    projection_dim=512,
-    hidden_act="gelu",
-)
-
-
-def sd21_random_teacher(cache_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Teacher:
-    """A RANDOM-weight teacher with SD-2.1's architecture, built in memory (timing only).
-
-    The tokenizer is the tiny model's (the vocabulary size does not change the cost).
-    """
-    import diffusers.utils.logging as dlog
-    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from feddifrc_app.diffusion.tiny import SD_SCHEDULER
-
-    tok = load_teacher("tiny", cache_dir, torch.device("cpu"), torch.float32).tokenizer
-    dlog.set_verbosity_error()  # no "cast with to()" notes for random weights
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        unet = UNet2DConditionModel(**SD21_UNET)
-        vae = AutoencoderKL(**SD21_VAE)
-        text = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tok),
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                **SD21_TEXT,
-            )
-        )
-    vae.decoder = None
-    vae.post_quant_conv = None
-    for m in (unet, vae, text):
-        m.requires_grad_(False)
-        m.eval()
-        m.to(device, dtype)
-    alphas = PNDMScheduler(**SD_SCHEDULER).alphas_cumprod.to("cpu", torch.float32)
-    return Teacher(
-        unet=unet,
-        vae=vae,
-        text_encoder=text,
-        tokenizer=tok,
-        alphas_cumprod=alphas,
-        model_id=f"sd21-random-seed{seed}",
-        weights_hash="random",
-        random_weights=True,
-        device=device,
-        dtype=dtype,
-        text_width=SD21_TEXT["hidden_size"],
-        block_channels=tuple(int(b.resnets[-1].out_channels) for b in unet.up_blocks),
-    )
 
 
 def digits_images(n: int) -> torch.Tensor:
@@ -155,6 +71,22 @@ def sync(device: torch.device) -> None:
 
 class _Stop(Exception):
     pass
+
+
+def _pooling_hooks(unet, blocks: tuple[int, ...], grabbed: dict[int, torch.Tensor]) -> list:
+    """Forward hooks that put each up-block's spatially pooled output into ``grabbed`` and stop
+    the UNet after the last needed block (``_Stop``); their handles."""
+    last = max(blocks)
+
+    def hook_for(b: int):
+        def hook(_m, _i, o):
+            grabbed[b] = (o[0] if isinstance(o, tuple) else o).mean(dim=(2, 3), dtype=torch.float32)
+            if b == last:
+                raise _Stop
+
+        return hook
+
+    return [unet.up_blocks[b].register_forward_hook(hook_for(b)) for b in blocks]
 
 
 @torch.inference_mode()
@@ -179,17 +111,7 @@ def naive(
     shape = (t.latent_channels, resolution // f, resolution // f)
     out = {b: torch.zeros(len(images), len(prompts), t.block_channels[b]) for b in blocks}
     grabbed: dict[int, torch.Tensor] = {}
-    last = max(blocks)
-
-    def hook_for(b: int):
-        def hook(_m, _i, o):
-            grabbed[b] = (o[0] if isinstance(o, tuple) else o).mean(dim=(2, 3), dtype=torch.float32)
-            if b == last:
-                raise _Stop
-
-        return hook
-
-    handles = [t.unet.up_blocks[b].register_forward_hook(hook_for(b)) for b in blocks]
+    handles = _pooling_hooks(t.unet, blocks, grabbed)
     g = torch.Generator(device="cpu")
     try:
         with text_encoders_on(t):  # the naive call re-runs its text encoder on the device
@@ -249,20 +171,9 @@ def compare(a: dict[int, torch.Tensor], r: dict[int, torch.Tensor], fp32: bool) 
     return ok, worst, worst_rel
 
 
-def breakdown(
-    teacher: Teacher,
-    feat: Featurizer,
-    images,
-    ids,
-    prompts,
-    args,
-    device,
-    t_row_plain: float,
-    t_row_fast: float,
-    ratios: dict[str, list[float]],
-) -> None:
-    """Where the time of one naive (image, prompt) call goes, against one row of our batched call.
-    The three parts are timed in turn, rep after rep (interleaved), and their medians reported."""
+def naive_call_costs(teacher: Teacher, feat: Featurizer, images, ids, prompts, device) -> dict[str, float]:
+    """Where the time of one naive (image, prompt) call goes: the text encoder, the VAE and the
+    whole call, timed in turn, rep after rep (interleaved); their medians and the reps."""
     t = teacher
     res = feat.resolution
     prompt = prompts[1]
@@ -280,9 +191,18 @@ def breakdown(
         for _ in range(reps):
             for k, f in parts.items():
                 got[k].append(timed(f, device)[1])
-    t_text, t_vae, t_call = (statistics.median(got[k]) for k in ("text", "vae", "call"))
+    return {"reps": reps, **{k: statistics.median(v) for k, v in got.items()}}
+
+
+def breakdown(
+    cost: dict[str, float], rows: dict[str, float], ratios: dict[str, list[float]], args, P: int
+) -> None:
+    """One naive call's cost (``naive_call_costs``) against one row of our batched call
+    (``rows``: plain and fast, all-in; ``P`` rows per image): the ratio can never exceed their
+    quotient."""
+    reps, t_text, t_vae, t_call = int(cost["reps"]), cost["text"], cost["vae"], cost["call"]
+    t_row_plain, t_row_fast = rows["plain"], rows["fast"]
     t_unet1 = max(t_call - t_text - t_vae, 0.0)
-    P = len(prompts) * args.ensemble
     print(f"cost breakdown ({reps} interleaved reps, medians):")
     print(
         f"  naive, one (image, prompt) call: {t_call * 1e3:8.2f} ms = text encoder {t_text * 1e3:.2f} + "
@@ -327,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def interleaved(paths: dict, n_images: int, n_naive: int, B: int, repeats: int, device, blocks) -> tuple:
+def interleaved(paths: dict, n_images: int, n_naive: int, B: int, *, repeats: int, device, blocks) -> tuple:
     """Time the three paths one batch of images at a time, in rotating order, so that load from
     other processes on a shared machine hits all alike. ``paths[name](start, stop)`` -> features.
     Returns (features of the first pass, seconds per path, per-batch ratios to naive, naive images/s)."""
@@ -412,6 +332,20 @@ def load_bench_teacher(args: argparse.Namespace, device: torch.device, dtype: to
     return teacher
 
 
+def describe(args: argparse.Namespace, n_images: int, n_prompts: int, res: int, blocks: tuple) -> None:
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{n_images} images x {n_prompts} prompts at {res} px, t={args.timestep}, blocks {blocks}, "
+        f"ensemble {args.ensemble}, batch {args.batch_size} images = "
+        f"{args.batch_size * n_prompts} UNet rows"
+    )
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"machine load (1/5/15 min): {load} on {os.cpu_count()} CPUs")
+    except (AttributeError, OSError):  # pragma: no cover
+        pass
+
+
 @one_line_errors("benchmarks/featurizer.py")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -426,17 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.arange(len(images), dtype=torch.int64)
     n_naive = min(args.naive_images or len(images), len(images))
     teacher = load_bench_teacher(args, device, dtype)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"{len(images)} images x {len(prompts)} prompts at {res} px, t={args.timestep}, blocks {blocks}, "
-        f"ensemble {args.ensemble}, batch {args.batch_size} images = "
-        f"{args.batch_size * len(prompts)} UNet rows"
-    )
-    try:
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"machine load (1/5/15 min): {load} on {os.cpu_count()} CPUs")
-    except (AttributeError, OSError):  # pragma: no cover
-        pass
+    describe(args, len(images), len(prompts), res, blocks)
 
     kw = dict(resolution=res, timestep=args.timestep, blocks=blocks, ensemble=args.ensemble, seed=args.seed)
     feat = Featurizer(teacher, **kw)
@@ -453,27 +377,26 @@ def main(argv: list[str] | None = None) -> int:
     paths["plain"](0, B)
     paths["fast"](0, B)
     got, secs, per_batch, naive_ips = interleaved(
-        paths, len(images), n_naive, B, args.repeats, device, blocks
+        paths, len(images), n_naive, B, repeats=args.repeats, device=device, blocks=blocks
     )
     if not agree(got, n_naive, len(images), dtype == torch.float32):
         return 1
     report_rates(secs, per_batch, args.repeats, n_naive, len(images), B)
     # all-in cost of one UNet row of ours (VAE and call overhead amortised over the batch)
-    t_row_plain = secs["plain"] / args.repeats / len(images) / len(prompts) / args.ensemble
-    t_row_fast = secs["fast"] / args.repeats / len(images) / len(prompts) / args.ensemble
-    breakdown(teacher, feat, images, ids, prompts, args, device, t_row_plain, t_row_fast, per_batch)
+    P = len(prompts) * args.ensemble
+    rows = {k: secs[k] / args.repeats / len(images) / P for k in ("plain", "fast")}
+    breakdown(naive_call_costs(teacher, feat, images, ids, prompts, device), rows, per_batch, args, P)
     if args.warm_cache:
         median_naive = statistics.median(naive_ips)
-        warm_cache(args, teacher, feat, images, ids, prompts, got["fast"], median_naive, device)
+        warm_cache(args, feat, images, prompts, got=got["fast"], ips_naive=median_naive, device=device)
     return 0
 
 
-def warm_cache(
-    args, teacher: Teacher, feat: Featurizer, images, ids, prompts, got, ips_naive, device
-) -> None:
-    from feddifrc_app.diffusion.cache import LazyExtractor, cached_pooled_features
-    from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
+def cache_key(feat: Featurizer, n_images: int, prompts) -> str:
+    """The feature cache's key of ``feat``'s features of the first ``n_images`` digits."""
+    from feddifrc_app.diffusion.shards import key_fields, key_from_fields
 
+    teacher = feat.teacher
     fields = key_fields(
         weights_hash=teacher.weights_hash,
         resolution=feat.resolution,
@@ -482,13 +405,22 @@ def warm_cache(
         prompts=prompts,
         seed=feat.seed,
         ensemble=feat.ensemble,
-        dataset_fingerprint=f"sklearn-digits-first-{len(images)}",
+        dataset_fingerprint=f"sklearn-digits-first-{n_images}",
         dtype=str(teacher.dtype),
     )
-    key = key_from_fields(fields)
+    return key_from_fields(fields)
+
+
+def warm_cache(args, feat: Featurizer, images, prompts, *, got, ips_naive, device) -> None:
+    """(d): the features written to the on-disk cache (cold), then read back by a fresh extractor
+    that never loads the teacher (warm); the cache-write stall of the cold fill."""
+    from feddifrc_app.diffusion.cache import LazyExtractor, cached_pooled_features
+    from feddifrc_app.diffusion.shards import FeatureStore
+
+    key = cache_key(feat, len(images), prompts)
     with tempfile.TemporaryDirectory() as tmp:
         store = FeatureStore(Path(tmp) / "features")
-        npids = ids.numpy()
+        npids = np.arange(len(images), dtype=np.int64)
 
         def extractor() -> LazyExtractor:
             return LazyExtractor(lambda: feat, lambda i: images[torch.as_tensor(i)], prompts, args.batch_size)

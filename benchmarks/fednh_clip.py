@@ -145,6 +145,18 @@ def summarise(entries: list[dict]) -> dict:
 
 
 def readme(summary: dict, check: dict, code: dict, source: str, earlier: list[dict] = ()) -> str:
+    lines = [*_recheck(check, code, earlier), "", source, "", *_contrasts(summary), *_arms(summary)]
+    lines += [
+        "",
+        "Files: `cells.json` (every cell run here, run2's record format: arm, alpha, seed, val, test, "
+        "config), `summary.json` (the numbers above; `recheck`, `code`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _recheck(check: dict, code: dict, earlier: list[dict]) -> list[str]:
+    """The README's head: what was run, at which commit, and the recheck of run2's cells."""
     lines = [
         "# FedNH's gain, decomposed: FedAvg with FedNH's gradient clipping",
         "",
@@ -183,8 +195,12 @@ def readme(summary: dict, check: dict, code: dict, source: str, earlier: list[di
             f"{same} of {len(earlier)} identical in every round (largest difference {worst:.2f} "
             f"points; {cells}).",
         ]
-    lines += ["", source, ""]
-    lines += [
+    return lines
+
+
+def _contrasts(summary: dict) -> list[str]:
+    """Per alpha, the paired differences on run2's primary endpoint."""
+    lines = [
         "Per alpha, over paired seeds, on run2's primary endpoint (mean test accuracy over the window "
         "rounds), each difference's mean in points with a 95% t-interval and the sign count (+/-). "
         "**Described, not tested**: these are in no Holm family and carry no verdict. Last column: seeds "
@@ -199,7 +215,12 @@ def readme(summary: dict, check: dict, code: dict, source: str, earlier: list[di
             ci = fmt_paired(c) if c["n"] > 1 else f"{c['mean']:+.1f} (no interval)" if c["n"] else "-"
             w = f"{s['window'][0]}-{s['window'][1]}"
             lines.append(f"| {alpha} | {w} | {c['what']} | {c['n']} | {ci} | {c['identical-curves']} |")
-    lines += [
+    return lines
+
+
+def _arms(summary: dict) -> list[str]:
+    """Each arm's mean and SD over seeds."""
+    lines = [
         "",
         "Each arm, mean ± SD over seeds (test accuracy, %):",
         "",
@@ -211,13 +232,7 @@ def readme(summary: dict, check: dict, code: dict, source: str, earlier: list[di
             sd = {k: "-" if len(a["seeds"]) < 2 else f"{a[k]['sd']:.1f}" for k in DESCRIBED}
             m = " | ".join(f"{a[k]['mean']:.1f} ± {sd[k]}" for k in DESCRIBED)
             lines.append(f"| {alpha} | {arm} | {len(a['seeds'])} | {m} |")
-    lines += [
-        "",
-        "Files: `cells.json` (every cell run here, run2's record format: arm, alpha, seed, val, test, "
-        "config), `summary.json` (the numbers above; `recheck`, `code`).",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def run(out: Path, timeout: float) -> int:

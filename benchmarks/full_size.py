@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from featurizer import SD21_TEXT, SD21_UNET, SD21_VAE  # the sibling benchmark: benchmarks/ is on sys.path
+from sd21_random import SD21_TEXT, SD21_UNET, SD21_VAE  # the sibling benchmark: benchmarks/ is on sys.path
 
 from feddifrc_app.diffusion.family import Conditioning, family_module
 from feddifrc_app.diffusion.pipeline import Teacher

@@ -1,4 +1,6 @@
-"""The GPU check's dtypes and agreement bounds (``benchmarks/gpu_check.py``), from the app's rules.
+"""The GPU check's section B and its dtypes and agreement bounds (``benchmarks/gpu_check.py``),
+from the app's rules. ``section_b``: the tiny teachers through the real ``load_teacher`` in
+float32 / float16 / bfloat16.
 
 - ``app_dtypes``: the denoiser's and the VAE's dtype a node picks for ``diffusion.dtype = "auto"``
   (``device.resolve_dtype`` with the family's ``AUTO_BF16``: bfloat16 for SDXL and SD3 on a GPU
@@ -17,12 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import featurizer as fb  # the sibling benchmark: benchmarks/ is on sys.path
+import featurizer as fb  # the sibling benchmarks: benchmarks/ is on sys.path
 import torch
+from gpu_check_measure import PROMPTS, finite, images, make_featurizer
+from gpu_check_rows import Check
 
 from feddifrc_app.device import resolve_dtype
 from feddifrc_app.diffusion.family import family_module, vae_dtype
 
+TINY_MODELS = ("tiny", "tiny-mnist", "tiny-sdxl", "tiny-pixart", "tiny-sd3")
 ROUNDING_FACTOR = 4.0  # a GPU's error may be this many times the CPU's in the same dtype
 # mantissa bits: of two outputs, the one in the more precise dtype is the reference
 PRECISION = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -135,3 +140,38 @@ def audit(c, model: str, t) -> None:
         c.judge(
             f"{model} {dt}: T5 wo", str(wo[0]), ok, "float32 under fp16", str(wo[0]).removeprefix("torch.")
         )
+
+
+def section_b(c: Check) -> None:
+    """The tiny teachers through the real ``load_teacher`` in float32 / float16 / bfloat16."""
+    from feddifrc_app.diffusion.pipeline import load_teacher, teacher_resolution
+    from feddifrc_app.diffusion.tiny import TINY_RESOLUTION
+
+    n = 4 if c.dry else 16
+    x, ids = images(n, seed=1), torch.arange(n)
+    c.data["B"] = {}
+    for model in TINY_MODELS:
+        if not c.time_for(25, model):
+            continue
+        res = teacher_resolution(model, c.cache_dir) or TINY_RESOLUTION
+
+        def feats(device: torch.device, dtype: torch.dtype, fast=True, k=n, model=model, res=res):
+            t = load_teacher(model, c.cache_dir, device, dtype)
+            return t, make_featurizer(t, res, fast)(x[:k], ids[:k], PROMPTS)
+
+        _, ref = feats(c.device, torch.float32)
+        _, plain = feats(c.device, torch.float32, fast=False)
+        out: dict[torch.dtype, dict] = {}
+        for dtype in (torch.float16, torch.bfloat16):
+            t, out[dtype] = feats(c.device, dtype)
+            audit(c, model, t)
+        ok = finite(ref, plain, *out.values())
+        c.judge(f"{model}: all finite", ok, ok, "fp32, fp16, bf16, plain")
+        own = cpu_errors(c, model, feats, ref)
+        row: dict[str, Any] = {"cpu": own}
+        for dtype, floor in ((torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
+            row[name(dtype)] = judge_rounding(c, model, dtype, rel_l2(out[dtype], ref), floor, own)
+        row["fast_vs_plain"] = rfp = rel_l2(ref, plain)
+        bound = rounding_bound(1e-4, own.get("cuda_vs_cpu"))
+        c.judge(f"{model}: fast vs plain, fp32", rfp, rfp <= bound, f"<= {bound:.1e}", f"{rfp:.2e}")
+        c.data["B"][model] = row

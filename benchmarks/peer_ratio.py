@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER_APP = ROOT / "benchmarks" / "peer_app"
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_env import load, work_folder  # noqa: E402  (benchmarks/: sys.path[0])
 from flower_procs import FlowerProcs  # noqa: E402
 
-from feddifrc_app.config import load_config  # noqa: E402
+from feddifrc_app.config_loader import load_config  # noqa: E402
 from feddifrc_app.outputs import RunDir  # noqa: E402
 from feddifrc_app.tools.cmd_common import one_line_errors  # noqa: E402
 from feddifrc_app.tools.run_config import app_defaults  # noqa: E402
 from feddifrc_app.tools.sweep import toml_value  # noqa: E402
 
 TARGET = 1.05
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} CPUs"
 
 
 def app_run_config(work: Path, a: argparse.Namespace, run_name: str) -> dict[str, Any]:
@@ -105,31 +100,8 @@ def fed(a: argparse.Namespace) -> str:
     return f"num-supernodes={a.nodes} client-resources-num-cpus=1"
 
 
-@one_line_errors("benchmarks/peer_ratio.py")
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (all train every round)")
-    ap.add_argument("--rounds", type=int, default=6, help="num-server-rounds (rounds 2.. are timed)")
-    ap.add_argument("--local-epochs", type=int, default=1, help="train.local-epochs")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each app, order alternating")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    ap.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
-    a = ap.parse_args(argv)
-    if a.rounds < 3:
-        raise SystemExit("--rounds: at least 3 (rounds 2 and later are timed)")
-    tmp = None
-    if a.out is None:
-        tmp = tempfile.TemporaryDirectory(prefix="feddifrc-peer-")
-        a.out = Path(tmp.name)
-    work = a.out.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(app_run_config(work, a, "check"))
-    print(
-        f"{a.nodes} nodes, {a.rounds} rounds, {a.local_epochs} local epoch(s): dataset {cfg.dataset.name}, "
-        f"{cfg.partition.name} partition, {cfg.model.name} width {cfg.model.width}, batch "
-        f"{cfg.train.batch_size}; load {load()}",
-        flush=True,
-    )
+def timed_runs(work: Path, a: argparse.Namespace) -> dict[str, list[float]]:
+    """Rounds 2.. of the app's and the peer's runs, ``--repeats`` of each, order alternating."""
     secs: dict[str, list[float]] = {"app": [], "peer": []}
     with FlowerProcs(work / "flower") as procs:
         for k in range(a.repeats):
@@ -148,12 +120,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['accuracy']:.4f}; load {load()}",
                     flush=True,
                 )
+    return secs
+
+
+@one_line_errors("benchmarks/peer_ratio.py")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (all train every round)")
+    ap.add_argument("--rounds", type=int, default=6, help="num-server-rounds (rounds 2.. are timed)")
+    ap.add_argument("--local-epochs", type=int, default=1, help="train.local-epochs")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each app, order alternating")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
+    a = ap.parse_args(argv)
+    if a.rounds < 3:
+        raise SystemExit("--rounds: at least 3 (rounds 2 and later are timed)")
+    with work_folder(a.out, "feddifrc-peer-") as work:
+        cfg = load_config(app_run_config(work, a, "check"))
+        print(
+            f"{a.nodes} nodes, {a.rounds} rounds, {a.local_epochs} local epoch(s): dataset "
+            f"{cfg.dataset.name}, {cfg.partition.name} partition, {cfg.model.name} width "
+            f"{cfg.model.width}, batch {cfg.train.batch_size}; load {load()}",
+            flush=True,
+        )
+        secs = timed_runs(work, a)
     med = {k: statistics.median(v) for k, v in secs.items()}
     ratio = med["app"] / med["peer"]
     print(f"app FedAvg round: median {med['app']:.2f} s; plain Flower peer: median {med['peer']:.2f} s")
     print(f"peer ratio: {ratio:.3f} (target <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'})")
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

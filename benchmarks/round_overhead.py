@@ -45,27 +45,24 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
-import pickle
 import pstats
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from bench_env import work_folder  # the sibling benchmarks: benchmarks/ is on sys.path
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from round_overhead_paper import fill_paper_cache, fresh_process_targets, fresh_targets_child, paper_scale
 
-from feddifrc_app.config import load_config, load_node_config
+from feddifrc_app.config import load_node_config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.shares import client_split
-from feddifrc_app.methods import SETUP_WORK
+from feddifrc_app.halves import SETUP_WORK
 from feddifrc_app.methods.feddifrc.projection import fit_federated_basis, stats_from_arrays
 from feddifrc_app.model import build_model
 from feddifrc_app.tools.cmd_common import one_line_errors
@@ -119,85 +116,6 @@ class PeakRSS:
         while True:
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.now())
             time.sleep(0.02)
-
-
-PAPER_SD_WIDTHS = {1: 1280, 2: 640, 3: 320}  # SD-2.1 unet.up_blocks[1..3] output channels
-
-
-def trust_random_cifar() -> None:
-    """Random pixels: no md5 to match; torchvision then only checks that the files exist."""
-    from torchvision.datasets import CIFAR10
-
-    for attr in ("train_list", "test_list"):
-        setattr(CIFAR10, attr, [[name, None] for name, _ in getattr(CIFAR10, attr)])
-    CIFAR10.meta = {**CIFAR10.meta, "md5": None}
-
-
-def paper_scale(tmp: Path) -> dict[str, Any]:
-    """A random-pixel CIFAR-10 (real file format) and the run-config overrides of the paper cell's
-    client; the feature cache is filled by ``fill_paper_cache`` once the config is loaded."""
-    trust_random_cifar()
-    d = tmp / "data" / "cifar-10-batches-py"
-    d.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name, n in [(f"data_batch_{i}", 10_000) for i in range(1, 6)] + [("test_batch", 1_000)]:
-        batch = {
-            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-            "labels": list(rng.integers(0, 10, n)),
-        }
-        with open(d / name, "wb") as f:
-            pickle.dump(batch, f)
-    with open(d / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
-    return {
-        "dataset.name": "cifar10",
-        "dataset.data-dir": str(tmp / "data"),
-        "dataset.image-size": 32,
-        "partition.name": "iid",
-        "model.width": 64,
-        "diffusion.channels": "256,128,128",
-        "train.batch-size": 64,
-    }
-
-
-def fill_paper_cache(cfg, cache_dir: Path) -> None:
-    """Random pooled features with SD-2.1 widths for every training image, under the run's real key."""
-    fill_random_features(cfg, cache_dir, PAPER_SD_WIDTHS)
-
-
-def fill_random_features(cfg, cache_dir: Path, widths: dict[int, int], only_missing: bool = False) -> int:
-    """Random pooled features (``widths``: block -> channels) for every training image of ``cfg``
-    (``only_missing``: those not cached yet), written through the real FeatureStore under the
-    run's real key; no teacher runs. Also used by benchmarks/scale.py. Returns the images filled."""
-    from feddifrc_app.data.registry import load_dataset
-    from feddifrc_app.diffusion.shards import FeatureStore
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
-
-    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-    prompts = teacher_prompts(cfg, data.class_names)
-    features = feature_set(teacher_spec(cfg, cache_dir), data, prompts)
-    key, fields = features.key, features.fields
-    store = FeatureStore(cache_dir / "features")
-    store.describe(key, fields)
-    todo = store.missing(key, np.arange(len(data))) if only_missing else np.arange(len(data))
-    rng = np.random.default_rng(1)
-    step = 2560
-    for s in range(0, len(todo), step):
-        ids = todo[s : s + step]
-        shape = (len(ids), len(prompts))
-        store.save(
-            key,
-            ids,
-            {b: rng.standard_normal((*shape, c), dtype=np.float32) for b, c in widths.items()},
-        )
-    size = sum(f.stat().st_size for f in store.key_dir(key).glob("*.npz"))
-    print(
-        f"  feature cache: {len(todo)} of {len(data)} images x {len(prompts)} prompts x "
-        f"{sum(widths.values())} random channels filled, {size / 1e9:.2f} GB in "
-        f"{len(list(store.key_dir(key).glob('*.npz')))} shards"
-    )
-    return len(todo)
 
 
 def handle(msg: Message, ctx: Context) -> Message:
@@ -263,67 +181,7 @@ def profile_round(ctxs, pids, arrays, rnd, basis, top: int) -> None:
     print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
 
 
-def fresh_process_targets(
-    run_config: dict[str, Any], node_config: dict[str, Any], basis: ArrayRecord | None, work: Path
-) -> dict[str, float]:
-    """Time a NEW Python process preparing one client's targets, as a deployment's ClientApp does
-    at every train message (``--fresh-targets``, below); its numbers, from the child's stdout."""
-    spec = work / "fresh-targets.json"
-    basis_file = work / "fresh-targets-basis.npz"
-    if basis is not None:
-        np.savez(basis_file, **{k: v.numpy() for k, v in basis.items()})
-    spec.write_text(
-        json.dumps(
-            {
-                "run_config": run_config,
-                "node_config": node_config,
-                "basis": str(basis_file) if basis is not None else None,
-            }
-        )
-    )
-    t0 = time.perf_counter()
-    cp = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--fresh-targets", str(spec)],
-        capture_output=True,
-        text=True,
-    )
-    wall = time.perf_counter() - t0
-    if cp.returncode != 0:
-        raise RuntimeError(f"the fresh process failed:\n{cp.stderr[-4000:]}")
-    return {**json.loads(cp.stdout.strip().splitlines()[-1]), "process-seconds": wall}
-
-
-def fresh_targets_child(spec_path: Path) -> int:
-    """``--fresh-targets SPEC``: in this new process, the train handler's target preparation for the
-    spec's client (FedDifRC's node half: cache key, prepared-targets file or shards, fusion)."""
-    from feddifrc_app.methods import Node, model_for
-    from feddifrc_app.methods.feddifrc.node import node_half
-    from feddifrc_app.records import arrays_to_record
-
-    spec = json.loads(spec_path.read_text())
-    trust_random_cifar()
-    cfg, node = load_config(spec["run_config"]), load_node_config(spec["node_config"])
-    data, ids = client_split(cfg, node)
-    content = RecordDict()
-    if spec["basis"] is not None:
-        with np.load(spec["basis"]) as z:
-            content["basis"] = arrays_to_record({k: z[k] for k in z.files})
-    msg = Message(content, message_type="train", dst_node_id=1)
-    half = node_half(msg, Node(cfg, data, ids, torch.device("cpu"), 0, RecordDict(), config=node))
-    metrics = half.start(model_for(cfg, data.num_classes))
-    print(
-        json.dumps(
-            {
-                "teacher-seconds": metrics["teacher-seconds"],
-                "teacher-cache-misses": metrics["teacher-cache-misses"],
-            }
-        )
-    )
-    return 0
-
-
-@one_line_errors("benchmarks/round_overhead.py")
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default=None, help="dataset.name (default: the app default, digits)")
     ap.add_argument("--image-size", type=int, default=None, help="dataset.image-size")
@@ -360,23 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         args.max_ratio = 1.1 if args.scale == "paper" else 1.3
     if args.scale == "paper" and args.clients is None:
         args.clients = 1  # one paper-cell client: 4,500 images
-    rss = PeakRSS()
+    return args
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = 1
-    if args.fresh_targets is not None:
-        return fresh_targets_child(args.fresh_targets)
 
-    tmp = None
-    if args.cache_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="feddifrc-round-overhead-")
-        cache_dir = tmp.name
-    else:
-        cache_dir = str(Path(args.cache_dir).expanduser().resolve())
-    over: dict[str, Any] = {"diffusion.cache-dir": cache_dir}
+def overrides(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
+    """The run-config keys the flags set (``--scale paper``: its data written into ``cache_dir``)."""
+    over: dict[str, Any] = {"diffusion.cache-dir": str(cache_dir)}
     if args.scale == "paper":
-        over.update(paper_scale(Path(cache_dir)))
+        over.update(paper_scale(cache_dir))
     if args.dataset is not None:
         over["dataset.name"] = args.dataset
     if args.image_size is not None:
@@ -390,25 +239,24 @@ def main(argv: list[str] | None = None) -> int:
     for kv in args.set:
         k, _, v = kv.partition("=")
         over[k.strip()] = v.strip()  # load_config casts and validates
-    rcs = {m: run_config(**over, method=m) for m in METHODS}
-    cfgs = {m: load_config(rc) for m, rc in rcs.items()}
-    cfg = cfgs["feddifrc"]
-    n = args.partitions
-    pids = list(range(min(args.clients or n, n)))
-    ctxs = {
-        m: [
-            Context(
-                run_id=1,
-                node_id=p + 1,
-                node_config={"partition-id": p, "num-partitions": n},
-                state=RecordDict(),
-                run_config=rcs[m],
-            )
-            for p in range(n)
-        ]
-        for m in METHODS
-    }
+    return over
 
+
+def contexts(rc: dict[str, Any], n: int) -> list[Context]:
+    """One SuperNode's Context per partition, as Flower builds them for the ClientApp."""
+    return [
+        Context(
+            run_id=1,
+            node_id=p + 1,
+            node_config={"partition-id": p, "num-partitions": n},
+            state=RecordDict(),
+            run_config=rc,
+        )
+        for p in range(n)
+    ]
+
+
+def describe(cfg, n: int, pids: list[int], cache_dir: Path) -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy BLAS {blas_threads()}; "
         f"machine load (1/5/15 min) {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs"
@@ -422,27 +270,37 @@ def main(argv: list[str] | None = None) -> int:
         f"TDCL {cfg.loss.tdcl_weight} NDCR {cfg.loss.ndcr_weight}; cache {cache_dir}"
     )
 
+
+def warm_up(
+    args: argparse.Namespace, cfg, ctxs: list[Context], pids: list[int], cache_dir: Path, rss: PeakRSS
+) -> Any:
+    """The feature cache filled and the federated basis (None without federated-pca)."""
     t0 = time.perf_counter()
     if args.scale == "paper":
-        fill_paper_cache(cfg, Path(cache_dir))
+        fill_paper_cache(cfg, cache_dir)
     rss.phase = "setup"
     print("warm-up: setup query with want-stats on every partition (fills the feature cache)")
     # Paper scale: the basis from the trained client's statistics only (setup of all 10 clients
     # would read the whole 2.5 GB cache once more and time nothing).
-    who = [ctxs["feddifrc"][p] for p in pids] if args.scale == "paper" else ctxs["feddifrc"]
+    who = [ctxs[p] for p in pids] if args.scale == "paper" else ctxs
     basis = setup(who, cfg) if cfg.diffusion.projection == "federated-pca" else None
     print(f"  warm-up took {time.perf_counter() - t0:.1f}s")
+    return basis
 
-    torch.manual_seed(cfg.seed)
+
+def initial_arrays(cfg, ctx: Context) -> ArrayRecord:
+    """The same seeded initial model for both methods."""
     from feddifrc_app.records import state_to_record
 
-    data, _ = client_split(
-        cfg, load_node_config(ctxs["feddifrc"][0].node_config)
-    )  # memoised: the handlers' data
-    arrays = state_to_record(build_model(cfg.model.name, data.num_classes, cfg.model.width).state_dict())
-    bases = {"fedavg": None, "feddifrc": basis}
-    # one untimed round each: dataset/partition caches, allocator, first-call costs, and
-    # FedDifRC's once-per-process preparation of the client's targets (cache read + fusion)
+    torch.manual_seed(cfg.seed)
+    data, _ = client_split(cfg, load_node_config(ctx.node_config))  # memoised: the handlers' data
+    return state_to_record(build_model(cfg.model.name, data.num_classes, cfg.model.width).state_dict())
+
+
+def first_rounds(ctxs: dict, pids: list[int], arrays: ArrayRecord, bases: dict, rss: PeakRSS) -> bool:
+    """One untimed round each: dataset/partition caches, allocator, first-call costs, and
+    FedDifRC's once-per-process preparation of the client's targets (cache read + fusion).
+    False when the cache was not warm."""
     for m in METHODS:
         rss.phase = m
         first, met = train_round(ctxs[m], pids, arrays, 1, bases[m])
@@ -451,22 +309,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         if m == "feddifrc" and met.get("teacher-cache-misses", 0):
             print("the cache was not warm after setup: teacher work would be timed")
-            return 1
+            return False
+    return True
 
+
+def timed_rounds(ctxs: dict, pids: list[int], arrays: ArrayRecord, bases: dict, rounds: int, rss: PeakRSS):
+    """``rounds`` rounds of each method, interleaved, order alternating: (seconds, metrics) per method."""
     secs: dict[str, list[float]] = {m: [] for m in METHODS}
     mets: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    for r in range(args.rounds):
+    for r in range(rounds):
         order = METHODS if r % 2 == 0 else METHODS[::-1]
         for m in order:
             rss.phase = m
             s, met = train_round(ctxs[m], pids, arrays, r + 2, bases[m])
             secs[m].append(s)
             mets[m].append(met)
-    misses = sum(x.get("teacher-cache-misses", 0) for x in mets["feddifrc"])
-    if misses:
-        print(f"{misses:.0f} cache misses during timed FedDifRC rounds: not a warm-cache measurement")
-        return 1
+    return secs, mets
 
+
+def report(args: argparse.Namespace, cfg, secs: dict, mets: dict) -> float:
+    """The per-round medians, their split and the ratio against the bound; returns the ratio."""
     med = {m: statistics.median(v) for m, v in secs.items()}
     ratio = med["feddifrc"] / med["fedavg"]
     per_round = [b / a for a, b in zip(secs["fedavg"], secs["feddifrc"], strict=True)]
@@ -485,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         f"median {statistics.median(per_round):.2f}, max {max(per_round):.2f}); "
         f"bound {args.max_ratio:.2f}x: {'met' if ratio <= args.max_ratio else 'NOT met'}"
     )
+    return ratio
+
+
+def report_memory_and_spread(rss: PeakRSS, secs: dict, mets: dict) -> None:
+    """Peak RSS per phase against its bound, and notes on what the numbers' spread suggests."""
     rss.phase = "end"
     gb = {k: v / 2**30 for k, v in rss.peaks.items()}
     extra = gb["feddifrc"] - gb["fedavg"]
@@ -506,26 +373,64 @@ def main(argv: list[str] | None = None) -> int:
             "NDCR terms add only a few % to a step when timed alone: numpy's BLAS threads, woken by the "
             "targets' numpy matmul, keep spinning and compete with torch's (compare OPENBLAS_NUM_THREADS=1)"
         )
-    if args.scale == "paper":
-        fresh = fresh_process_targets(
-            rcs["feddifrc"], dict(ctxs["feddifrc"][pids[0]].node_config), basis, Path(cache_dir)
-        )
-        if fresh["teacher-cache-misses"]:
-            print(
-                f"the fresh process missed {fresh['teacher-cache-misses']:.0f} cached features: "
-                "not a warm cache"
-            )
-            return 1
+
+
+def fresh_process(rc: dict[str, Any], ctx: Context, basis: Any, cache_dir: Path) -> bool:
+    """The paper scale's fresh-process targets against their bound; False on a cold cache."""
+    fresh = fresh_process_targets(rc, dict(ctx.node_config), basis, cache_dir)
+    if fresh["teacher-cache-misses"]:
         print(
-            f"fresh-process targets: {fresh['teacher-seconds']:.2f} s (bound 0.5 s: "
-            f"{'met' if fresh['teacher-seconds'] <= 0.5 else 'NOT met'}); that new process took "
-            f"{fresh['process-seconds']:.1f} s in all (start, imports, dataset load: paid per message too)"
+            f"the fresh process missed {fresh['teacher-cache-misses']:.0f} cached features: not a warm cache"
         )
+        return False
+    print(
+        f"fresh-process targets: {fresh['teacher-seconds']:.2f} s (bound 0.5 s: "
+        f"{'met' if fresh['teacher-seconds'] <= 0.5 else 'NOT met'}); that new process took "
+        f"{fresh['process-seconds']:.1f} s in all (start, imports, dataset load: paid per message too)"
+    )
+    return True
+
+
+def measure(args: argparse.Namespace, cache_dir: Path, rss: PeakRSS) -> int:
+    rcs = {m: run_config(**overrides(args, cache_dir), method=m) for m in METHODS}
+    cfg = {m: load_config(rc) for m, rc in rcs.items()}["feddifrc"]
+    n = args.partitions
+    pids = list(range(min(args.clients or n, n)))
+    ctxs = {m: contexts(rcs[m], n) for m in METHODS}
+    describe(cfg, n, pids, cache_dir)
+    basis = warm_up(args, cfg, ctxs["feddifrc"], pids, cache_dir, rss)
+    arrays = initial_arrays(cfg, ctxs["feddifrc"][0])
+    bases = {"fedavg": None, "feddifrc": basis}
+    if not first_rounds(ctxs, pids, arrays, bases, rss):
+        return 1
+    secs, mets = timed_rounds(ctxs, pids, arrays, bases, args.rounds, rss)
+    misses = sum(x.get("teacher-cache-misses", 0) for x in mets["feddifrc"])
+    if misses:
+        print(f"{misses:.0f} cache misses during timed FedDifRC rounds: not a warm-cache measurement")
+        return 1
+    ratio = report(args, cfg, secs, mets)
+    report_memory_and_spread(rss, secs, mets)
+    if args.scale == "paper" and not fresh_process(
+        rcs["feddifrc"], ctxs["feddifrc"][pids[0]], basis, cache_dir
+    ):
+        return 1
     if args.profile or ratio > args.max_ratio:
         profile_round(ctxs["feddifrc"], pids, arrays, args.rounds + 2, basis, top=40)
-    if tmp is not None:
-        tmp.cleanup()
     return 0
+
+
+@one_line_errors("benchmarks/round_overhead.py")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rss = PeakRSS()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = 1
+    if args.fresh_targets is not None:
+        return fresh_targets_child(args.fresh_targets)
+    cache = None if args.cache_dir is None else Path(args.cache_dir).expanduser()
+    with work_folder(cache, "feddifrc-round-overhead-") as cache_dir:
+        return measure(args, cache_dir, rss)
 
 
 if __name__ == "__main__":

@@ -46,14 +46,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feddifrc_app.config import load_config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.data.sources.digits import DIGIT_NAMES
 from feddifrc_app.outputs import RunDir
@@ -65,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_env import load, work_folder  # noqa: E402
 from flower_procs import FlowerProcs  # noqa: E402
 
 SAMPLED = 5  # nodes per round
@@ -73,10 +73,6 @@ SHIFT = 2  # pixels of each shifted copy
 CLASSES = [n.replace(" ", "_") for n in DIGIT_NAMES]  # image-folder: "_" reads as " " (the prompts)
 SETUP_TARGET, ROUND_TARGET = 60.0, 1.5
 BASIS_NODES = 50  # diffusion.basis-nodes: the same setup work at every size
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} CPUs"
 
 
 def shifted(images: np.ndarray) -> list[np.ndarray]:
@@ -168,7 +164,7 @@ def warm_cache(work: Path, data: Path, features: str) -> None:
     teacher's for ~250 images (the extraction rate) and random pooled features of the teacher's
     block widths for the rest (``"random"``: round and setup times do not depend on the values;
     accuracies then mean nothing)."""
-    from round_overhead import fill_random_features
+    from round_overhead_paper import fill_random_features
 
     conf = write_toml(work / "extract.toml", run_config(work, data, 1))
     images = sum(1 for _ in (data / "train").rglob("*.png"))
@@ -217,23 +213,10 @@ def basis_fidelity(work: Path, data: Path, per_node: int = 5, draws: int = 20) -
     ``draws`` samples. One line per K."""
     import random
 
-    from feddifrc_app.data.partition import partition_by_config
-    from feddifrc_app.diffusion.shards import FeatureStore
-    from feddifrc_app.methods.feddifrc.projection import client_stats, fit_federated_basis
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
+    from feddifrc_app.methods.feddifrc.projection import fit_federated_basis
 
     cfg = load_config({**app_defaults(ROOT), **run_config(work, data, 1)})
-    train = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-    parts = max(1, len(train) // 250)  # warm_cache's extraction: partition 0 of these
-    ids = partition_by_config(train.labels, parts, cfg.partition, cfg.seed)[0]
-    key = feature_set(teacher_spec(cfg, work / "cache"), train, teacher_prompts(cfg, train.class_names)).key
-    feats, missing = FeatureStore(work / "cache" / "features").load(key, ids)
-    if feats is None or len(missing):
-        raise RuntimeError("basis check: the extracted features are not in the cache")
-    nodes = [
-        client_stats({b: f[i : i + per_node] for b, f in feats.items()}) for i in range(0, len(ids), per_node)
-    ]
+    nodes = _extracted_nodes(cfg, work, per_node)
     d = cfg.diffusion
     full, merged = fit_federated_basis(nodes, d.channels, d.blocks, cfg.embedding_dim)
 
@@ -265,8 +248,59 @@ def basis_fidelity(work: Path, data: Path, per_node: int = 5, draws: int = 20) -
     return lines
 
 
+def _extracted_nodes(cfg, work: Path, per_node: int) -> list:
+    """The PCA statistics of nodes of ``per_node`` images each, over the images ``warm_cache``
+    extracted with the teacher (partition 0 of ~250-image partitions)."""
+    from feddifrc_app.data.partition import partition_by_config
+    from feddifrc_app.diffusion.shards import FeatureStore
+    from feddifrc_app.methods.feddifrc.projection import client_stats
+    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
+
+    train = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    parts = max(1, len(train) // 250)  # warm_cache's extraction: partition 0 of these
+    ids = partition_by_config(train.labels, parts, cfg.partition, cfg.seed)[0]
+    key = feature_set(teacher_spec(cfg, work / "cache"), train, teacher_prompts(cfg, train.class_names)).key
+    feats, missing = FeatureStore(work / "cache" / "features").load(key, ids)
+    if feats is None or len(missing):
+        raise RuntimeError("basis check: the extracted features are not in the cache")
+    return [
+        client_stats({b: f[i : i + per_node] for b, f in feats.items()}) for i in range(0, len(ids), per_node)
+    ]
+
+
 @one_line_errors("benchmarks/scale.py")
 def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    sizes = [int(s) for s in a.nodes.split(",") if s.strip()]
+    with work_folder(a.out, "feddifrc-scale-") as work:
+        data = work / "data"
+        images = write_dataset(data)
+        if images < 2 * max(sizes):
+            raise SystemExit(f"{images} training images: fewer than 2 per node at {max(sizes)} nodes")
+        print(f"data: {images} training images (mnist-5k train x 5 shifts) in {data}; load {load()}")
+        warm_cache(work, data, a.features)
+        for line in basis_fidelity(work, data):
+            print(line, flush=True)
+        out = []
+        for n in sizes:
+            r = run_size(work, data, n, a.basis_nodes, a.timeout)
+            out.append(r)
+            print(f"scale: {n} nodes: setup {r['setup']:.1f} s, round {r['round']:.2f} s", flush=True)
+            print(
+                f"  rounds 2-{ROUNDS} {', '.join(f'{s:.2f}' for s in r['rounds'])} s; submit -> finished "
+                f"{r['wall']:.0f} s; results.json {r['results-bytes'] / 1024:.0f} KiB; basis from "
+                f"{(r['basis'] or {}).get('nodes')} nodes; round-{ROUNDS} test accuracy {r['accuracy']:.4f}; "
+                f"load {r['load']}",
+                flush=True,
+            )
+        report(out)
+        if a.json is not None:
+            a.json.write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="100,5000", help="comma-separated federation sizes")
     ap.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
@@ -285,34 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         "the rest (default), or the teacher's for all (hours on a busy 2-core machine)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the measurements here")
-    a = ap.parse_args(argv)
-    sizes = [int(s) for s in a.nodes.split(",") if s.strip()]
-    tmp = None
-    if a.out is None:
-        tmp = tempfile.TemporaryDirectory(prefix="feddifrc-scale-")
-        a.out = Path(tmp.name)
-    work = a.out.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / "data"
-    images = write_dataset(data)
-    if images < 2 * max(sizes):
-        raise SystemExit(f"{images} training images: fewer than 2 per node at {max(sizes)} nodes")
-    print(f"data: {images} training images (mnist-5k train x 5 shifts) in {data}; load {load()}")
-    warm_cache(work, data, a.features)
-    for line in basis_fidelity(work, data):
-        print(line, flush=True)
-    out = []
-    for n in sizes:
-        r = run_size(work, data, n, a.basis_nodes, a.timeout)
-        out.append(r)
-        print(f"scale: {n} nodes: setup {r['setup']:.1f} s, round {r['round']:.2f} s", flush=True)
-        print(
-            f"  rounds 2-{ROUNDS} {', '.join(f'{s:.2f}' for s in r['rounds'])} s; submit -> finished "
-            f"{r['wall']:.0f} s; results.json {r['results-bytes'] / 1024:.0f} KiB; basis from "
-            f"{(r['basis'] or {}).get('nodes')} nodes; round-{ROUNDS} test accuracy {r['accuracy']:.4f}; "
-            f"load {r['load']}",
-            flush=True,
-        )
+    return ap.parse_args(argv)
+
+
+def report(out: list[dict[str, Any]]) -> None:
+    """Each size's round time against the first size's, and the setup time at the largest."""
     base = out[0]
     for r in out[1:]:
         ratio = r["round"] / base["round"]
@@ -325,11 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         f"setup at {big['nodes']} nodes: {big['setup']:.1f} s (target <= {SETUP_TARGET:.0f} s at 5,000: "
         f"{'met' if big['setup'] <= SETUP_TARGET else 'NOT met'})"
     )
-    if a.json is not None:
-        a.json.write_text(json.dumps(out, indent=1, default=str))
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def options_table(cfg, cache_dir: Path, data, folds: int) -> dict[str, dict]:
             pool_grid=grid or 2,
         )
         try:
-            rows[label] = option_scores(dataclasses.replace(cfg, diffusion=d), cache_dir, data, folds)
+            rows[label] = option_scores(cfg.replace(diffusion=d), cache_dir, data, folds)
         except ValueError as e:
             rows[label] = {"skipped": str(e)}
     pixels = data.images[:, 0].reshape(len(data), -1).numpy().astype(np.float32)
@@ -329,6 +329,24 @@ def teachers(cfg, args, out: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return rows
 
 
+def verdicts(rows: dict[str, dict], trained_label: str, pixart: bool) -> dict[str, bool]:
+    """Each teacher's probe and prompt effect against ``TARGETS``, and its untrained control's."""
+    trained, ctrl = rows[trained_label], rows["untrained control"]
+    checks = {
+        "trained probe >= 0.85": trained["probe"] >= TARGETS["probe"][0],
+        "control probe <= 0.5": ctrl["probe"] <= TARGETS["probe"][1],
+        "trained prompt effect >= 0.1": trained["prompt-effect"] >= TARGETS["prompt-effect"][0],
+        "control prompt effect <= 0.01": ctrl["prompt-effect"] <= TARGETS["prompt-effect"][1],
+    }
+    if pixart:
+        dit, dctrl = rows["pixart (DiT) teacher"], rows["pixart untrained control"]
+        checks["pixart probe >= 0.85"] = dit["probe"] >= TARGETS["probe"][0]
+        checks["pixart control probe <= 0.5"] = dctrl["probe"] <= TARGETS["probe"][1]
+        checks["pixart prompt effect >= 0.1"] = dit["prompt-effect"] >= TARGETS["prompt-effect"][0]
+        checks["pixart control prompt effect <= 0.01"] = dctrl["prompt-effect"] <= TARGETS["prompt-effect"][1]
+    return checks
+
+
 @one_line_errors("benchmarks/teacher_quality.py")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -359,23 +377,11 @@ def main() -> int:
     test = load_dataset(cfg.dataset, "test")
     rows = {}
     for label, model, blocks in teachers(cfg, args, out):
-        c = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, model=model, blocks=blocks))
+        c = cfg.replace(diffusion=dataclasses.replace(cfg.diffusion, model=model, blocks=blocks))
         rows[label] = {**measure(c, out / "cache", test, args.folds), "blocks": ",".join(map(str, blocks))}
     d = cfg.diffusion
     print_table(rows, d, len(test), args.folds)
-    trained, ctrl = rows[cfg.diffusion.model], rows["untrained control"]
-    checks = {
-        "trained probe >= 0.85": trained["probe"] >= TARGETS["probe"][0],
-        "control probe <= 0.5": ctrl["probe"] <= TARGETS["probe"][1],
-        "trained prompt effect >= 0.1": trained["prompt-effect"] >= TARGETS["prompt-effect"][0],
-        "control prompt effect <= 0.01": ctrl["prompt-effect"] <= TARGETS["prompt-effect"][1],
-    }
-    if args.pixart:
-        dit, dctrl = rows["pixart (DiT) teacher"], rows["pixart untrained control"]
-        checks["pixart probe >= 0.85"] = dit["probe"] >= TARGETS["probe"][0]
-        checks["pixart control probe <= 0.5"] = dctrl["probe"] <= TARGETS["probe"][1]
-        checks["pixart prompt effect >= 0.1"] = dit["prompt-effect"] >= TARGETS["prompt-effect"][0]
-        checks["pixart control prompt effect <= 0.01"] = dctrl["prompt-effect"] <= TARGETS["prompt-effect"][1]
+    checks = verdicts(rows, cfg.diffusion.model, bool(args.pixart))
     print("\n" + "\n".join(f"{'PASS' if ok else 'MISS'}  {name}" for name, ok in checks.items()))
     summary = {
         "rows": rows,

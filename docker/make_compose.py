@@ -333,8 +333,15 @@ def render(
             )
         )
     out += [NODE_NOTE, X_COMMON, _build_anchors(net)]
+    out += [_superlink(net, insecure, loopback), _serverapp(net, insecure)]
+    out += [_node(net, index, gpu, n, insecure=insecure, cpu=cpu) for index, gpu in enumerate(gpus)]
+    out.append("\nvolumes:\n  superlink-state:\n  runs:\n  server-cache:\n")
+    out.extend(f"  node-{i}-cache:\n" for i in range(1, n + 1))
+    return "".join(out)
 
-    # ---- SuperLink
+
+def _superlink(net: Net, insecure: bool, loopback: bool) -> str:
+    """The SuperLink's service: its state and certificates, and its port where it is published."""
     if insecure:
         mounts = ["superlink-state:/app/state        # registered nodes, runs (--database)"]
     else:
@@ -357,7 +364,7 @@ def render(
             f'      - "${{SUPERLINK_BIND:-0.0.0.0}}:{port}"\n'
         )
     build_net = "      network: host\n" if loopback else ""
-    out.append(f"""
+    return f"""
 services:
   superlink:
     build:
@@ -368,9 +375,11 @@ services:
     image: feddifrc-superlink:${{FLWR_VERSION:-{FLWR_VERSION}}}
     command:
 {_cmd(superlink_cmd(insecure, net))}{ports}    volumes:
-{_list(mounts, 6)}{_service_tail(net, 0, None)}""")
+{_list(mounts, 6)}{_service_tail(net, 0, None)}"""
 
-    # ---- the ServerApp's SuperExec
+
+def _serverapp(net: Net, insecure: bool) -> str:
+    """The ServerApp's SuperExec: the runs folder, the server's cache and its secret."""
     mounts = [
         "${RUNS_DIR:-runs}:/app/feddifrc-runs   # results.json, checkpoints; RUNS_DIR=/abs/path: on the host",
         "server-cache:/app/.cache          # test-set downloads / dataset cache",
@@ -380,33 +389,35 @@ services:
             "./certs/ca.crt:/app/certs/ca.crt:ro",
             "./certs/superlink/superexec.secret:/app/certs/superexec.secret:ro",
         ]
-    out.append(f"""
+    return f"""
   superexec-serverapp:
     build: *{CPU_BUILD}
     image: feddifrc-superexec:cpu
     command:
 {_cmd(serverapp_cmd(insecure, net))}    volumes:
-{_list(mounts, 6)}{_service_tail(net, 1, "superlink")}""")
+{_list(mounts, 6)}{_service_tail(net, 1, "superlink")}"""
 
-    # ---- per GPU (or per CPU node): a SuperNode and its ClientApps' SuperExec
-    for index, gpu in enumerate(gpus):
-        i = index + 1
-        certs = (
-            ""
-            if insecure
-            else "    volumes:\n"
-            "      - ./certs/ca.crt:/app/certs/ca.crt:ro\n"
-            f"      - ./certs/supernode-{i}:/app/certs/node:ro\n"
-        )
-        mounts = [f"node-{i}-cache:/app/.cache        # feature cache, HF_HOME (SD weights), datasets"]
-        if not insecure:
-            mounts += [
-                "./certs/ca.crt:/app/certs/ca.crt:ro",
-                f"./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro",
-            ]
-        build, image, where = (CPU_BUILD, "cpu", "CPU") if cpu else (CUDA_BUILD, "cuda", f"GPU {gpu}")
-        devices = "" if cpu else _gpu_reservation(gpu)
-        out.append(f"""
+
+def _node(net: Net, index: int, gpu: str, n: int, *, insecure: bool, cpu: bool) -> str:
+    """Node ``index + 1`` (partition ``index`` of ``n``): a SuperNode and its ClientApps' SuperExec,
+    on GPU ``gpu`` (``cpu``: on the CPU image)."""
+    i = index + 1
+    certs = (
+        ""
+        if insecure
+        else "    volumes:\n"
+        "      - ./certs/ca.crt:/app/certs/ca.crt:ro\n"
+        f"      - ./certs/supernode-{i}:/app/certs/node:ro\n"
+    )
+    mounts = [f"node-{i}-cache:/app/.cache        # feature cache, HF_HOME (SD weights), datasets"]
+    if not insecure:
+        mounts += [
+            "./certs/ca.crt:/app/certs/ca.crt:ro",
+            f"./certs/supernode-{i}/superexec.secret:/app/certs/superexec.secret:ro",
+        ]
+    build, image, where = (CPU_BUILD, "cpu", "CPU") if cpu else (CUDA_BUILD, "cuda", f"GPU {gpu}")
+    devices = "" if cpu else _gpu_reservation(gpu)
+    return f"""
   # ---- node {i}: partition {index} of {n}, {where}
   supernode-{i}:
     image: flwr/supernode:${{FLWR_VERSION:-{FLWR_VERSION}}}
@@ -417,10 +428,7 @@ services:
     image: feddifrc-superexec:{image}
     command:
 {_cmd(clientapp_cmd(i, insecure, net))}    volumes:
-{_list(mounts, 6)}{devices}{_service_tail(net, 2 * i + 1, f"supernode-{i}", "clientapp-env")}""")
-    out.append("\nvolumes:\n  superlink-state:\n  runs:\n  server-cache:\n")
-    out.extend(f"  node-{i}-cache:\n" for i in range(1, n + 1))
-    return "".join(out)
+{_list(mounts, 6)}{devices}{_service_tail(net, 2 * i + 1, f"supernode-{i}", "clientapp-env")}"""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from feddifrc_app import log, methods, privacy
-from feddifrc_app.config import Config, NodeConfig, load_config, load_node_config
+from feddifrc_app.config import Config, NodeConfig, load_node_config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
+from feddifrc_app.halves import Node
 from feddifrc_app.metric_keys import METRICS, ORIGIN
 from feddifrc_app.model import load_weights
 from feddifrc_app.records import MODEL, record_to_state, state_to_record
@@ -82,7 +84,7 @@ def setup(msg: Message, context: Context) -> Message:
         }
     )
     # The node needs no training device to answer (setup trains nothing).
-    member = methods.Node(cfg, data, ids, None, cfg.seed, context.state, config=node)
+    member = Node(cfg, data, ids, None, cfg.seed, context.state, config=node)
     content = RecordDict({"info": info, **methods.setup_reply(msg, member, info)})
     return Message(content, reply_to=msg)
 
@@ -110,7 +112,7 @@ def train(msg: Message, context: Context) -> Message:
         pin_memory=device.type == "cuda",
     )
     # What the message asks of this node beyond plain training (the methods in methods/).
-    halves = methods.node_halves(msg, methods.Node(cfg, data, ids, device, seed, context.state, config=node))
+    halves = methods.node_halves(msg, Node(cfg, data, ids, device, seed, context.state, config=node))
     metrics, buffers = train_local(model, loader, cfg, device, momentum_state=momentum, halves=halves)
     metrics["num-examples"] = float(len(ids))
     if cfg.train.keep_momentum and buffers:

@@ -1,19 +1,17 @@
-"""Typed run/node configuration, built and validated in one place.
+"""The typed run and node configuration: every key, its type and its range, in one place.
 
-Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml; every key,
-its type and its range live once, in the dataclasses below (a key is its section and
-field name, ``_`` spelled ``-``). Flower does not type-check overrides (``2.5`` can
-arrive in an int key, ``"1"`` in a float key), so every key is cast (casting.py) and validated
-before any data or model is touched; a rule of one strategy, DP or method lives in its module.
+Every default lives once, in ``[tool.flwr.app.config]`` of pyproject.toml; every key, its type
+and its range live once, in the dataclasses below (a key is its section and field name, ``_``
+spelled ``-``). ``config_loader.load_config`` casts a flat run config into ``Config`` and runs the
+rules that span keys (a rule of one strategy, DP or method lives in its module).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cache, reduce
-from pathlib import Path
+from functools import cache
 from typing import Any, get_type_hints
 
 from feddifrc_app import casting
@@ -22,26 +20,16 @@ from feddifrc_app.casting import (
     MAX_Q,
     MAX_STEP,
     MAX_TIMEOUT_S,
-    MIN_TEMPERATURE,
     ConfigError,
     invalid,
-    resolve_path,
 )
 
-METHODS = ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")
 DATASETS = ("digits", "mnist-5k", "mnist-5k-pool", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
 STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian")
 STRATEGIES += ("fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova")
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
-PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
-CONDITIONS = ("none", "global-model")
-DIT_FEATURES = ("raw", "adaln", "adaln-drop", "adaln-rescale")  # diffusion/dit_features.py
-LOSS_VARIANTS = ("paper", "code")
-NORMALISERS = ("none", "mean-distance")
-NDCR_SPACES = ("unit", "raw")
-NDCR_VIEWS = ("clean", "augmented")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -72,14 +60,21 @@ def key(
     path: bool = False,
     empty: str = "",
     resume: bool = False,
+    cast: Callable[[str, str], Any] | None = None,
 ) -> Any:
     """A config key's rule: allowed names, a range, or a path (``empty`` = the path used for "").
 
     ``resume=True``: a resumed run may change it (where and how long it runs, not what it
-    computes); every other key must match the run's own config.json."""
+    computes); every other key must match the run's own config.json. ``cast(key, text)``: a
+    string key's own reading (a teacher: a hub id, or a local folder made absolute)."""
     return field(
         metadata=dict(
-            choices=choices, range=(lo, hi, lo_open, hi_open), path=path, empty=empty, resume=resume
+            choices=choices,
+            range=(lo, hi, lo_open, hi_open),
+            path=path,
+            empty=empty,
+            resume=resume,
+            cast=cast,
         )
     )
 
@@ -174,67 +169,6 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
-class DiffusionConfig:
-    model: str = key()  # "tiny-mnist", "tiny", a hub id, or a local folder (made absolute)
-    resolution: int = key(lo=8, hi=1024)
-    timestep: int = key(lo=0, hi=999)
-    blocks: tuple[int, ...] = key()  # -1 = the UNet's mid-block (family.MID_BLOCK)
-    pooling: str = key(choices=("mean", "grid"))
-    pool_grid: int = key(lo=1, hi=16)  # g of pooling = "grid": a g x g grid of each map, C g^2 features
-    dit_features: str = key(choices=DIT_FEATURES)  # pixart / sd3: raw block outputs or AdaLN-normalised
-    channels: tuple[int, ...] = key()
-    ensemble: int = key(lo=1, hi=64)
-    # The teacher's noise draws: fixed by default, so runs differing only in `seed` share the
-    # feature cache (one extraction per sweep); -1 = the run seed (a draw per seed, extracted per seed).
-    noise_seed: int = key(lo=-1)
-    projection: str = key(choices=PROJECTIONS)
-    # federated-pca's basis from a seeded sample of this many nodes' statistics (0 = every node)
-    basis_nodes: int = key(lo=0)
-    prompt_template: str = key()
-    ndcr_prompt: str = key()
-    batch_size: int = key(lo=1, resume=True)
-    device: str = key(choices=DEVICES, resume=True)
-    dtype: str = key(choices=DTYPES)
-    cache_dir: str = key(path=True, resume=True)  # "" = the node's cache-dir (NodeConfig.resolve_cache_dir)
-    condition: str = key(choices=CONDITIONS)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    variant: str = key(choices=LOSS_VARIANTS)
-    tdcl_weight: float = key(lo=0.0)
-    ndcr_weight: float = key(lo=0.0)
-    temperature: float = key(lo=MIN_TEMPERATURE)  # below it the logits overflow (casting.py)
-    num_negatives: int = key(lo=0)
-    tdcl_normaliser: str = key(choices=NORMALISERS)
-    tdcl_targets: str = key(choices=("image", "anchors"))  # anchors: the class-prompt means (rules.py)
-    ndcr_space: str = key(choices=NDCR_SPACES)
-    ndcr_view: str = key(choices=NDCR_VIEWS)  # which view NDCR aligns: the student's or the target's
-
-
-@dataclass(frozen=True)
-class SSLConfig:
-    positive_prompt: str = key()
-    ndcr_prompt: str = key()
-    negatives: tuple[str, ...] = key()  # () = built-in Tiny-ImageNet class names
-    num_negatives: int = key(lo=1)
-    probe_epochs: int = key(lo=1)
-
-
-@dataclass(frozen=True)
-class MoonConfig:
-    mu: float = key(lo=0.0)  # weight of the model-contrastive term (MOON: 5 for CIFAR-10, 1 otherwise)
-    tau: float = key(lo=MIN_TEMPERATURE)  # its temperature (MOON: 0.5); MIN_TEMPERATURE: casting.py
-
-
-@dataclass(frozen=True)
-class FedNHConfig:
-    rho: float = key(lo=0.0, hi=1.0)  # prototype smoothing (FedNH: 0.9)
-    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's ResNet: 20, CNN: 1)
-    max_grad_norm: float = key(lo=0.0)  # local gradient clipping (FedNH's code: 10); 0 = none
-
-
-@dataclass(frozen=True)
 class TrackingConfig:  # tracking.py: the server streams rows and config; never what a run computes
     backend: str = key(choices=("none", "tensorboard", "mlflow", "wandb"), resume=True)
     dir: str = key(path=True, resume=True)  # "" = the run folder
@@ -244,7 +178,7 @@ class TrackingConfig:  # tracking.py: the server streams rows and config; never 
 
 @dataclass(frozen=True)
 class Config:
-    method: str = key(choices=METHODS)
+    method: str = key()  # "fedavg" or a method module's (methods/: its NAMES); the loader checks it
     seed: int = key(lo=0, hi=2**32 - 1)  # numpy seeds are 32-bit
     num_server_rounds: int = key(lo=1, resume=True)
     fraction_train: float = key(lo=0.0, hi=1.0, lo_open=True)
@@ -263,31 +197,38 @@ class Config:
     model: ModelConfig = key()
     train: TrainConfig = key()
     strategy: StrategyConfig = key()
-    diffusion: DiffusionConfig = key()
-    loss: LossConfig = key()
-    ssl: SSLConfig = key()
-    moon: MoonConfig = key()
-    fednh: FedNHConfig = key()
     tracking: TrackingConfig = key()
+    # Each method's own sections (a method module's SECTIONS, composed by config_loader), in
+    # module order, read as attributes: ``cfg.moon``, ``cfg.diffusion``.
+    sections: tuple[tuple[str, Any], ...] = field(default=(), metadata=dict(sections=True))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when no field has ``name``: a method's section (never while unpickling,
+        # when ``sections`` itself is not set yet).
+        if name != "sections" and not name.startswith("__"):
+            for section, value in self.sections:
+                if section == name:
+                    return value
+        raise AttributeError(f"{type(self).__name__!r} has no field or method section {name!r}")
+
+    def replace(self, **changes: Any) -> Config:
+        """``dataclasses.replace`` that also takes a method's section by name (``diffusion=...``)."""
+        own = {f.name for f in dataclasses.fields(self)}
+        sections = dict(self.sections)
+        for name in set(changes) - own:
+            if name not in sections:
+                raise TypeError(f"Config has no field or method section {name!r}")
+            sections[name] = changes.pop(name)
+        return dataclasses.replace(self, **changes, sections=tuple(sections.items()))
 
     @property
     def embedding_dim(self) -> int:
         """Width of the classifier embedding z, which the fused teacher feature must match."""
         return 8 * self.model.width
 
-    @property
-    def uses_diffusion(self) -> bool:
-        return self.method in ("feddifrc", "feddifrc-ssl")
-
-    @property
-    def self_supervised(self) -> bool:
-        """FedDifRC without labels: a positive prompt and negatives instead of class prompts."""
-        return self.method == "feddifrc-ssl"
-
     def to_flat(self) -> dict[str, Any]:
         """Back to the flat dotted-key form (lists joined by commas); round-trips load_config."""
-        flat = {k: reduce(getattr, k.replace("-", "_").split("."), self) for k in KEYS}
-        return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in flat.items()}
+        return {k: ",".join(map(str, v)) if isinstance(v, tuple) else v for k, v in _flat(self)}
 
 
 @dataclass(frozen=True)
@@ -299,175 +240,36 @@ class NodeConfig:
     data_dir: str  # a node's own image-folder data; "" = use the benchmark partition
     cache_dir: str  # "" = run config / default
 
-    def resolve_cache_dir(self, cfg: Config) -> Path:
-        return resolve_cache_dir(cfg, self.cache_dir, "node cache-dir")
-
-
-def resolve_cache_dir(cfg: Config, override: str | None, name: str = "--cache-dir") -> Path:
-    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``,
-    named ``name`` in an error) wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
-    if override:
-        return resolve_path(override, name)
-    return resolve_path(cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR, "diffusion.cache-dir")
-
 
 @cache
-def _fields(cls: type) -> tuple[tuple[str, dataclasses.Field, Any], ...]:
+def fields_of(cls: type) -> tuple[tuple[str, dataclasses.Field, Any], ...]:
     # Once per class: get_type_hints was 2/3 of load_config, which every ClientApp message runs.
     hints = get_type_hints(cls)
     return tuple((f.name, f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def _key_specs(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
-    """(dotted key, type, rule) of every key, in pyproject order."""
-    for name, f, typ in _fields(cls):
+def key_specs(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    """(dotted key, type, rule) of every key of ``cls`` (a section under ``prefix``), in field
+    order; ``Config``'s method sections are the loader's (``config_loader.keys``)."""
+    for name, f, typ in fields_of(cls):
+        if f.metadata.get("sections"):
+            continue
         if dataclasses.is_dataclass(typ):
-            yield from _key_specs(typ, f"{prefix}{name}.")
+            yield from key_specs(typ, f"{prefix}{name}.")
         else:
             yield prefix + name.replace("_", "-"), typ, f.metadata
 
 
-KEYS: dict[str, tuple[Any, Mapping[str, Any]]] = {k: (t, m) for k, t, m in _key_specs()}
-# The keys marked ``resume=True`` above: what a resumed run may change.
-RESUME_MAY_CHANGE = frozenset(k for k, (_, rule) in KEYS.items() if rule["resume"])
-
-
-# --------------------------------------------------------------------------- building
-
-
-def _cast(key: str, raw: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
-    if typ is bool:
-        return casting.as_bool(key, raw)
-    if typ in (int, float):
-        v = casting.as_int(key, raw) if typ is int else casting.as_float(key, raw)
-        casting.check_range(key, v, *casting.bounds(typ, rule["range"]))
-        return v
-    if typ == tuple[int, ...]:
-        return casting.int_list(key, raw)
-    s = casting.as_str(key, raw)
-    if typ == tuple[str, ...]:
-        return tuple(p.strip() for p in s.split(",") if p.strip())
-    if rule["choices"]:
-        if s.strip().lower() not in rule["choices"]:
-            raise invalid(key, raw, f"expected one of {', '.join(rule['choices'])}")
-        return s.strip().lower()
-    if rule["path"]:  # every path key is a folder (written into, or a run directory)
-        return casting.as_folder(key, raw, s.strip() or rule["empty"])
-    return s
-
-
-def _build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
-    kwargs = {}
-    for name, _, typ in _fields(cls):
-        dotted = prefix + name.replace("_", "-")
-        kwargs[name] = _build(typ, values, dotted + ".") if dataclasses.is_dataclass(typ) else values[dotted]
-    return cls(**kwargs)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_config(run_config: Mapping[str, Any]) -> Config:
-    """Cast and validate a flat Flower run config into a frozen ``Config``.
-
-    Raises ``ConfigError`` naming the key, the value and what is allowed, for unknown
-    keys, missing keys, bad types, out-of-range values, bad names and cross-key rules.
-    """
-    unknown = sorted(set(run_config) - set(KEYS))
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(casting.did_you_mean(k, KEYS) for k in unknown)}; "
-            "valid keys are listed in [tool.flwr.app.config] of pyproject.toml"
-        )
-    missing = [k for k in KEYS if k not in run_config]
-    if missing:
-        raise ConfigError(f"missing config key(s) {', '.join(map(repr, missing))}")
-    values = {k: _cast(k, run_config[k], typ, rule) for k, (typ, rule) in KEYS.items()}
-    values["run-name"] = values["run-name"].strip()
-    model = values["diffusion.model"].strip()
-    if model.startswith(("~", "/", ".")):  # a local folder, not a hub id
-        model = casting.as_path("diffusion.model", model)
-    values["diffusion.model"] = model
-    _check_rules(values, run_config)
-    return _build(Config, values)
-
-
-def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """Rules that span keys, in the order they always ran: each method's (``methods.hooks``),
-    the strategies' and DP's live in their modules."""
-    from feddifrc_app import methods, strategy_rules
-
-    for check in methods.hooks("check_inputs"):
-        check(v, raw)
-    _check_data(v, raw)
-    strategy_rules.check_config(v)  # the strategy's, then DP's
-    for check in methods.hooks("check_config"):
-        check(v, raw)
-    if v["resume-from"] and (node_state := _node_state(v)):
-        # Context.state lives in the SuperNode of one Flower run; a resumed run starts without it.
-        raise invalid(
-            "resume-from", v["resume-from"], f"{node_state} keeps per-node state that a new run lacks"
-        )
-    _check_evaluation(v)
-
-
-def _check_data(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
-    """dataset.*, train.batch-size and run-name: inputs every node and the server can use."""
-    if v["train.batch-size"] == 1 and last_stage_size(v["dataset.image-size"]) == 1:
-        # Training BatchNorm needs more than one value per channel: 1 image x 1x1 pixel fails
-        # every step on every node, so refuse it before any work.
-        raise ConfigError(
-            f"config keys 'train.batch-size' = 1 and 'dataset.image-size' = {v['dataset.image-size']}: "
-            "ResNet-10's last stage is 1x1 at this size, so a batch of one image gives BatchNorm one "
-            "value per channel and every training step fails; use train.batch-size >= 2 or "
-            "dataset.image-size >= 9"
-        )
-    name = v["run-name"]
-    if name.startswith(".") or any(c in name for c in "/\\") or not name.isprintable():
-        # <outputs-dir>/<run-name>: a path would write elsewhere, a newline or U+202E disguise it.
-        why = "expected a plain folder name (no '/', '\\', control or bidi characters; no leading '.')"
-        raise invalid("run-name", name, why)
-    if 0 < (fraction := v["dataset.val-fraction"]) < 0.01:  # 3e-4 of digits' 1,438 images is 0
-        why = "expected 0 (no validation) or 0.01 to 0.5: a smaller share holds out few or no images"
-        raise invalid("dataset.val-fraction", fraction, why)
-    if v["dataset.name"] == "image-folder" and not raw["dataset.data-dir"].strip():
-        raise invalid("dataset.data-dir", "", "dataset 'image-folder' needs a class-per-folder root")
-    if v["dataset.classes"] and (v["dataset.name"] != "image-folder" or len(set(v["dataset.classes"])) < 2):
-        why = "expected 2 or more distinct class folder names, with dataset.name = 'image-folder'"
-        raise invalid("dataset.classes", raw["dataset.classes"], why)
-
-
-def _check_evaluation(v: Mapping[str, Any]) -> None:
-    """Federated evaluation needs held-out data on the nodes, and held-out data needs evaluation."""
-    fraction, holdout = v["fraction-evaluate"], v["evaluate-holdout"]
-    if fraction > 0 and holdout == 0:
-        raise invalid(
-            "evaluate-holdout",
-            holdout,
-            f"fraction-evaluate = {fraction:g} asks nodes to evaluate on a held-out part of their data: "
-            "set evaluate-holdout to its share, e.g. 0.1",
-        )
-    if holdout > 0 and fraction == 0:
-        raise invalid(
-            "evaluate-holdout",
-            holdout,
-            "holds out training data that no node evaluates on (fraction-evaluate = 0); set "
-            "fraction-evaluate > 0 or evaluate-holdout = 0",
-        )
-
-
-def _node_state(v: Mapping[str, Any]) -> str:
-    """Which setting keeps state on the nodes across rounds ("" = none): resume cannot restore it."""
-    from feddifrc_app import methods  # (as in _check_rules)
-
-    kept = [s for hook in methods.hooks("node_state") if (s := hook(v))]
-    kept.sort(key=lambda s: not s.startswith("strategy."))  # the strategy's named first, as always
-    kept += ["train.keep-momentum = true"] if v["train.keep-momentum"] else []
-    return kept[0] if kept else ""
-
-
-def resumable(cfg: Config) -> bool:
-    return not _node_state(cfg.to_flat())
+def _flat(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every key of a built config, its method sections last."""
+    for name, f, typ in fields_of(type(obj)):
+        if f.metadata.get("sections"):
+            for section, value in getattr(obj, name):
+                yield from _flat(value, f"{section}.")
+        elif dataclasses.is_dataclass(typ):
+            yield from _flat(getattr(obj, name), f"{prefix}{name}.")
+        else:
+            yield prefix + name.replace("_", "-"), getattr(obj, name)
 
 
 def load_node_config(node_config: Mapping[str, Any]) -> NodeConfig:

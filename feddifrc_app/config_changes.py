@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from feddifrc_app.config import RESUME_MAY_CHANGE
-
 # Keys that change what a run computes, added after the first run folders were written (commit
 # 9ef3e3a), with the value those runs computed with: a run folder whose config.json lacks one is
 # compared against it (run_changes). tests/test_config_changes.py lists every key's commit.
@@ -34,22 +32,19 @@ KEYS_ADDED_SINCE: dict[str, Any] = {
     **{"strategy.num-malicious-nodes": 0, "strategy.num-nodes-to-select": 1, "strategy.q": 0.1},
     **{"moon.mu": 1.0, "moon.tau": 0.5, "fednh.rho": 0.9, "fednh.scale": 20.0},
 }
-# Sections only some methods read: a run folder of another method that lacks such a key never read
-# it, so any value computes the same run.
-_METHOD_SECTIONS = {
-    "moon": ("moon",),
-    "fednh": ("fednh",),
-    "diffusion": ("feddifrc", "feddifrc-ssl"),
-    "loss": ("feddifrc", "feddifrc-ssl"),
-}
 
 
 def _old_value(key: str, old: Mapping[str, Any], new: Any) -> Any:
     """The value of ``key`` that the run folder's config.json ``old`` computed with."""
     if key in old:
         return old[key]
+    # A method's section (methods.section_readers): a run folder of another method that lacks
+    # such a key never read it, so any value computes the same run. (Imported here: finding the
+    # methods loads torch, which `feddifrc report` / `status` start without.)
+    from feddifrc_app import methods
+
     section = key.split(".", 1)[0]
-    if old.get("method") not in _METHOD_SECTIONS.get(section, (old.get("method"),)):
+    if old.get("method") not in methods.section_readers().get(section, (old.get("method"),)):
         return new
     if key == "dataset.val-fraction":
         # mnist-5k validates on its public split, whatever the key; every other dataset held no
@@ -64,8 +59,10 @@ def run_changes(old: Mapping[str, Any], flat: Mapping[str, Any]) -> list[str]:
     """``"key: old -> new"`` for every key of ``flat`` that computes differently from a run folder's
     config.json ``old`` ([] = the same run). A key the run predates counts at the value it computed
     with (KEYS_ADDED_SINCE's, or any value for a key the run never read)."""
+    from feddifrc_app.config_loader import resume_may_change  # (as in _old_value)
+
     changes = []
     for k, v in flat.items():
-        if k not in RESUME_MAY_CHANGE and (was := _old_value(k, old, v)) != v:
+        if k not in resume_may_change() and (was := _old_value(k, old, v)) != v:
             changes.append(f"{k}: {was!r} -> {v!r}")
     return changes

@@ -20,7 +20,7 @@ from flwr.supercore.exit import add_exit_handler
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.methods import SETUP_WORK
+from feddifrc_app.halves import SETUP_WORK
 from feddifrc_app.strategy_rules import sampled_per_round  # (the config's rules use it too)
 
 SETUP = f"{MessageType.QUERY}.setup"

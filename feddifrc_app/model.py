@@ -11,8 +11,9 @@ names (``downsample``, not ``shortcut``) differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from feddifrc_app.config import RESNET10_STRIDES
@@ -98,37 +99,22 @@ class ResNet10(nn.Module):
         return features, self.fc(features)
 
 
-class PrototypeHead(nn.Module):
-    """FedNH's classifier (Dai et al., AAAI 2023): ``logits = s * cos(z, p_c)`` over frozen class
-    prototypes (C, D), orthogonal at init as in the public code's default, with a learnable
-    scale s. (B, D) -> (B, C). The server moves the prototypes; clients never train them."""
-
-    def __init__(self, embedding_dim: int, num_classes: int, scale: float) -> None:
-        super().__init__()
-        # Unit rows also when classes outnumber dimensions (then orthogonal_ gives unit columns).
-        protos = F.normalize(nn.init.orthogonal_(torch.rand(num_classes, embedding_dim)), dim=1)
-        self.prototype = nn.Parameter(protos, False)
-        self.scaling = nn.Parameter(torch.tensor([float(scale)]))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.scaling * F.normalize(z, dim=1, eps=1e-12) @ self.prototype.T
-
-
 MODELS: dict[str, type[ResNet10]] = {"resnet10": ResNet10}
 
 
 def build_model(
-    name: str, num_classes: int, width: int = 64, prototype_scale: float | None = None
+    name: str, num_classes: int, width: int = 64, head: Callable[[int, int], nn.Module] | None = None
 ) -> nn.Module:
     """A fresh classifier by name (``MODELS``) and base width; unknown names raise ``ValueError``.
-    ``prototype_scale`` set: FedNH's prototype head replaces the linear one."""
+    ``head(embedding_dim, num_classes)``: a method's classifier head in place of the linear one
+    (built after the network, so the network's initial weights are the same either way)."""
     try:
         cls = MODELS[name]
     except KeyError:
         raise ValueError(f"model name={name!r}: expected one of {', '.join(MODELS)}") from None
     model = cls(num_classes, width)
-    if prototype_scale is not None:
-        model.fc = PrototypeHead(model.embedding_dim, num_classes, prototype_scale)
+    if head is not None:
+        model.fc = head(model.embedding_dim, num_classes)
     return model
 
 

@@ -52,7 +52,8 @@ from flwr.supercore.differential_privacy import (
 )
 
 from feddifrc_app import log
-from feddifrc_app.config import Config, ConfigError, load_config
+from feddifrc_app.config import Config, ConfigError
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.federation import POPULATION
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import MODEL

@@ -33,6 +33,7 @@ from feddifrc_app.data.loader import make_loader
 from feddifrc_app.device import resolve_device
 from feddifrc_app.federated_eval import FederatedEvaluation
 from feddifrc_app.federation import Federation, RunStopped, check_stop
+from feddifrc_app.halves import ServerHalf
 from feddifrc_app.model import load_weights
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_state, state_to_record
@@ -187,7 +188,7 @@ class RoundLoop:
         evaluator: CentralEvaluator,
         num_classes: int,
         *,
-        method: methods.ServerHalf | None = None,
+        method: ServerHalf | None = None,
         checkpoint: dict[str, Any] | None = None,
     ) -> None:
         """``checkpoint``: the one ``RunDir.begin`` returns under resume-from; the loop continues
@@ -196,7 +197,7 @@ class RoundLoop:
         (the ServerApp builds the loop before the setup exchange, which completes the half)."""
         self.cfg, self.fed, self.run, self.results, self.evaluator = cfg, fed, run, results, evaluator
         self.num_classes = num_classes  # chance is 1 / num_classes (no_learning)
-        self.method = method if method is not None else methods.ServerHalf()
+        self.method = method if method is not None else ServerHalf()
         torch.manual_seed(cfg.seed)
         self.model = methods.model_for(cfg, num_classes)
         self.strategy = build_strategy(cfg)

@@ -10,7 +10,8 @@ from flwr.app import Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from feddifrc_app import log, methods, privacy, privacy_accounting, ray_address, tracking
-from feddifrc_app.config import Config, load_config
+from feddifrc_app.config import Config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.registry import load_dataset, load_validation
 from feddifrc_app.federation import Federation, watch_for_stop

@@ -1,8 +1,8 @@
 """The run config's rules for ``strategy.*``: the aggregation's (Krum / MultiKrum / Bulyan's
-Byzantine bound) and ``strategy.dp``'s, with each method's ``dp_refusal`` (methods.hooks); and
+Byzantine bound) and ``strategy.dp``'s, with each method's ``dp_refusal`` (passed in by the loader); and
 the keys behind a strategy's aggregate, as an error names them (``strategy_settings``).
 
-No Flower here: ``config.load_config`` runs these rules, and it runs where Flower is not
+No Flower here: ``config_loader.load_config`` runs these rules, and it runs where Flower is not
 installed (a bare GPU host's check, benchmarks/gpu_check.py). The strategies themselves are
 built in strategy.py and privacy.py.
 """
@@ -10,10 +10,9 @@ built in strategy.py and privacy.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app import methods
 from feddifrc_app.casting import ConfigError, invalid
 
 if TYPE_CHECKING:
@@ -50,10 +49,13 @@ def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
     return ""
 
 
-def check_config(v: Mapping[str, Any]) -> None:
-    """config.load_config's rules for the strategy, then for strategy.dp."""
+def check_config(
+    v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]] = ()
+) -> None:
+    """config_loader.load_config's rules for the strategy, then for strategy.dp; ``dp_refusals``:
+    the methods' ``dp_refusal`` hooks (the loader passes them: this module imports no method)."""
     check_robust(v)
-    check_dp(v)
+    check_dp(v, dp_refusals)
 
 
 def check_robust(v: Mapping[str, Any]) -> None:
@@ -72,13 +74,13 @@ def check_robust(v: Mapping[str, Any]) -> None:
         )
 
 
-def check_dp(v: Mapping[str, Any]) -> None:
+def check_dp(v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]] = ()) -> None:
     """strategy.dp with what Flower's wrappers and client mods can handle: each method's
-    ``dp_refusal`` (methods.hooks), then adaptive clipping's count noise."""
+    ``dp_refusal`` (why it cannot be wrapped, "" = it can), then adaptive clipping's count noise."""
     dp = v["strategy.dp"]
     if dp == "none":
         return
-    for refusal in methods.hooks("dp_refusal"):
+    for refusal in dp_refusals:
         if why := refusal(v):
             raise invalid("strategy.dp", dp, why)
     given, z = v["strategy.dp-clipped-count-stddev"], v["strategy.dp-noise-multiplier"]

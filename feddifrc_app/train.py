@@ -10,8 +10,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +18,7 @@ from torch.utils.data import DataLoader
 
 from feddifrc_app.config import Config, TrainConfig
 from feddifrc_app.device import node_threads
-
-if TYPE_CHECKING:  # only the types: training never touches a method's internals or Flower itself
-    from feddifrc_app.methods import NodeHalf
-
-
-@dataclass
-class Batch:
-    """One training step as the node halves see it (``methods.NodeHalf``); ``train_local``
-    fills in the outputs.
-
-    x (B, ...) images on the device (augmented when ``augmented``), y (B,) labels, idx (B,)
-    dataset indices (CPU); z (B, D) embeddings, logits (B, C); ``z_view`` (B, D): the
-    embeddings of a half's extra view of the batch (``NodeHalf.view``), else ``z``."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    idx: torch.Tensor
-    augmented: bool
-    z: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    z_view: torch.Tensor | None = None
+from feddifrc_app.halves import Batch, NodeHalf
 
 
 class DivergedError(FloatingPointError):
@@ -101,7 +79,7 @@ def train_local(
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Run ``cfg.train.local_epochs`` epochs of SGD on ``loader`` (items: x, y, dataset index).
 
-    Loss = CE, or the ``loss`` of a method's node half (``methods.NodeHalf``) in its place,
+    Loss = CE, or the ``loss`` of a method's node half (``halves.NodeHalf``) in its place,
     plus every half's ``term``; each half's ``before_step`` runs between backward and the
     optimiser step (e.g. a gradient correction).
     Returns (the halves' preparation metrics, then the loss parts averaged over samples, plus

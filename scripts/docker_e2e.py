@@ -50,7 +50,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,18 +57,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
-FLWR_VERSION = "1.42.0"  # docker/*.Dockerfile's FLWR_VERSION (tests/test_docker_files.py checks)
-PROJECT = "feddifrc-e2e"  # the Compose project: its own containers and volumes
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the sibling modules, also when this file is loaded by its path (tests)
+    sys.path.insert(0, str(HERE))
+
+from docker_e2e_bases import LocalBases  # noqa: E402
+from docker_e2e_host import DOCKER, FLWR_VERSION, Failed, PhaseTimeout  # noqa: E402
+
 CONN = "e2e"  # the flwr connection, in this run's own FLWR_HOME
 NODES = 2
 KILLED = 2  # the SuperNode killed in the long run (partition-id 1)
 APP_UID = 49999  # user `app` of Flower's images
-# python3.11-venv needs python3.11-distutils, a virtual package (python3-distutils provides it),
-# which debootstrap does not resolve.
-ROOTFS_PACKAGES = "python3.11,python3.11-venv,python3-distutils,ca-certificates,passwd"
-PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 # min-nodes=2 makes every run wait for both SuperNodes; the server scores 200 validation and 200
 # test images a round. `run` must learn: FedAvg on all of mnist-5k's 2,500 training images (1,250
@@ -101,42 +99,6 @@ TIMEOUTS = {
     "down": 180,
 }
 
-BASE_DOCKERFILE = """\
-# Flower's base image layout (framework/docker/base/ubuntu/Dockerfile) on a Debian root file system.
-ARG ROOTFS
-FROM ${ROOTFS} AS base
-ENV PATH=/python/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
-    DEBIAN_FRONTEND=noninteractive \\
-    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONIOENCODING=UTF-8 LANG=C.UTF-8 LC_ALL=C.UTF-8
-# This machine's CA bundle and pip settings: pip in every later build reaches the same registry.
-COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
-COPY pip.conf /etc/pip.conf
-ARG FLWR_VERSION
-RUN python3.11 -m venv /python/venv \\
- && pip install --no-cache-dir "flwr==${FLWR_VERSION}" \\
- && useradd --no-create-home --home-dir /app -c "" --uid 49999 app \\
- && mkdir -p /app && chown -R app:app /app /python/venv \\
- && test "$(id -u app):$(id -g app)" = "49999:49999"
-WORKDIR /app
-USER app
-ENV HOME=/app
-
-FROM base AS superlink
-ENTRYPOINT ["flower-superlink"]
-FROM base AS supernode
-ENTRYPOINT ["flower-supernode"]
-FROM base AS superexec
-ENTRYPOINT ["flower-superexec"]
-"""
-
-
-class Failed(Exception):
-    """A phase failed; the message is its one-line reason."""
-
-
-class PhaseTimeout(Failed):
-    pass
-
 
 @dataclass
 class Phase:
@@ -146,85 +108,15 @@ class Phase:
     detail: str
 
 
-class E2E:
+class E2E(LocalBases):
     def __init__(self, work: Path, torch_index: str | None, keep_up: bool) -> None:
-        self.work = work
-        self.log = work / "e2e.log"
-        self.runs_dir = work / "runs"
-        self.flwr_home = work / "flwr-home"
-        # Generated into the work folder (docker/ keeps only the committed files); its relative
-        # paths (./certs, build contexts) resolve against docker/, given as the project directory.
-        self.compose_file = work / "compose.e2e.yml"
-        self.cache = Path(os.environ.get("FEDDIFRC_E2E_CACHE", Path.home() / ".cache" / "feddifrc-e2e"))
-        self.mirror = os.environ.get("FEDDIFRC_E2E_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+        super().__init__(work)
         self.torch_index = torch_index
         self.keep_up = keep_up
-        self.compose: list[str] = []
         self.node_ids: dict[int, int] = {}
         self.phases: list[Phase] = []
 
-    # ------------------------------------------------------------------ commands
-
-    def sh(
-        self, args: list[str], timeout: float = 120, check: bool = True, env: dict | None = None, **kw: Any
-    ) -> subprocess.CompletedProcess:
-        """Run a command, its output appended to the log (and returned); a failure names the command."""
-        with open(self.log, "a") as f:
-            f.write(f"\n$ {shlex.join(args)}\n")
-        try:
-            cp = subprocess.run(
-                args,
-                cwd=kw.pop("cwd", ROOT),
-                env={**os.environ, **(env or {})},
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                **kw,
-            )
-        except subprocess.TimeoutExpired as e:
-            raise Failed(f"`{shlex.join(args)[:120]}` ran past {timeout:.0f}s") from e
-        with open(self.log, "a") as f:
-            f.write(cp.stdout + cp.stderr)
-        if check and cp.returncode != 0:
-            tail = (cp.stdout + cp.stderr).strip().splitlines()[-15:]
-            raise Failed(f"`{shlex.join(args)[:160]}` exited {cp.returncode}:\n    " + "\n    ".join(tail))
-        return cp
-
-    def dc(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        """Compose on the e2e file, v1 or v2 (same arguments)."""
-        env = {"RUNS_DIR": str(self.runs_dir), "FLWR_VERSION": FLWR_VERSION}
-        return self.sh([*self.compose_cmd(), *args], timeout, check, env, cwd=DOCKER)
-
-    def compose_cmd(self) -> list[str]:
-        return [
-            *self.compose,
-            "-p",
-            PROJECT,
-            "-f",
-            str(self.compose_file),
-            "--project-directory",
-            str(DOCKER),
-        ]
-
-    def flwr(self, *args: str, timeout: float = 120) -> dict[str, Any]:
-        """`flwr <args> --format json` with this run's FLWR_HOME; its JSON answer."""
-        env = {
-            "FLWR_HOME": str(self.flwr_home),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "NO_COLOR": "1",
-        }
-        cp = self.sh(["flwr", *args, "--format", "json"], timeout, check=False, env=env)
-        start = cp.stdout.find("{")
-        if start < 0:
-            raise Failed(f"`flwr {' '.join(args)}` printed no JSON: {(cp.stdout + cp.stderr)[-400:]}")
-        return json.loads(cp.stdout[start:])
-
-    def image_exists(self, ref: str) -> bool:
-        return self.sh(["docker", "image", "inspect", ref], 30, check=False).returncode == 0
-
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ phases (bases: LocalBases)
 
     def preflight(self) -> str:
         for tool in ("docker", "flwr", "openssl"):
@@ -239,82 +131,6 @@ class E2E:
             raise Failed("no Compose: neither `docker compose` (v2) nor `docker-compose` (v1)")
         version = self.sh([*self.compose, "version"], 30).stdout.splitlines()[0]
         return f"compose: {version.strip()}"
-
-    def bases(self) -> str:
-        names = {role: f"flwr/{role}:{FLWR_VERSION}" for role in ("superlink", "supernode", "superexec")}
-        missing = [role for role, ref in names.items() if not self.image_exists(ref)]
-        if not missing:
-            return "all three already present (kept)"
-        rootfs = self.rootfs_image()
-        context = self.work / "base-context"
-        context.mkdir(exist_ok=True)
-        (context / "Dockerfile").write_text(BASE_DOCKERFILE)
-        (context / "pip.conf").write_text(self.pip_conf())
-        shutil.copyfile(self.ca_bundle(), context / "ca-certificates.crt")
-        for role in missing:
-            self.sh(
-                ["docker", "build", "--network", "host", "--target", role, "-t", names[role],
-                 "--build-arg", f"ROOTFS={rootfs}", "--build-arg", f"FLWR_VERSION={FLWR_VERSION}",
-                 str(context)],
-                timeout=600,
-            )  # fmt: skip
-        return f"built locally: {', '.join(missing)}"
-
-    def rootfs_image(self) -> str:
-        """A Debian bookworm root file system with Python 3.11, as a local image (tarball cached)."""
-        ref = "feddifrc-e2e/debian-python:bookworm"
-        if self.image_exists(ref):
-            return ref
-        tarball = self.cache / "debian-bookworm-python3.11.tar"
-        if not tarball.is_file():
-            if shutil.which("debootstrap") is None:
-                raise Failed("debootstrap not found (apt-get install debootstrap)")
-            self.cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=self.work) as tmp:
-                target = Path(tmp) / "rootfs"
-                self.sh(["debootstrap", "--variant=minbase", f"--include={ROOTFS_PACKAGES}",
-                         "bookworm", str(target), self.mirror], timeout=600)  # fmt: skip
-                self.sh(["sh", "-c", "rm -rf var/cache/apt/archives/*.deb var/lib/apt/lists/*"], cwd=target)
-                partial = tarball.with_suffix(".partial")
-                self.sh(["tar", "-C", str(target), "--numeric-owner", "-cf", str(partial), "."], timeout=300)
-                partial.rename(tarball)  # whole or absent: an interrupted run leaves no half tarball
-        self.sh(["docker", "import", str(tarball), ref], timeout=300)
-        return ref
-
-    def pip_conf(self) -> str:
-        """This machine's pip settings that reach a registry (file:// indexes, find-links and
-        constraint files name paths of this machine and are left out)."""
-        kept = {"index-url", "extra-index-url", "trusted-host", "timeout", "default-timeout", "retries"}
-        values: dict[str, str] = {}
-        cp = self.sh([sys.executable, "-m", "pip", "config", "list"], 60)
-        for line in cp.stdout.splitlines():  # global.index-url='...' ; :env:.timeout='180'
-            key, _, value = line.partition("=")
-            name = key.rsplit(".", 1)[-1]
-            if name in kept:
-                values["timeout" if name == "default-timeout" else name] = value.strip("'\"")
-        for name in ("index-url", "extra-index-url"):
-            if name in values:
-                urls = [u for u in values[name].split() if u.startswith(("http://", "https://"))]
-                values[name] = " ".join(urls)
-        lines = ["[global]", "cert = /etc/ssl/certs/ca-certificates.crt"]
-        lines += [f"{k} = {v}" for k, v in sorted(values.items()) if v]
-        return "\n".join(lines) + "\n"
-
-    def ca_bundle(self) -> Path:
-        cp = self.sh([sys.executable, "-m", "pip", "config", "list"], 60)
-        for line in cp.stdout.splitlines():
-            if line.partition("=")[0].endswith(".cert"):
-                return Path(line.partition("=")[2].strip("'\""))
-        for path in (Path("/etc/ssl/certs/ca-certificates.crt"), Path("/etc/pki/tls/certs/ca-bundle.crt")):
-            if path.is_file():
-                return path
-        raise Failed("no CA bundle found (pip's cert setting, /etc/ssl/certs/ca-certificates.crt)")
-
-    def registry_index(self) -> str:
-        for line in self.sh([sys.executable, "-m", "pip", "config", "list"], 60).stdout.splitlines():
-            if line.partition("=")[0].endswith(".index-url") and "extra" not in line.partition("=")[0]:
-                return line.partition("=")[2].strip("'\"")
-        return os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
 
     def images(self) -> str:
         index = self.torch_index or self.registry_index()

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from feddifrc_app.config import Config, load_config
+from feddifrc_app.config import Config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.tools.run_config import app_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +74,36 @@ def flower_task_identity():
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
     yield
     TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+_HOLD = (
+    "import sys; from pathlib import Path; from feddifrc_app.files import lock_folder; "
+    "lock_folder(Path(sys.argv[1]), 'a test holder'); print('locked', flush=True); sys.stdin.read()"
+)
+
+
+@pytest.fixture
+def holder():
+    """Other processes that own a folder (``start(folder)``: a new one, returned once it holds the
+    folder), killed at teardown (test_ownership.py, test_cli_runs.py)."""
+    import os
+    import subprocess
+    import sys
+
+    procs: list[subprocess.Popen] = []
+
+    def start(folder: Path) -> subprocess.Popen:
+        folder.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        p = subprocess.Popen(
+            [sys.executable, "-c", _HOLD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        procs.append(p)
+        assert p.stdout.readline().strip() == b"locked"
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -14,7 +14,7 @@ from feddifrc_app.casting import ConfigError
 from feddifrc_app.config import load_node_config
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import write_json
-from feddifrc_app.methods import SETUP_WORK, Node
+from feddifrc_app.halves import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from conftest import ROOT
+from fakes import fake_run
 
 from feddifrc_app.tools import cli
 from feddifrc_app.tools.run_config import load_app_config
@@ -133,45 +132,8 @@ def test_extract_end_to_end_twice_second_run_computes_nothing(tmp_cache, capsys)
     assert (key_dir / "key.json").is_file()
 
 
-def _fake_run(run_dir: Path) -> None:
-    from feddifrc_app.files import write_json
-    from feddifrc_app.outputs import RunDir
-    from feddifrc_app.results import Results
-
-    run = RunDir(run_dir)
-    run_dir.mkdir(parents=True)
-    write_json(run_dir / "config.json", {"num-server-rounds": 3})
-    run.save_results(
-        Results.from_json(
-            {
-                "method": "feddifrc",
-                "strategy": "fedavg",
-                "dataset": "digits",
-                "partition": "dirichlet",
-                "teacher": {"model": "tiny-seed0", "random-weights": True},
-                "rounds": [
-                    {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
-                    {
-                        "round": 1,
-                        "test-accuracy": 0.4,
-                        "test-loss": 1.9,
-                        "failures": [],
-                        "train-metrics": {"train-tdcl": 2.2},
-                    },
-                    {
-                        "round": 2,
-                        "test-accuracy": 0.3,
-                        "test-loss": 1.7,
-                        "failures": [{"node": 5, "partition-id": 1, "reason": "lost"}],
-                    },
-                ],
-            }
-        )
-    )
-
-
 def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
-    _fake_run(tmp_path / "r")
+    fake_run(tmp_path / "r")
     assert cli.main(["report", str(tmp_path / "r"), "--plots"]) == 0
     out = capsys.readouterr().out
     assert "final 30.00%  best (max over rounds, the paper's endpoint) 40.00%  mean of last 5 35.00%" in out
@@ -182,7 +144,7 @@ def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
 
 
 def test_status_lists_runs_with_progress_and_failures(tmp_path, capsys):
-    _fake_run(tmp_path / "a")
+    fake_run(tmp_path / "a")
     assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "a: feddifrc/fedavg digits  round 2/3  latest 30.00%  best 40.00%  failures 1" in out
@@ -213,7 +175,7 @@ def test_fetch_with_a_truncated_mnist5k_cache_rebuilds_it_without_a_traceback(tm
 def test_status_names_a_failed_run_and_an_unreadable_file_without_a_traceback(tmp_path, capsys):
     import json
 
-    _fake_run(tmp_path / "a")
+    fake_run(tmp_path / "a")
     (tmp_path / "a" / "config.json").write_text('{"num-server-rounds": ')  # truncated
     r = json.loads((tmp_path / "a" / "results.json").read_text())
     r.update(status="failed", error="NoUpdateError: round 1: no node returned a usable update\nmore")
@@ -280,9 +242,9 @@ def test_a_symlink_loop_in_a_path_argument_is_one_line_naming_it(tmp_path, capsy
 
 def test_status_lists_every_run_when_one_results_json_is_a_folder(tmp_path, capsys):
     """Issue 33 case 5: a results.json that is a folder raised IsADirectoryError before any run."""
-    _fake_run(tmp_path / "a")
+    fake_run(tmp_path / "a")
     (tmp_path / "b" / "results.json").mkdir(parents=True)
-    _fake_run(tmp_path / "c")
+    fake_run(tmp_path / "c")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "results.json").symlink_to(tmp_path / "d" / "results.json")  # a loop
     assert cli.main(["status", "--outputs-dir", str(tmp_path)]) == 0
@@ -365,7 +327,7 @@ def test_report_says_how_the_run_ended_and_marks_non_finite_values(tmp_path, cap
     """Issue 33 case 8: a failed or dead run printed its table like a finished one, NaN as 'nan%'."""
     import json
 
-    _fake_run(tmp_path / "r")
+    fake_run(tmp_path / "r")
     path = tmp_path / "r" / "results.json"
     r = json.loads(path.read_text())
     assert cli.main(["report", str(tmp_path / "r")]) == 0

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from test_cli import _fake_run
-from test_ownership import holder  # noqa: F401 - the fixture: another process that owns a folder
+from fakes import fake_run
 
 from feddifrc_app.tools import cli
 
@@ -45,7 +44,7 @@ def folders(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "corrupt" / "results.json").write_text("{not json")
     (tmp_path / "setup").mkdir()
     (tmp_path / "setup" / "config.json").write_text('{"num-server-rounds": 3}')
-    _fake_run(tmp_path / "runs" / "a")
+    fake_run(tmp_path / "runs" / "a")
     names = ("missing", "afile", "empty", "corrupt", "setup", "runs")
     return {n: tmp_path / n for n in names}
 
@@ -102,7 +101,7 @@ def test_status_is_not_silent_about_a_missing_folder_and_names_a_run_given_as_ou
     assert lines[1].startswith("setup: no results.json yet: its run ended before round 0 was recorded")
 
 
-def test_a_run_still_in_setup_is_named_with_the_process_that_holds_it(tmp_path, holder, capsys) -> None:  # noqa: F811
+def test_a_run_still_in_setup_is_named_with_the_process_that_holds_it(tmp_path, holder, capsys) -> None:
     run_dir = tmp_path / "r"
     p = holder(run_dir)  # a ServerApp waiting for its min-nodes holds its folder like this
     (run_dir / "config.json").write_text('{"num-server-rounds": 3}')

@@ -9,13 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, default_run_config, make_config
 
-from feddifrc_app.config import (
-    STRATEGIES,
-    ConfigError,
-    load_config,
-    load_node_config,
-    resolve_cache_dir,
-)
+from feddifrc_app.config import STRATEGIES, ConfigError, load_node_config
+from feddifrc_app.config_loader import load_config
+from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir
 from feddifrc_app.tools.run_config import load_app_config, parse_run_config
 
 
@@ -247,9 +243,9 @@ def test_node_config():
 def test_cache_dir_precedence(tmp_path):
     cfg = make_config(diffusion__cache_dir=str(tmp_path / "run"))
     node = load_node_config({"partition-id": 0, "num-partitions": 1, "cache-dir": str(tmp_path / "node")})
-    assert node.resolve_cache_dir(cfg) == tmp_path / "node"
+    assert resolve_cache_dir(cfg, node.cache_dir, "node cache-dir") == tmp_path / "node"
     node = load_node_config({"partition-id": 0, "num-partitions": 1})
-    assert node.resolve_cache_dir(cfg) == tmp_path / "run"
+    assert resolve_cache_dir(cfg, node.cache_dir, "node cache-dir") == tmp_path / "run"
 
 
 def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_is_refused_naming_the_keys():
@@ -319,13 +315,13 @@ def test_fuzz_every_key_ends_in_a_config_error_naming_it_or_a_config(tmp_path):
     that loads is within the key's documented range (ints <= MAX_INT, floats <= MAX_FLOAT,
     path keys never a file or device)."""
     from feddifrc_app.casting import MAX_FLOAT, MAX_INT
-    from feddifrc_app.config import KEYS
+    from feddifrc_app.config_loader import keys
 
     tmp_file = tmp_path / "a-file"
     tmp_file.write_text("x")
     values, cases, accepted = _fuzz_values(tmp_file), 0, 0
     loops = [v for v in values if isinstance(v, str) and "loop" in v]
-    for k, (typ, rule) in KEYS.items():
+    for k, (typ, rule) in keys().items():
         for v in values:
             cfg = default_run_config()
             cfg[k] = v

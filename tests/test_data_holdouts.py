@@ -28,7 +28,7 @@ def test_paper_confs_train_on_all_50000_cifar10_images(path: Path) -> None:
     CIFAR-10's 50,000 training labels (5,000 a class; synthetic: no download) without a hold-out."""
     from conftest import default_run_config
 
-    from feddifrc_app.config import load_config
+    from feddifrc_app.config_loader import load_config
     from feddifrc_app.tools.run_config import parse_run_config
 
     raw = default_run_config(plumbing=False) | parse_run_config([str(path)])

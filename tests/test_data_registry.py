@@ -108,3 +108,38 @@ def test_every_configurable_dataset_has_a_source() -> None:
     assert sorted(SOURCES) == sorted(DATASETS)
     assert [n for n, s in SOURCES.items() if s.public_val] == ["mnist-5k", "mnist-5k-pool"]
     assert [n for n, s in SOURCES.items() if s.own_val] == ["mnist-5k-pool"]
+
+
+def _load_colours(cfg, split: str):
+    """A source as docs/architecture.md's "Add a dataset" describes one: ``load_x(cfg, split)`` gives
+    uint8 images (N x 3 x S x S), int64 labels, the class names and the per-channel (mean, std). Its
+    images are one flat colour per class, so a partition's labels can be read off its pixels."""
+    import torch
+
+    n = {"train": 150, "test": 30}[split]
+    labels = np.arange(n, dtype=np.int64) % 3
+    colours = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255]], dtype=torch.uint8)
+    images = colours[torch.from_numpy(labels)][:, :, None, None].expand(n, 3, cfg.image_size, cfg.image_size)
+    return images.contiguous(), labels, ["red", "green", "blue"], ((0.3, 0.3, 0.3), (0.4, 0.4, 0.4))
+
+
+def test_a_dataset_added_as_docs_architecture_says_loads_and_partitions(monkeypatch) -> None:
+    """docs/architecture.md, "Add a dataset": its entry in data/registry.SOURCES is all that loading,
+    the validation carve and the nodes' partitions look up by ``dataset.name``. (Its name in
+    config.DATASETS, what load_config accepts, is test_registry_and_config_name_the_same_datasets.)"""
+    from feddifrc_app.data.registry import Source
+
+    monkeypatch.setitem(SOURCES, "colours", Source(_load_colours))
+    base = make_config(dataset__val_fraction=0.2)
+    cfg = dataclasses.replace(base, dataset=dataclasses.replace(base.dataset, name="colours"))
+    train, test, val = (load_dataset(cfg.dataset, split) for split in ("train", "test", "val"))
+    assert load_validation(cfg.dataset).fingerprint == val.fingerprint  # the server's validation split
+    assert (len(train), len(val), len(test)) == (120, 30, 30)  # 20% of 150 held out, stratified
+    assert train.class_names == ["red", "green", "blue"] and train.images.shape[1:] == (3, 16, 16)
+    assert np.bincount(val.labels).tolist() == [10, 10, 10]
+    for d in (train, val, test):  # each image still shows its label's colour
+        assert (d.images[:, :, 0, 0].argmax(dim=1).numpy() == d.labels).all()
+    nodes = [load_node_config({"partition-id": p, "num-partitions": 3}) for p in range(3)]
+    shares = [client_split(cfg, node)[1] for node in nodes]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(120))  # every training image, once
+    assert all(len(s) for s in shares)

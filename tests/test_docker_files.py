@@ -29,9 +29,8 @@ from typing import Any
 
 import pytest
 import yaml
+from docker_helpers import DOCKER, ROOT, e2e_script, health_probe, load_compose, script_module
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
 MAKE_CERTS = ROOT / "scripts" / "make_certs.sh"
 MAKE_COMPOSE = DOCKER / "make_compose.py"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
@@ -76,21 +75,9 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="make
 # ----------------------------------------------------------------------------- helpers
 
 
-def load_compose(name: str) -> dict[str, Any]:
-    # Plain safe YAML (merge keys included): a Compose v2-only tag (!override, !reset) fails here.
-    data = yaml.safe_load((DOCKER / name).read_text())
-    assert isinstance(data, dict) and isinstance(data.get("services"), dict), name
-    return data
-
-
-@functools.cache
 def make_compose():
     """docker/make_compose.py as a module (stdlib only): its constants are the files' one source."""
-    spec = importlib.util.spec_from_file_location("make_compose", MAKE_COMPOSE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    return module
+    return script_module(MAKE_COMPOSE)
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
@@ -270,25 +257,10 @@ def test_superexec_dockerfile_installs_the_app_dependencies_with_cuda_torch() ->
     assert any(d.startswith("torch") for d in deps) and any(d.startswith("diffusers") for d in deps)
 
 
-@functools.cache
-def _module(path: Path):
-    """A stdlib-only script of this repository as a module (without running its main)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def e2e_script():
-    """scripts/docker_e2e.py as a module: the home of the deployment's learning criterion."""
-    return _module(ROOT / "scripts" / "docker_e2e.py")
-
-
 def test_check_image_fails_a_build_without_the_torch_it_requires() -> None:
     """docker/check_image.py: REQUIRE_CUDA_TORCH=1 refuses a CPU torch, REQUIRE_CPU_TORCH=1 a CUDA one
     (an index that serves the CUDA wheel to a "CPU" build), and a replaced flwr fails either way."""
-    problems = _module(DOCKER / "check_image.py").problems
+    problems = script_module(DOCKER / "check_image.py").problems
     assert problems("1.42.0", "cuda", "2.14.1+cu130", "13.0", "1.42.0") == []
     assert problems("1.42.0", "cpu", "2.14.1+cpu", None, "1.42.0") == []
     assert problems("1.42.0", "any", "2.14.1+cu130", "13.0", "1.42.0") == []
@@ -383,15 +355,6 @@ def test_compose_files_parse_and_pin_the_flwr_images() -> None:
             args = (svc.get("build") or {}).get("args") or {}
             if "FLWR_VERSION" in args:
                 assert args["FLWR_VERSION"] == f"${{FLWR_VERSION:-{FLWR_VERSION}}}"
-
-
-def health_probe(svc: dict[str, Any]) -> tuple[str, str]:
-    """(the service's healthcheck Python probe, the host:port it dials)."""
-    test = svc["healthcheck"]["test"]
-    assert test[:3] == ["CMD", "python", "-c"], test
-    m = re.search(r"insecure_channel\('([^']+)'\)", test[3])
-    assert m, test[3]
-    return test[3], m.group(1)
 
 
 @pytest.mark.parametrize("compose", COMPOSE_FILES)
@@ -971,7 +934,6 @@ def _doc_commands(text: str) -> list[list[str]]:
     return cmds
 
 
-@pytest.mark.skipif(not DEPLOY_DOC.exists(), reason="docs/deploy.md not written")
 def test_deploy_doc_commands_use_existing_flags() -> None:
     cmds = _doc_commands(DEPLOY_DOC.read_text())
     assert cmds, "no Flower commands found in docs/deploy.md code blocks"
@@ -1116,7 +1078,7 @@ def test_e2e_local_base_images_follow_flowers_layout(tmp_path: Path) -> None:
     flwr, user app (uid 49999) with HOME=WORKDIR=/app, the venv first on PATH."""
     e2e = e2e_script()
     assert e2e.FLWR_VERSION == FLWR_VERSION
-    text = e2e.BASE_DOCKERFILE
+    text = script_module(ROOT / "scripts" / "docker_e2e_bases.py").BASE_DOCKERFILE
     stages = dict(re.findall(r'^FROM base AS (\w+)\nENTRYPOINT \["([\w-]+)"\]$', text, re.M))
     assert stages == IMAGE_BINARY
     for want in ("--uid 49999 app", "WORKDIR /app", "USER app", "ENV HOME=/app", "PATH=/python/venv/bin:"):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import make_config
+from fakes import FakeNodes
 from flwr.app import Message, MetricRecord, RecordDict
 
 from feddifrc_app.federated_eval import FederatedEvaluation, set_evaluation
@@ -30,11 +31,9 @@ def reply(msg: Message) -> Message:
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
-class FakeFederation:
+class FakeFederation(FakeNodes):
     """Nodes 11 and 12 (partitions 0, 1) that train (echoing the model) and evaluate (NODES);
     ``fail``: node ids whose evaluation fails."""
-
-    partition_of = {11: 0, 12: 1}
 
     def __init__(self, fail: tuple[int, ...] = ()) -> None:
         self.fail, self.sampled, self.sent = fail, [], []
@@ -42,12 +41,6 @@ class FakeFederation:
     def sample(self, rnd: int, evaluate: bool = False) -> list[int]:
         self.sampled.append((rnd, evaluate))
         return [11, 12]
-
-    def view(self, chosen: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(get_node_ids=lambda: list(chosen))
-
-    def round_config(self) -> dict[str, int]:
-        return {}  # no N: the strategies count the nodes they are shown
 
     def exchange(self, msgs, chosen):
         self.sent += [(m.metadata.message_type, m.metadata.dst_node_id) for m in msgs]

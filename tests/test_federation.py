@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from fakes import SuperLink
+
 from feddifrc_app.federation import REASON_CHARS, node_reason
 
 # What Flower's simulation relays for a ClientApp that raised (vce_api: str(type) + ":<'" + str(ex)
@@ -45,39 +47,6 @@ def test_a_long_reason_is_cut_to_one_short_line() -> None:
 # --------------------------------------------------------------------- waiting for min-nodes
 
 
-class _SuperLink:
-    """A SuperLink's state as the ServerApp's Grid reads it (Flower's in-memory LinkState and the
-    Grid over it), with SuperNodes that register and come online as the Fleet API records them."""
-
-    def __init__(self) -> None:
-        from flwr.server.superlink.linkstate import LinkStateFactory
-        from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
-        from flwr.supercore.object_store import ObjectStoreFactory
-        from flwr.superlink.federation import NoOpFederationManager
-        from flwr.superlink.federation.noop_federation_manager import NOOP_FEDERATION_ID, NOOP_FLWR_AID
-        from flwr.superlink.grid import InMemoryGrid
-        from flwr.superlink.servicer.control.control_handlers import TaskType
-
-        factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-        self.state = factory.state()
-        run_id = self.state.create_run(
-            None, None, None, {}, NOOP_FEDERATION_ID, None, NOOP_FLWR_AID, TaskType.SERVER_APP
-        )
-        self.grid = InMemoryGrid(factory)
-        (run,) = self.state.get_run_info(run_ids=[run_id])
-        self.grid.set_run(run)
-
-    def supernode(self) -> int:
-        """One SuperNode online (registered, then its first heartbeat), as fleet_handlers does."""
-        import secrets
-
-        from flwr.superlink.federation.noop_federation_manager import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID
-
-        node = self.state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), 3600.0)
-        assert self.state.activate_node(node, 3600.0)
-        return node
-
-
 def test_a_wait_for_min_nodes_that_gives_up_says_so_with_the_count_the_timeout_and_what_to_change(
     caplog,
 ) -> None:
@@ -92,7 +61,7 @@ def test_a_wait_for_min_nodes_that_gives_up_says_so_with_the_count_the_timeout_a
 
     from feddifrc_app.federation import Federation
 
-    link = _SuperLink()
+    link = SuperLink()
     cfg = make_config(min_nodes=3, min_nodes_timeout=1.0, fraction_train=0.5)
     with caplog.at_level(logging.INFO, logger="flwr.feddifrc"), pytest.raises(RuntimeError) as e:
         Federation(link.grid, cfg).wait_for_nodes()
@@ -131,7 +100,7 @@ def test_a_supernode_that_connects_during_the_wait_ends_it_without_a_warning(cap
 
     from feddifrc_app.federation import Federation
 
-    link = _SuperLink()
+    link = SuperLink()
     first = link.supernode()
     late: list[int] = []
     joins = threading.Timer(0.5, lambda: late.append(link.supernode()))

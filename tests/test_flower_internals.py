@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_config
+from fakes import RecordingGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.supercore import differential_privacy as flwr_dp
-from test_server_app import RecordingGrid
 
 from feddifrc_app import privacy, strategy
 from feddifrc_app.strategy import STATE, build_strategy

@@ -26,9 +26,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import full_size as fs  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_check_dtypes as gd  # noqa: E402
+import gpu_check_node  # noqa: E402
+import gpu_check_rows  # noqa: E402
 import gpu_check_summary as gs  # noqa: E402
 
-from feddifrc_app.config import load_config  # noqa: E402
+from feddifrc_app.config_loader import load_config  # noqa: E402
 
 # What a bare GPU host lacks once the wheels of scripts/carry_wheels.py are installed (it has torch,
 # torchvision, transformers, accelerate, scikit-learn; the wheels bring diffusers, flwr, matplotlib).
@@ -149,7 +151,7 @@ def test_dry_run_covers_every_section_and_family_on_a_bare_host(tmp_path: Path, 
     (i,) = by_section["I"]
     assert i["verdict"] == "SKIP" and i["value"] == "needs ray, which is not installed here"
     assert items[("A", "no GPU: resolve_device('cuda')")]["verdict"] == "PASS"
-    for model in gpu_check.TINY_MODELS:
+    for model in gd.TINY_MODELS:
         assert items[("B", f"{model}: fast vs plain, fp32")]["verdict"] == "PASS"
         assert items[("B", f"{model}: all finite")]["value"] is True
     assert items[("B", "tiny-pixart float16: T5 wo")]["value"] == "torch.float32"
@@ -204,7 +206,7 @@ def test_summary_fits_what_comes_back_and_keeps_every_failure() -> None:
     of long values are cut down, the FAIL, WARN and SKIP rows all stay, the rest is counted;
     2,400 rows are cut at the limit, saying so."""
     verdicts = ("PASS", "-", "n/a", "FAIL", "WARN", "SKIP")
-    rows = [gpu_check.Row("C", f"item {k}", 1.0, "x" * 300, "b", verdicts[k % 6]) for k in range(2400)]
+    rows = [gpu_check_rows.Row("C", f"item {k}", 1.0, "x" * 300, "b", verdicts[k % 6]) for k in range(2400)]
     text = gs.summary(rows[:240], "== summary (1 s)")
     assert len(text) <= gs.SUMMARY_CHARS < 12_000
     kept = [ln for ln in text.splitlines() if ln[:4].strip() in verdicts]
@@ -341,7 +343,7 @@ def test_gpu_bounds_read_na_in_a_dry_run_and_judge_on_a_gpu(tmp_path: Path) -> N
 
 def test_paper_config_reads_without_flower() -> None:
     """F's run config: pyproject's defaults under the paper conf, flattened with tomllib only."""
-    flat = gpu_check.paper_config()
+    flat = gpu_check_node.paper_config()
     assert flat["dataset.name"] == "cifar10" and flat["method"] == "feddifrc"
     assert flat["train.device"] == "cuda" and flat["train.batch-size"] == 64
     cfg = load_config(flat)

@@ -15,7 +15,8 @@ from conftest import ROOT, default_run_config, make_config
 
 from feddifrc_app import methods
 from feddifrc_app.casting import invalid
-from feddifrc_app.config import ConfigError, load_config, resumable
+from feddifrc_app.config import ConfigError
+from feddifrc_app.config_loader import load_config, resumable
 from feddifrc_app.methods import fednh, fednova, moon, scaffold
 from feddifrc_app.methods.feddifrc import rules as feddifrc_rules
 from feddifrc_app.tools.run_config import app_defaults, parse_run_config
@@ -151,7 +152,8 @@ class NoFlower:
 
 sys.meta_path.insert(0, NoFlower())
 from feddifrc_app import methods
-from feddifrc_app.config import ConfigError, load_config
+from feddifrc_app.config import ConfigError
+from feddifrc_app.config_loader import load_config
 
 out = {}
 for name, rc in json.load(sys.stdin).items():

@@ -31,7 +31,7 @@ from feddifrc_app.data.images import PUBLIC_SPLIT
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
-from feddifrc_app.methods import Node
+from feddifrc_app.halves import Node
 from feddifrc_app.methods.feddifrc.local import FedDifRC
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis, plan

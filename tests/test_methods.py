@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from feddifrc_app import methods
 from feddifrc_app.federation import NUM_NODES
+from feddifrc_app.halves import Node
 from feddifrc_app.methods import fednova, scaffold
 from feddifrc_app.methods.fednh import node as fednh_node
 from feddifrc_app.methods.fednh import server as fednh_server
+from feddifrc_app.methods.fednh.head import PrototypeHead
 from feddifrc_app.methods.scaffold import node as scaffold_node
 from feddifrc_app.strategy import build_strategy
 
@@ -74,9 +78,7 @@ def _scaffold_node_trains(s, rnd: int, state: RecordDict, step: float) -> Messag
     msg = next(
         iter(s.configure_train(rnd, ArrayRecord({"weight": torch.ones(1, 1)}), ConfigRecord({}), One()))
     )
-    node = methods.Node(
-        make_config(train__momentum=0.0, train__lr=0.5), None, None, torch.device("cpu"), 0, state
-    )
+    node = Node(make_config(train__momentum=0.0, train__lr=0.5), None, None, torch.device("cpu"), 0, state)
     half = scaffold.node_half(msg, node)
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.ones_(model.weight)
@@ -212,7 +214,8 @@ class _Batches(list):
 def test_a_diverging_contrastive_term_names_its_temperature_besides_train_lr():
     """A node's NaN loss names the keys that can cause it: train.lr, the loss weights, and the
     temperature of the half's contrastive term (MOON's moon.tau, FedDifRC's loss.temperature)."""
-    from feddifrc_app.methods import Node, moon
+    from feddifrc_app.halves import Node
+    from feddifrc_app.methods import moon
     from feddifrc_app.methods.feddifrc.local import FedDifRC
     from feddifrc_app.model import build_model
     from feddifrc_app.train import DivergedError, train_local
@@ -238,7 +241,7 @@ def test_a_diverging_contrastive_term_names_its_temperature_besides_train_lr():
 def test_fednh_head_is_a_scaled_cosine_over_frozen_orthogonal_prototypes():
     from feddifrc_app.model import build_model
 
-    model = build_model("resnet10", 4, width=2, prototype_scale=3.0)
+    model = build_model("resnet10", 4, width=2, head=functools.partial(PrototypeHead, scale=3.0))
     p = model.fc.prototype
     assert not p.requires_grad and p.shape == (4, 16)
     torch.testing.assert_close(p @ p.T, torch.eye(4), atol=1e-5, rtol=0)  # orthonormal rows
@@ -289,7 +292,7 @@ def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
     model.bias.requires_grad_(False)
     model.weight.grad = torch.full((2, 2), 30.0)  # norm 60
     model.bias.grad = torch.full((2,), 7.0)  # frozen (as the prototypes are): untouched
-    node = methods.Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
+    node = Node(make_config(method="fednh"), None, None, torch.device("cpu"), 0, RecordDict())
     fednh_node.Prototypes(node).before_step(model)
     assert model.weight.grad.norm().item() == pytest.approx(10.0, rel=1e-5)
     torch.testing.assert_close(model.bias.grad, torch.full((2,), 7.0))
@@ -302,15 +305,27 @@ def test_fednh_node_clips_the_gradient_norm_of_trainable_parameters_only():
 
 NEW_METHOD = '''
 """A method that exists only in this file: a weighted mean-square embedding term."""
+from dataclasses import dataclass
+
 from flwr.app import ConfigRecord
 
-from feddifrc_app.methods import NodeHalf
+from feddifrc_app.config import key
+from feddifrc_app.halves import NodeHalf
 
 KEY = "demo-weight"
+NAMES = ("demo",)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    weight: float = key(lo=0.0)
+
+
+SECTIONS = {"demo": DemoConfig}
 
 
 def train_config(cfg):
-    return {KEY: 0.5}
+    return {KEY: cfg.demo.weight} if cfg.method == "demo" else {}
 
 
 class Demo(NodeHalf):
@@ -359,20 +374,31 @@ def _train_on_node(run_config: dict, config: dict) -> Message:
 
 def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
     """docs/architecture.md, "Add a method": its module in methods/ is all the server and the
-    ClientApp need (a config section and defaults only for keys of its own); nothing names it."""
+    ClientApp need, its config section included (its keys join the run's, its name the method's
+    choices); nothing names it."""
     import sys
 
     from conftest import default_run_config
 
-    from feddifrc_app import methods
+    from feddifrc_app import config_loader, methods
+    from feddifrc_app.casting import ConfigError
 
     (tmp_path / "demo.py").write_text(NEW_METHOD)
     monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
     monkeypatch.delitem(sys.modules, "feddifrc_app.methods.demo", raising=False)
     methods.modules.cache_clear()
+    config_loader.keys.cache_clear()
     try:
-        rc = default_run_config(method="fedavg", dataset__train_limit=40, train__device="cpu")
-        sent = methods.train_config(make_config(method="fedavg"))  # the server half
+        rc = {**default_run_config(dataset__train_limit=40, train__device="cpu"), "demo.weight": 0.5}
+        rc["method"] = "demo"
+        cfg = config_loader.load_config(rc)
+        assert cfg.demo.weight == 0.5 and cfg.to_flat()["demo.weight"] == 0.5
+        assert "demo" in config_loader.keys()["method"][1]["choices"]
+        with pytest.raises(ConfigError, match="'demo.weight' = -1"):
+            config_loader.load_config({**rc, "demo.weight": -1})
+        with pytest.raises(ConfigError, match="missing config key.*'demo.weight'"):
+            config_loader.load_config({k: v for k, v in rc.items() if k != "demo.weight"})
+        sent = methods.train_config(cfg)  # the server half
         assert sent == {"demo-weight": 0.5}
         reply = _train_on_node(rc, sent)
         assert not reply.has_error(), reply.error.reason
@@ -381,6 +407,7 @@ def test_a_new_method_is_picked_up_from_its_module_alone(tmp_path, monkeypatch):
         assert reply.content["demo-record"]["seen"] is True  # its own record in the reply
     finally:
         methods.modules.cache_clear()
+        config_loader.keys.cache_clear()
         sys.modules.pop("feddifrc_app.methods.demo", None)
 
 
@@ -429,11 +456,16 @@ def test_the_orchestrators_name_no_method_and_read_no_method_flag():
     import re
     from pathlib import Path
 
-    from feddifrc_app import config
+    from feddifrc_app import config_loader
 
     root = Path(methods.__file__).resolve().parents[1]
     words = METHOD_WORDS | {m.__name__.rsplit(".", 1)[1] for m in methods.modules()}
-    words |= {w for name in config.METHODS if name != "fedavg" for w in name.split("-")}
+    words |= {
+        w
+        for name in config_loader.keys()["method"][1]["choices"]
+        if name != "fedavg"
+        for w in name.split("-")
+    }
     found = []
     for name in ORCHESTRATORS:
         tree = ast.parse((root / name).read_text())

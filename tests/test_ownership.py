@@ -4,11 +4,8 @@ sweep stops its Flower run. No Flower process is started here."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, make_config
@@ -16,33 +13,6 @@ from conftest import ROOT, make_config
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, release_folder
 from feddifrc_app.tools import cli
 from feddifrc_app.tools.run_config import app_defaults
-
-_HOLD = (
-    "import sys; from pathlib import Path; from feddifrc_app.files import lock_folder; "
-    "lock_folder(Path(sys.argv[1]), 'a test holder'); print('locked', flush=True); sys.stdin.read()"
-)
-
-
-@pytest.fixture
-def holder():
-    """Start another process that owns a folder until it is killed; yields (start, procs)."""
-    procs: list[subprocess.Popen] = []
-
-    def start(folder: Path) -> subprocess.Popen:
-        folder.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        p = subprocess.Popen(
-            [sys.executable, "-c", _HOLD, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
-        procs.append(p)
-        assert p.stdout.readline().strip() == b"locked"
-        return p
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_a_folder_is_owned_by_one_live_process_and_freed_when_it_dies(tmp_path, holder):

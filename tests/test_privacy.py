@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import default_run_config, make_config
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
+from fakes import RecordingGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
-from test_server_app import RecordingGrid
 
 from feddifrc_app import privacy, privacy_accounting
 from feddifrc_app.config import ConfigError

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from conftest import ROOT
 
-from feddifrc_app import config
+from feddifrc_app import config_loader
 from feddifrc_app.tools import reference
 from feddifrc_app.tools.reference import allowed, config_lines, configuration_page
 
@@ -49,16 +49,18 @@ def test_key_lines_are_split_at_the_first_comment_outside_a_string():
 
 
 def test_allowed_values_are_the_ones_load_config_checks():
-    assert allowed(*config.KEYS["partition.imb-factor"]) == "number in (0, 1]"
-    assert allowed(*config.KEYS["seed"]) == "integer in [0, 4294967295]"
-    assert allowed(*config.KEYS["num-server-rounds"]) == "integer in [1, 2147483647]"  # casting.MAX_INT
-    assert allowed(*config.KEYS["train.lr"]) == "number in (0, 1e+09]"  # casting.MAX_FLOAT
-    assert allowed(*config.KEYS["strategy.trim-beta"]) == "number in [0, 0.5)"
-    assert allowed(*config.KEYS["train.augment"]) == "true or false"
-    assert allowed(*config.KEYS["loss.ndcr-space"]) == "one of `unit`, `raw`"
-    assert allowed(*config.KEYS["diffusion.blocks"]) == "comma-separated integers"
-    assert allowed(*config.KEYS["outputs-dir"]) == 'folder path ("" = `~/feddifrc-runs`)'
-    assert allowed(*config.KEYS["diffusion.prompt-template"]) == "text"
+    assert allowed(*config_loader.keys()["partition.imb-factor"]) == "number in (0, 1]"
+    assert allowed(*config_loader.keys()["seed"]) == "integer in [0, 4294967295]"
+    assert (
+        allowed(*config_loader.keys()["num-server-rounds"]) == "integer in [1, 2147483647]"
+    )  # casting.MAX_INT
+    assert allowed(*config_loader.keys()["train.lr"]) == "number in (0, 1e+09]"  # casting.MAX_FLOAT
+    assert allowed(*config_loader.keys()["strategy.trim-beta"]) == "number in [0, 0.5)"
+    assert allowed(*config_loader.keys()["train.augment"]) == "true or false"
+    assert allowed(*config_loader.keys()["loss.ndcr-space"]) == "one of `unit`, `raw`"
+    assert allowed(*config_loader.keys()["diffusion.blocks"]) == "comma-separated integers"
+    assert allowed(*config_loader.keys()["outputs-dir"]) == 'folder path ("" = `~/feddifrc-runs`)'
+    assert allowed(*config_loader.keys()["diffusion.prompt-template"]) == "text"
     # ... and the page's row holds the default, the rule, the comment and the resume rule.
     page = configuration_page((ROOT / "pyproject.toml").read_text())
     assert (

@@ -6,48 +6,15 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 from conftest import make_config
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
-from test_server_app import _FailingFederation
+from fakes import central_scores, round_loop, shifted
+from flwr.app import MetricRecord
 
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.results import Results, RoundRow
-from feddifrc_app.rounds import CHANCE_MARGIN, NO_LEARNING_ROUNDS, FrozenModelError, RoundLoop, no_learning
+from feddifrc_app.rounds import CHANCE_MARGIN, NO_LEARNING_ROUNDS, FrozenModelError, no_learning
 from feddifrc_app.train import DivergedError
-
-
-class _TwoNodes(_FailingFederation):
-    """Two nodes that always reply (the strategy's aggregate is set by each test)."""
-
-    def exchange(self, msgs, chosen):
-        replies = []
-        for m in msgs:
-            content = RecordDict(
-                {
-                    "arrays": m.content["arrays"],
-                    "metrics": MetricRecord({"num-examples": 1.0, "train-total": 2.0}),
-                }
-            )
-            replies.append(Message(content=content, dst_node_id=m.metadata.dst_node_id, message_type="train"))
-        return replies, []
-
-
-def _shifted(arrays: ArrayRecord, by: float) -> ArrayRecord:
-    return ArrayRecord({k: Array(a.numpy() + np.asarray(by, a.numpy().dtype)) for k, a in arrays.items()})
-
-
-def _loop(tmp_path, evaluator, **overrides) -> RoundLoop:
-    (tmp_path / "run").mkdir(parents=True)
-    cfg = make_config(**{"method": "fedavg", "num_server_rounds": 2, **overrides})
-    return RoundLoop(
-        cfg, _TwoNodes(), RunDir(tmp_path / "run"), Results(rounds=[], resumed=[]), evaluator, 10
-    )
-
-
-def _central(loss: float) -> dict[str, float | None]:
-    return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.1, "test-loss": loss}
 
 
 def _on_disk(tmp_path) -> dict:
@@ -55,9 +22,9 @@ def _on_disk(tmp_path) -> dict:
 
 
 def test_a_non_finite_aggregate_of_finite_replies_names_the_strategy_keys_not_train_lr(tmp_path) -> None:
-    loop = _loop(tmp_path, lambda m: _central(2.3), strategy__name="qfedavg", strategy__q=15.0)
+    loop = round_loop(tmp_path, lambda m: central_scores(2.3), strategy__name="qfedavg", strategy__q=15.0)
     sent = loop.arrays
-    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(sent, math.inf), MetricRecord())
+    loop.strategy.aggregate_train = lambda rnd, replies: (shifted(sent, math.inf), MetricRecord())
     with pytest.raises(DivergedError) as e:
         loop.run_all()
     first = (
@@ -78,11 +45,11 @@ def test_a_finite_model_whose_central_loss_is_nan_is_a_divergence_and_is_rolled_
     def evaluator(model) -> dict[str, float | None]:
         w = float(next(model.parameters()).detach().abs().max())
         seen.append(w)
-        return _central(math.nan if w > 100 else 2.3)  # the aggregate below scores a NaN loss
+        return central_scores(math.nan if w > 100 else 2.3)  # the aggregate below scores a NaN loss
 
-    loop = _loop(tmp_path, evaluator, num_server_rounds=1)
+    loop = round_loop(tmp_path, evaluator, num_server_rounds=1)
     sent = loop.arrays
-    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(sent, 1e3), MetricRecord())
+    loop.strategy.aggregate_train = lambda rnd, replies: (shifted(sent, 1e3), MetricRecord())
     with pytest.raises(DivergedError, match=r"round 1: diverged: the aggregated model's central test-loss"):
         loop.run_all()
     assert loop.arrays is sent and seen[1] > 100 and seen[2] == seen[0]  # scored again after the rollback
@@ -96,9 +63,9 @@ def test_a_finite_model_whose_central_loss_is_nan_is_a_divergence_and_is_rolled_
 
 
 def test_a_global_model_that_never_changes_fails_the_run_with_the_dp_settings(tmp_path) -> None:
-    loop = _loop(
+    loop = round_loop(
         tmp_path,
-        lambda m: _central(2.3),
+        lambda m: central_scores(2.3),
         strategy__dp="server-adaptive",
         strategy__dp_clipped_count_stddev=1.0,
         min_nodes=2,
@@ -118,14 +85,14 @@ def test_a_global_model_that_never_changes_fails_the_run_with_the_dp_settings(tm
 
 
 def test_max_frozen_rounds_counts_rounds_in_a_row_and_zero_never_judges(tmp_path) -> None:
-    loop = _loop(tmp_path, lambda m: _central(2.3), num_server_rounds=4, max_frozen_rounds=2)
+    loop = round_loop(tmp_path, lambda m: central_scores(2.3), num_server_rounds=4, max_frozen_rounds=2)
     moves = iter([0.0, 0.5, 0.0, 0.0])  # frozen, moved, frozen, frozen: fails after round 4
-    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, next(moves)), MetricRecord())
+    loop.strategy.aggregate_train = lambda rnd, replies: (shifted(loop.arrays, next(moves)), MetricRecord())
     with pytest.raises(FrozenModelError, match=r"not changed in 2 trained round\(s\) in a row"):
         loop.run_all()
     assert [r["round"] for r in _on_disk(tmp_path)["rounds"]] == [0, 1, 2, 3, 4]
 
-    off = _loop(tmp_path / "off", lambda m: _central(2.3), max_frozen_rounds=0)
+    off = round_loop(tmp_path / "off", lambda m: central_scores(2.3), max_frozen_rounds=0)
     off.strategy.aggregate_train = lambda rnd, replies: (off.arrays, MetricRecord())
     off.run_all()
     assert _on_disk(tmp_path / "off")["status"] == "completed"
@@ -176,10 +143,12 @@ def test_the_no_learning_rule_judges_the_last_rounds_by_chance_accuracy_or_risin
 def test_a_run_that_learns_nothing_completes_with_a_recorded_warning(tmp_path) -> None:
     """The round loop's end: results.json says completed AND why its model learned nothing (with
     the keys to check); a resumed run that then learns drops the old verdict, keeps other warnings."""
-    loop = _loop(tmp_path, lambda m: _central(2.3), num_server_rounds=3, strategy__dp="server-adaptive")
+    loop = round_loop(
+        tmp_path, lambda m: central_scores(2.3), num_server_rounds=3, strategy__dp="server-adaptive"
+    )
     loop.results.warn("strategy.dp = 'server-adaptive': ... expect no learning")
     loop.results.warn("strategy.dp = 'server-adaptive': ... expect no learning")  # once
-    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, 1e-3), MetricRecord())
+    loop.strategy.aggregate_train = lambda rnd, replies: (shifted(loop.arrays, 1e-3), MetricRecord())
     loop.run_all()
     res = _on_disk(tmp_path)
     assert res["status"] == "completed"
@@ -191,9 +160,11 @@ def test_a_run_that_learns_nothing_completes_with_a_recorded_warning(tmp_path) -
         "strategy.dp-initial-clipping-norm = 0.1, strategy.dp-target-clipped-quantile = 0.5, "
         "strategy.dp-clip-norm-lr = 0.2, strategy.dp-clipped-count-stddev = 0.0",
     ]
-    learned = _loop(tmp_path / "l", lambda m: _central(2.3) | {"test-accuracy": 0.9}, num_server_rounds=3)
+    learned = round_loop(
+        tmp_path / "l", lambda m: central_scores(2.3) | {"test-accuracy": 0.9}, num_server_rounds=3
+    )
     learned.results.warnings = ["no learning: an earlier process's verdict", "other"]
-    learned.strategy.aggregate_train = lambda rnd, replies: (_shifted(learned.arrays, 1e-3), MetricRecord())
+    learned.strategy.aggregate_train = lambda rnd, replies: (shifted(learned.arrays, 1e-3), MetricRecord())
     learned.run_all()
     assert _on_disk(tmp_path / "l")["warnings"] == ["other"]
 
@@ -209,16 +180,18 @@ def test_evaluate_every_k_rounds_records_the_scored_rounds_and_readers_skip_the_
     from feddifrc_app.tools.cmd_runs import _status_line
 
     accs = iter([0.1, 0.11, 0.1, 0.105])  # rounds 0, 3, 6, 7: each at most chance + 2% (12%)
-    loop = _loop(tmp_path, lambda m: _central(2.3) | {"test-accuracy": next(accs)}, num_server_rounds=7)
+    loop = round_loop(
+        tmp_path, lambda m: central_scores(2.3) | {"test-accuracy": next(accs)}, num_server_rounds=7
+    )
     assert loop.every == 1  # the default: every round (today's behaviour)
     (tmp_path / "k").mkdir()
-    loop = _loop(
+    loop = round_loop(
         tmp_path / "k",
-        lambda m: _central(2.3) | {"test-accuracy": next(accs)},
+        lambda m: central_scores(2.3) | {"test-accuracy": next(accs)},
         num_server_rounds=7,
         server__evaluate_every=3,
     )
-    loop.strategy.aggregate_train = lambda rnd, replies: (_shifted(loop.arrays, 1e-3), MetricRecord())
+    loop.strategy.aggregate_train = lambda rnd, replies: (shifted(loop.arrays, 1e-3), MetricRecord())
     loop.run_all()
     res = _on_disk(tmp_path / "k")
     assert res["status"] == "completed" and res["evaluated-rounds"] == [0, 3, 6, 7]

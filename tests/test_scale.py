@@ -12,7 +12,7 @@ import numpy as np
 from conftest import ROOT, default_run_config
 from flwr.app import Context, RecordDict
 
-from feddifrc_app.config import load_config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.methods.feddifrc.node import STATS
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -49,8 +49,8 @@ def _serve(link, nodes: dict[int, int], run_config: dict, stop: threading.Event)
 def _setup(tmp_path: Path, basis_nodes: int) -> tuple[dict, dict[int, int], object]:
     """The setup exchange of NODES nodes over a real LinkState and Grid: (replies, partition of node,
     the FedDifRC server half after it)."""
+    from fakes import SuperLink
     from flwr.supercore.task_identity import TaskIdentity
-    from test_federation import _SuperLink
 
     from feddifrc_app.federation import Federation
     from feddifrc_app.methods import server_half
@@ -60,7 +60,7 @@ def _setup(tmp_path: Path, basis_nodes: int) -> tuple[dict, dict[int, int], obje
         dataset__train_limit=80, diffusion__basis_nodes=basis_nodes, diffusion__cache_dir=str(tmp_path)
     )
     cfg = load_config(rc)
-    link = _SuperLink()
+    link = SuperLink()
     TaskIdentity.run_id = link.grid._run.run_id  # messages carry the process's run (conftest restores it)
     nodes = {link.supernode(): p for p in range(NODES)}
     stop = threading.Event()

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from fakes import FailingFederation, FakeNodes, RecordingGrid, server_context
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
-from flwr.serverapp import Grid
 
 from feddifrc_app import server_app
 from feddifrc_app.device import DeviceError
@@ -49,25 +49,6 @@ def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> No
         check_classes(bad, fed, test)
 
 
-class _FailingFederation:
-    """Two nodes that both fail every round, as with a batch BatchNorm cannot normalise."""
-
-    partition_of = {11: 0, 12: 1}
-
-    def sample(self, rnd: int) -> list[int]:
-        return [11, 12]
-
-    def view(self, chosen: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(get_node_ids=lambda: list(chosen))
-
-    def round_config(self) -> dict[str, int]:
-        return {}  # no N: the strategies count the nodes they are shown
-
-    def exchange(self, msgs, chosen):
-        reason = "ValueError: Expected more than 1 value per channel when training"
-        return [], [{"node": n, "partition-id": self.partition_of[n], "reason": reason} for n in chosen]
-
-
 def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path) -> None:
     import json
 
@@ -84,7 +65,7 @@ def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path)
     def evaluator(model):
         return {"val-accuracy": None, "val-loss": None, "test-accuracy": 0.103, "test-loss": 2.3}
 
-    loop = RoundLoop(cfg, _FailingFederation(), run, results, evaluator, 10)
+    loop = RoundLoop(cfg, FailingFederation(), run, results, evaluator, 10)
     with pytest.raises(NoUpdateError) as e:
         loop.run_all()
     assert MAX_EMPTY_ROUNDS == 1
@@ -111,7 +92,7 @@ def test_replies_the_strategy_cannot_combine_fail_the_run_saying_so(tmp_path) ->
     from feddifrc_app.outputs import RunDir
     from feddifrc_app.rounds import NoUpdateError, RoundLoop
 
-    class Replying(_FailingFederation):
+    class Replying(FakeNodes):
         def exchange(self, msgs, chosen):
             return [_reply(11), _reply(12)], []  # two replies, no failure
 
@@ -145,7 +126,7 @@ def test_a_lost_node_is_accounted_for_before_flower_counts_the_aggregated_replie
     from feddifrc_app.outputs import RunDir
     from feddifrc_app.rounds import NoUpdateError, RoundLoop
 
-    class OneLost(_FailingFederation):
+    class OneLost(FakeNodes):
         def exchange(self, msgs, chosen):
             return [_reply(11)], [{"node": 12, "partition-id": 1, "reason": "Node Unavailable"}]
 
@@ -281,67 +262,13 @@ def test_a_new_serverapp_process_imports_dp_accounting_only_for_an_accounted_run
     assert eps == pytest.approx(4.729, abs=1e-3)  # one round at multiplier 1 (test_privacy's value)
 
 
-class RecordingGrid(Grid):
-    """Flower's transport interface (``Grid``) that records every call the ServerApp makes.
-
-    ``reply`` answers each pushed message (as a node would); without one, sending anything
-    fails the test. Message ids are stamped as Flower's own grids stamp them on push."""
-
-    def __init__(self, node_ids: list[int], reply=None) -> None:
-        self.calls: list[str] = []
-        self.node_ids, self.reply = node_ids, reply
-        self.pending: dict[str, Message] = {}
-
-    def set_run(self, run) -> None:
-        self.calls.append("set_run")
-
-    @property
-    def run(self):
-        self.calls.append("run")
-        raise AssertionError("the ServerApp reads no Run from its Grid")
-
-    def create_message(self, *args, **kwargs) -> Message:
-        self.calls.append("create_message")
-        raise AssertionError("the ServerApp builds its messages itself")
-
-    def get_node_ids(self) -> list[int]:
-        self.calls.append("get_node_ids")
-        return list(self.node_ids)
-
-    def push_messages(self, messages) -> list[str]:
-        self.calls.append("push_messages")
-        if self.reply is None:
-            raise AssertionError(f"a message was sent: {[m.metadata.message_type for m in messages]}")
-        ids = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = f"m{len(self.calls)}-{m.metadata.dst_node_id}"
-            self.pending[m.metadata.message_id] = self.reply(m)
-            ids.append(m.metadata.message_id)
-        return ids
-
-    def pull_messages(self, message_ids) -> list[Message]:
-        self.calls.append("pull_messages")
-        return [self.pending.pop(i) for i in list(message_ids) if i in self.pending]
-
-    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
-        self.calls.append("send_and_receive")
-        raise AssertionError("the ServerApp sends through push_messages / pull_messages")
-
-
-def _context(tmp_path, **overrides) -> Context:
-    from conftest import default_run_config
-
-    run_config = default_run_config(outputs_dir=str(tmp_path / "runs"), run_name="r", **overrides)
-    return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_an_invalid_server_device_fails_before_any_node_is_asked_anything(tmp_path) -> None:
     """server.device = 'cuda' where the ServerApp has no GPU: the run fails before the Grid is
     touched at all, so no node is asked for statistics (no extraction is spent on a dead run)."""
     grid = RecordingGrid(node_ids=[11, 12])
     with pytest.raises(DeviceError, match=r"^server.device = 'cuda', but .*set server.device = 'cpu'"):
-        server_app.main(grid, _context(tmp_path, server__device="cuda"))
+        server_app.main(grid, server_context(tmp_path, server__device="cuda"))
     assert grid.calls == []
     # The run folder is this run's by then: results.json says how it ended, the reason first.
     res = json.loads((tmp_path / "runs" / "r" / "results.json").read_text())
@@ -360,7 +287,7 @@ def test_train_device_cuda_is_the_nodes_business_the_server_goes_on_to_setup(tmp
 
     grid = RecordingGrid(node_ids=[12, 11], reply=fail)
     with pytest.raises(RuntimeError, match=r"^setup: no node answered \(node 1[12]: ") as e:
-        server_app.main(grid, _context(tmp_path, train__device="cuda"))
+        server_app.main(grid, server_context(tmp_path, train__device="cuda"))
     reasons = str(e.value).removeprefix("setup: no node answered (").removesuffix(")").split("; ")
     assert sorted(reasons) == [f"node {n}: DeviceError: node {n} has no usable GPU" for n in (11, 12)]
     assert grid.calls[:2] == ["get_node_ids", "push_messages"]

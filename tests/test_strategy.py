@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_config
+from fakes import RecordingGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
-from test_server_app import RecordingGrid
 
-from feddifrc_app.config import KEYS, STRATEGIES, ConfigError
+from feddifrc_app import config_loader
+from feddifrc_app.config import STRATEGIES, ConfigError
 from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import scaffold
 from feddifrc_app.strategy import (
@@ -32,7 +33,7 @@ def test_every_name_builds(name):
 def test_every_strategy_name_has_one_factory_and_its_keys_are_strategy_keys():
     assert set(factories()) == set(STRATEGIES)
     assert set(STRATEGY_KEYS) <= set(STRATEGIES)
-    assert all(f"strategy.{k}" in KEYS for keys in STRATEGY_KEYS.values() for k in keys)
+    assert all(f"strategy.{k}" in config_loader.keys() for names in STRATEGY_KEYS.values() for k in names)
 
 
 def test_parameters_reach_the_strategy():
@@ -379,3 +380,38 @@ def test_a_checkpoint_keeps_the_names_checkpoints_always_had():
     np.testing.assert_allclose(t.strategy.v_t["w"], [0.01, 0.04])
     np.testing.assert_allclose(t.strategy.current_arrays["w"], [1.0, 2.0])
     assert set(strategy_state(t)) == set(old)
+
+
+def test_a_strategy_added_as_docs_architecture_says_is_built_and_runs_rounds(tmp_path, monkeypatch) -> None:
+    """docs/architecture.md, "Add a strategy" (one of Flower's): its entry in ``strategy.FACTORIES``
+    is all that build_strategy and the round loop look up by ``strategy.name``. (Its name in
+    config.STRATEGIES, what load_config accepts, is test_every_strategy_name_has_one_factory_...)"""
+    import dataclasses
+
+    from fakes import EchoingFederation, central_scores
+
+    from feddifrc_app import strategy
+    from feddifrc_app.outputs import RunDir
+    from feddifrc_app.results import Results
+    from feddifrc_app.rounds import RoundLoop
+
+    aggregated: list[int] = []
+
+    class Dummy(FedAvg):  # Flower's FedAvg that notes the rounds it aggregates
+        def aggregate_train(self, server_round, replies):
+            aggregated.append(server_round)
+            return super().aggregate_train(server_round, replies)
+
+    monkeypatch.setitem(strategy.FACTORIES, "dummy", lambda c, k: Dummy(**k))
+    base = make_config(method="fedavg", num_server_rounds=2, max_frozen_rounds=0)  # the nodes echo the model
+    cfg = dataclasses.replace(base, strategy=dataclasses.replace(base.strategy, name="dummy"))
+    built = build_strategy(cfg)
+    assert type(built) is Dummy and (built.fraction_train, built.min_available_nodes) == (1.0, 1)
+    assert "dummy" in factories() and strategy_state(built) == {}  # no server state to checkpoint
+
+    (tmp_path / "run").mkdir()
+    run, results = RunDir(tmp_path / "run"), Results(rounds=[], resumed=[])
+    loop = RoundLoop(cfg, EchoingFederation(), run, results, lambda m: central_scores(2.3), 10)
+    loop.run_all()
+    assert type(loop.strategy) is Dummy and aggregated == [1, 2]
+    assert loop.results.status == "completed" and [r.round for r in loop.results.rounds] == [0, 1, 2]

@@ -19,7 +19,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from feddifrc_app.config import load_node_config
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import CorruptFile
-from feddifrc_app.methods import Node
+from feddifrc_app.halves import Node
 from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg

@@ -68,7 +68,7 @@ def test_a_probe_of_the_tiny_unet_scores_every_layer_as_its_own_extraction(teach
     assert -1 not in {c.block for c in grid}
     assert all(0 <= c.ndcr_ncc <= 1 and 0 <= c.prompt_effect <= 2 and c.tdcl > 0 for c in cells)
     # block 2's NDCR score is what its own extraction (diffusion.blocks = "2") scores
-    one = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, blocks=(2,)))
+    one = cfg.replace(diffusion=dataclasses.replace(cfg.diffusion, blocks=(2,)))
     fs = feature_set(teacher_spec(one, teacher_cache), data, teacher_prompts(cfg, data.class_names))
     pooled, _ = pooled_features(fs, np.arange(len(data)))
     ndcr = unit(pooled[2][:, -1].astype(np.float32))

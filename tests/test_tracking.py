@@ -3,25 +3,23 @@ once per round, also across a resume; a missing extra is a one-line error before
 
 The trackers are the real libraries, read back with their own readers: TensorBoard's event files
 (tensorboard, in the test extra), MLflow's SQLite store and W&B's offline run file (mlflow and wandb
-are not in the test extra, so those cases run only where they are installed; CI skips them). The
-rows come from the real round loop without Flower (test_rounds' two nodes); the Flower run with
-tracking on is the stop / resume simulation (test_simulation_resume.py).
+are not in the test extra, so those cases run only where they are installed; CI skips them), in
+tracking_stores.py. The rows come from the real round loop without Flower (fakes.EchoingFederation's
+two nodes); the Flower run with tracking on is the stop / resume simulation (test_simulation_resume.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import ROOT, make_config
+from fakes import EchoingFederation, RecordingGrid, central_scores, round_loop, server_context, shifted
 from flwr.app import Error, Message, MetricRecord
 from flwr.common.constant import ErrorCode
-from test_rounds import _central, _loop, _shifted, _TwoNodes
-from test_server_app import RecordingGrid, _context
+from tracking_stores import READERS, expected, f32
 
 from feddifrc_app import server_app, tracking
 from feddifrc_app.casting import ConfigError
@@ -58,98 +56,10 @@ def test_the_tracked_scalars_are_the_numbers_of_the_results_json_row() -> None:
     }
 
 
-# ------------------------------------------------------------------ reading each store back
-# Each reader: {(tag, step): [values]} over everything the backend wrote (a repeated step shows).
-
-
-def _read_tensorboard(base: Path) -> dict[tuple[str, int], list[float]]:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    out: dict[tuple[str, int], list[float]] = {}
-    files = sorted((base / "tensorboard").glob("*/events.out.tfevents.*"))
-    assert files, f"no event file under {base / 'tensorboard'}"
-    for f in files:
-        for event in EventFileLoader(str(f)).Load():
-            for v in event.summary.value:
-                if v.metadata.plugin_data.plugin_name == "scalars":
-                    out.setdefault((v.tag, event.step), []).append(tensor_util.make_ndarray(v.tensor).item())
-    return out
-
-
-def _read_mlflow(base: Path) -> dict[tuple[str, int], list[float]]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{base / 'mlflow' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("feddifrc").experiment_id])
-    out: dict[tuple[str, int], list[float]] = {}
-    for key in run.data.metrics:
-        for m in client.get_metric_history(run.info.run_id, key):
-            out.setdefault((key, m.step), []).append(m.value)
-    return out
-
-
-def _wandb_records(path: Path) -> list:
-    """The records of a W&B offline run file (LevelDB's log format: 32 KiB blocks of chunks with a
-    7-byte header, after W&B's own 7-byte file header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, parts, records = path.read_bytes(), 7, b"", []
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if (left := 32768 - pos % 32768) < 7:
-            pos += left
-            continue
-        n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        if kind == 0:
-            break
-        parts, pos = parts + data[pos + 7 : pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):  # a full record, or a record's last chunk
-            records.append(pb.Record.FromString(parts))
-            parts = b""
-    return records
-
-
-def _read_wandb(base: Path) -> dict[tuple[str, int], list[float]]:
-    out: dict[tuple[str, int], list[float]] = {}
-    files = sorted((base / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert files, f"no offline run under {base / 'wandb'}"
-    for f in files:
-        for r in _wandb_records(f):
-            if r.WhichOneof("record_type") == "history":
-                for item in r.history.item:
-                    key = item.key or "/".join(item.nested_key)
-                    if not key.startswith("_"):  # W&B's own _step, _runtime, _timestamp
-                        out.setdefault((key, r.history.step.num), []).append(json.loads(item.value_json))
-    return out
-
-
-def f32(x: float) -> float:
-    """TensorBoard's scalars are float32 (the only float its Rust data server shows)."""
-    return float(np.float32(x))
-
-
-# Each backend's reader, and what it holds of a float of results.json.
-READERS = {
-    "tensorboard": (_read_tensorboard, f32),
-    "mlflow": (_read_mlflow, float),
-    "wandb": (_read_wandb, float),
-}
-
-
-def _expected(run_dir: Path, stored=float) -> dict[tuple[str, int], list[float]]:
-    rows = json.loads((run_dir / "results.json").read_text())["rounds"]
-    return {
-        (k, row["round"]): [stored(v)]
-        for row in rows
-        for k, v in tracking.scalars(RoundRow.from_json(row)).items()
-    }
-
-
 def _moving(loop: RoundLoop) -> None:
     """Each round's aggregate moves the model a little (a run that learns, never frozen)."""
     loop.strategy.aggregate_train = lambda rnd, replies: (
-        _shifted(loop.arrays, 1e-3),
+        shifted(loop.arrays, 1e-3),
         MetricRecord({"train-total": 2.0 + rnd}),
     )
 
@@ -160,20 +70,22 @@ def test_a_tracked_run_and_its_resume_log_every_row_of_results_json_once(tmp_pat
     results.json's rows exactly, each (number, round) once, in one tracked run."""
     pytest.importorskip(backend)
     scores = iter([0.1, 0.2, 0.3, 0.4])
-    loop = _loop(tmp_path, lambda m: _central(2.0 + next(scores)), tracking__backend=backend)
+    loop = round_loop(tmp_path, lambda m: central_scores(2.0 + next(scores)), tracking__backend=backend)
     _moving(loop)
     read, stored = READERS[backend]
     loop.run_all(tracking.start(loop.cfg, loop.run.path, loop.results))
-    first = _expected(loop.run.path, stored)
+    first = expected(loop.run.path, stored)
     assert read(loop.run.path) == first and {s for _, s in first} == {0, 1, 2}
 
     run = loop.run.path
     cfg = make_config(method="fedavg", num_server_rounds=3, resume_from=str(run), tracking__backend=backend)
     results, checkpoint = RunDir(run).begin(cfg, run_id=2)
-    resumed = RoundLoop(cfg, _TwoNodes(), RunDir(run), results, loop.evaluator, 10, checkpoint=checkpoint)
+    resumed = RoundLoop(
+        cfg, EchoingFederation(), RunDir(run), results, loop.evaluator, 10, checkpoint=checkpoint
+    )
     _moving(resumed)
     resumed.run_all(tracking.start(cfg, run, results))
-    both = _expected(run, stored)
+    both = expected(run, stored)
     assert {s for _, s in both} == {0, 1, 2, 3} and both[("test-loss", 3)] == [stored(2.4)]
     assert read(run) == both
     assert both[("train-metrics/train-total", 3)] == [5.0]  # MetricRecord of round 3
@@ -255,7 +167,7 @@ def test_a_missing_extra_is_one_line_naming_the_install_before_the_run_folder(tm
     monkeypatch.setitem(sys.modules, "mlflow", None)  # how Python hides an installed package
     grid = RecordingGrid(node_ids=[11, 12])
     with pytest.raises(ConfigError) as e:
-        server_app.main(grid, _context(tmp_path, tracking__backend="mlflow"))
+        server_app.main(grid, server_context(tmp_path, tracking__backend="mlflow"))
     assert str(e.value) == (
         "config key 'tracking.backend' = 'mlflow' needs the mlflow package, which is not installed: "
         "pip install 'feddifrc-app[mlflow]' (or set tracking.backend = 'none')"
@@ -282,7 +194,7 @@ def test_an_unusable_tracking_dir_is_one_line_naming_it_before_any_work(tmp_path
         grid = RecordingGrid(node_ids=[11, 12])
         with pytest.raises(ConfigError) as e:
             server_app.main(
-                grid, _context(tmp_path, tracking__backend="tensorboard", tracking__dir="/proc/nope")
+                grid, server_context(tmp_path, tracking__backend="tensorboard", tracking__dir="/proc/nope")
             )
         assert str(e.value) == (
             "config key 'tracking.dir' = '/proc/nope' cannot be used (No such file or directory: "
@@ -325,7 +237,7 @@ def test_a_failed_setup_closes_the_tracked_run_as_failed(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match=r"^setup: no node answered"):
         server_app.main(
-            RecordingGrid([11, 12], reply=fail), _context(tmp_path, tracking__backend="tensorboard")
+            RecordingGrid([11, 12], reply=fail), server_context(tmp_path, tracking__backend="tensorboard")
         )
     acc = EventAccumulator(str(tmp_path / "runs" / "r" / "tensorboard" / "r"))
     (status,) = acc.Reload().Tensors("status/text_summary")

@@ -24,12 +24,14 @@ from feddifrc_app.config import Config, load_node_config
 from feddifrc_app.data.loader import clean_batch, make_loader
 from feddifrc_app.data.shares import client_split
 from feddifrc_app.data.transforms import eval_transform
-from feddifrc_app.methods import Node, fedprox
+from feddifrc_app.halves import Node
+from feddifrc_app.methods import fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets
 from feddifrc_app.methods.feddifrc.local import FedDifRC
 from feddifrc_app.methods.feddifrc.probe import linear_probe
 from feddifrc_app.methods.feddifrc.projection import fuse
+from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, uses_diffusion
 from feddifrc_app.methods.feddifrc.teacher import featurizer, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
 from feddifrc_app.train import train_local
@@ -64,7 +66,7 @@ class Client:
 def _client(cfg: Config) -> Client:
     node = load_node_config(NODE)
     data, ids = client_split(cfg, node)
-    p = tg.plan(cfg, teacher_spec(cfg, node.resolve_cache_dir(cfg)), data, ids)
+    p = tg.plan(cfg, teacher_spec(cfg, resolve_cache_dir(cfg, node.cache_dir, "node cache-dir")), data, ids)
     pooled, _ = pooled_features(p.features, ids)
     return Client(cfg, data, ids, pooled, p.features.prompts)
 
@@ -106,7 +108,7 @@ def run(c: Client, cfg: Config, *, model=None, seed: int = 0, augment: bool = Tr
     model = model if model is not None else fresh_model()
     t = kw.pop("targets", None)
     halves = list(kw.pop("halves", []))
-    if cfg.uses_diffusion:
+    if uses_diffusion(cfg):
         node = Node(cfg, c.data, c.ids, CPU, seed, RecordDict())
         halves.insert(0, FedDifRC(node, targets=t if t is not None else targets_for(c, cfg)))
     loader = loader_for(c, cfg, seed, augment=augment, data=data)
@@ -225,7 +227,7 @@ def test_ndcr_aligns_the_view_its_target_was_computed_from(sup: Client, view: st
     # One augmented batch of all 10 images. "clean": NDCR on the un-augmented images' embeddings,
     # computed in the same forward pass (BatchNorm over both views); CE and TDCL on the augmented.
     loss = dataclasses.replace(sup.cfg.loss, ndcr_view=view)
-    cfg = dataclasses.replace(sup.cfg, loss=loss, train=dataclasses.replace(sup.cfg.train, batch_size=64))
+    cfg = sup.cfg.replace(loss=loss, train=dataclasses.replace(sup.cfg.train, batch_size=64))
     t = targets_for(sup, cfg)
     start = fresh_model()
     model = copy.deepcopy(start)
@@ -285,7 +287,7 @@ def test_gradients_reach_the_classifier_and_never_the_teacher(sup: Client) -> No
 
 
 def test_zero_tdcl_weight_reports_exactly_zero_tdcl(sup: Client) -> None:
-    cfg = dataclasses.replace(sup.cfg, loss=dataclasses.replace(sup.cfg.loss, tdcl_weight=0.0))
+    cfg = sup.cfg.replace(loss=dataclasses.replace(sup.cfg.loss, tdcl_weight=0.0))
     t = targets_for(sup, cfg)
     assert t.prompt_reps is None and t.ndcr is not None
     _, m, _ = run(sup, cfg, targets=t)
@@ -295,7 +297,7 @@ def test_zero_tdcl_weight_reports_exactly_zero_tdcl(sup: Client) -> None:
 
 
 def test_zero_ndcr_weight_reports_exactly_zero_ndcr(sup: Client) -> None:
-    cfg = dataclasses.replace(sup.cfg, loss=dataclasses.replace(sup.cfg.loss, ndcr_weight=0.0))
+    cfg = sup.cfg.replace(loss=dataclasses.replace(sup.cfg.loss, ndcr_weight=0.0))
     t = targets_for(sup, cfg)
     assert t.ndcr is None and t.prompt_reps is not None
     _, m, _ = run(sup, cfg, targets=t)

@@ -39,9 +39,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from feddifrc_app.config import DIT_FEATURES as MODES
 from feddifrc_app.diffusion.family import FamilyError
 
+MODES = ("raw", "adaln", "adaln-drop", "adaln-rescale")  # diffusion.dit-features
 MASSIVE_RATIO = 100.0
 
 

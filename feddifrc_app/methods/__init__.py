@@ -1,4 +1,4 @@
-"""The methods, one module (or package) each, holding both halves of the method.
+"""The methods, one module (or package) each, holding both halves of the method and its config.
 
 The server half writes what a node should do into the messages (a strategy subclass's
 ``configure_train``, ``train_config``, or a ``ServerHalf``'s records); the node half does what
@@ -36,8 +36,10 @@ Flower code in submodules its hooks import when called (``scaffold/server.py``: 
 without Flower.
 
 The ClientApp, the ServerApp, ``rounds`` and ``train.train_local`` name no method: they run
-every half returned. Adding a method takes its module here, its config section (config.py,
-pyproject.toml) and its tests.
+every half returned. Adding a method takes its module here (its ``NAMES``, the ``method`` values
+it provides, and ``SECTIONS``, its config sections: ``config_loader`` composes them), its
+defaults in pyproject.toml and its tests. The protocol itself (``NodeHalf``, ``ServerHalf``,
+``Node``, ``Batch``) is ``halves.py``, below this package and ``train.py``.
 """
 
 from __future__ import annotations
@@ -47,121 +49,19 @@ import importlib
 import importlib.util
 import pkgutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+from feddifrc_app.config import Config
+from feddifrc_app.halves import Node, NodeHalf, ServerHalf
 
-from feddifrc_app.config import Config, NodeConfig
-from feddifrc_app.model import build_model
-from feddifrc_app.train import Batch
-
-if TYPE_CHECKING:  # Flower only in types: local training (train.py) runs without Flower installed
+# Types only: load_config imports this package where Flower is not installed, and without torch
+# until it finds the method modules (`feddifrc report` / `status` never do).
+if TYPE_CHECKING:
+    import torch
     from flwr.app import ConfigRecord, Message, RecordDict
 
-if TYPE_CHECKING:
-    from feddifrc_app.data.images import ImageData
     from feddifrc_app.results import Results
-
-
-SETUP_WORK = "want-stats"  # server -> node, setup query config: do the methods' long setup work
-
-
-@dataclass(frozen=True)
-class Node:
-    """What a method's node half may use: the run config, this node's data, its training
-    device and seed (``None`` / unused in the setup query, which trains nothing), its
-    ``Context.state`` (state kept across rounds; None outside a ClientApp: a tool or benchmark
-    running a half that keeps none) and its node config."""
-
-    cfg: Config
-    data: ImageData
-    ids: np.ndarray
-    device: torch.device | None
-    seed: int
-    state: RecordDict | None = None
-    config: NodeConfig | None = field(default=None, kw_only=True)
-
-
-class NodeHalf:
-    """A method's part of one local training; every hook is optional.
-
-    ``train_local`` calls ``start`` once the model is on its device, embeds the half's ``view``
-    of each batch in the same forward pass, takes the step's loss from ``loss`` (else CE),
-    adds ``term`` (reported as ``train-<name>``, 0 when it never adds one: every node of a round
-    reports the same keys) and calls ``before_step`` between backward and the optimiser step;
-    the ClientApp calls ``finish`` after training. A diverged training names each half's
-    ``divergence_remedy``.
-    """
-
-    name = ""
-    supervised = True  # False: the half's loss uses no labels (no train-accuracy either)
-
-    def start(self, model: torch.nn.Module) -> Mapping[str, float] | None:
-        """Before the first step: ``model`` is the received global model, on its device, in
-        training mode. Returns reply metrics of the half's own preparation (or None)."""
-        return None
-
-    def view(self, batch: Batch) -> torch.Tensor | None:
-        """Other images of the batch (B, ...) to embed in the same forward pass (one call,
-        BatchNorm statistics over both); their embeddings are ``batch.z_view``. None: none."""
-        return None
-
-    def loss(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """The step's loss parts in place of CE: ``"total"`` is minimised, every part is reported
-        as ``train-<part>``. None: CE (``{"ce", "total"}``). One half of a message at most."""
-        return None
-
-    def term(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
-        """An extra loss term for the batch (None: no term)."""
-        return None
-
-    def before_step(self, model: torch.nn.Module) -> None:
-        """After ``loss.backward()``, before ``opt.step()``."""
-
-    def divergence_remedy(self) -> str:
-        """What else to change when local training diverges, besides train.lr and the loss
-        weights, naming the key and its value (a contrastive temperature: "raise moon.tau (=
-        0.5)"); "" = nothing."""
-        return ""
-
-    def finish(self, model: torch.nn.Module, metrics: dict[str, float]) -> dict[str, Any]:
-        """After training: add reply metrics to ``metrics``; return extra records for the reply."""
-        return {}
-
-
-class ServerHalf:
-    """A method's part of the server's run; every hook is optional. The ServerApp builds it
-    before the setup exchange, the round loop restores it from a ``resume-from`` checkpoint."""
-
-    def setup_work(self) -> bool:
-        """Whether the setup query asks the nodes for their (long) setup work: sent as
-        ``SETUP_WORK``, given ``strategy.setup-timeout``."""
-        return False
-
-    def setup_nodes(self) -> int:
-        """How many nodes do the setup work: a sample seeded by the run seed, drawn in partition
-        order after every node has said who it is; 0 = every node (one query)."""
-        return 0
-
-    def after_setup(
-        self, setup: Mapping[int, RecordDict], partition_of: Mapping[int, int], results: Results
-    ) -> None:
-        """The nodes' setup replies (node id -> content; node id -> partition id): check them,
-        derive what the rounds need, record it in ``results`` (``results.Results``)."""
-
-    def train_records(self) -> dict[str, Any]:
-        """Records added to every train message's content, beside the model."""
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this half (plain tensors / values)."""
-        return {}
-
-    def restore(self, checkpoint: Mapping[str, Any]) -> None:
-        """Continue from a checkpoint's ``state`` (resume-from)."""
 
 
 class ServerHalves(ServerHalf):
@@ -221,6 +121,22 @@ def _with_rules(found: tuple[ModuleType, ...]) -> tuple[ModuleType, ...]:
     return tuple(out)
 
 
+def names() -> tuple[str, ...]:
+    """The ``method`` values the modules provide (their ``NAMES``), in module order."""
+    return tuple(n for found in hooks("NAMES") for n in found)
+
+
+def sections() -> dict[str, type]:
+    """Every method's config sections (its ``SECTIONS``: name -> dataclass), in module order."""
+    return {n: cls for found in hooks("SECTIONS") for n, cls in found.items()}
+
+
+def section_readers() -> dict[str, tuple[str, ...]]:
+    """Each method section -> the ``method`` values that read it (its module's ``NAMES``)."""
+    found = _with_rules(modules())
+    return {n: tuple(getattr(m, "NAMES", ())) for m in found for n in getattr(m, "SECTIONS", {})}
+
+
 def train_config(cfg: Config) -> dict[str, Any]:
     """The config keys every method's server half adds to this run's train messages."""
     return {k: v for f in hooks("train_config") for k, v in f(cfg).items()}
@@ -228,6 +144,8 @@ def train_config(cfg: Config) -> dict[str, Any]:
 
 def model_for(cfg: Config, num_classes: int) -> torch.nn.Module:
     """The run's classifier: ``model.*``, as the run's method changes it (``model_options``)."""
+    from feddifrc_app.model import build_model
+
     options = {k: v for f in hooks("model_options") for k, v in f(cfg).items()}
     return build_model(cfg.model.name, num_classes, cfg.model.width, **options)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from feddifrc_app.methods import Batch, Node, NodeHalf
+from feddifrc_app.halves import Batch, Node, NodeHalf
 
 if TYPE_CHECKING:  # Flower only in types: load_config runs the methods' rules without Flower
     from flwr.app import Message

@@ -13,14 +13,17 @@ under any strategy.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from feddifrc_app.config import Config
-from feddifrc_app.methods import Batch, Node, NodeHalf, model_for
+from feddifrc_app.casting import MIN_TEMPERATURE
+from feddifrc_app.config import Config, key
+from feddifrc_app.halves import Batch, Node, NodeHalf
+from feddifrc_app.methods import model_for
 from feddifrc_app.model import load_weights
 
 # Flower only in types and where a node trains (records, imported in Moon): load_config runs
@@ -28,6 +31,16 @@ from feddifrc_app.model import load_weights
 if TYPE_CHECKING:
     from flwr.app import Message
 
+NAMES = ("moon",)  # the method values of this module
+
+
+@dataclass(frozen=True)
+class MoonConfig:
+    mu: float = key(lo=0.0)  # weight of the model-contrastive term (MOON: 5 for CIFAR-10, 1 otherwise)
+    tau: float = key(lo=MIN_TEMPERATURE)  # its temperature (MOON: 0.5); MIN_TEMPERATURE: casting.py
+
+
+SECTIONS = {"moon": MoonConfig}
 PREVIOUS = "moon-previous"  # Context.state: this node's model after its last local training
 MU, TAU = "moon-mu", "moon-tau"  # server -> node: the term's weight and temperature
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from feddifrc_app.casting import resolve_path
-from feddifrc_app.config import DEFAULT_CACHE_DIR, Config, resolve_cache_dir
+from feddifrc_app.config import DEFAULT_CACHE_DIR, Config
 from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, examples, int_list, split_names
 from feddifrc_app.tools.run_config import load_app_config
 
@@ -67,8 +67,12 @@ def _extract_partitions(args: argparse.Namespace) -> list[int] | None:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
+    # FedDifRC's config (the teacher's cache folder): imported per command, so that the CLI
+    # starts without torch.
+    from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, uses_diffusion
+
     cfg = load_app_config(args.app, args.run_config)
-    if not cfg.uses_diffusion:
+    if not uses_diffusion(cfg):
         print(f"method '{cfg.method}' uses no diffusion teacher: nothing to extract")
         return 0
     wanted, splits = _extract_partitions(args), split_names(args.split)
@@ -173,6 +177,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     The teacher's weights go to the Hugging Face cache (HF_HOME) and the dataset splits to
     dataset.data-dir: run this where there is internet, then copy those folders to an offline
     node (or run it on the node itself, offline, to check that they are complete)."""
+    # FedDifRC's config (the teacher's cache folder): imported per command, so that the CLI
+    # starts without torch.
+    from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, uses_diffusion
+
     cfg = load_app_config(args.app, args.run_config)
     cache_dir = resolve_cache_dir(cfg, args.cache_dir)
 
@@ -185,7 +193,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     from feddifrc_app.methods.feddifrc.teacher import check_folder
 
     try:
-        if cfg.uses_diffusion:
+        if uses_diffusion(cfg):
             ident = teacher_identity(cfg.diffusion.model, cache_dir)
             check_folder(cfg.diffusion, ident)  # the keys its folder decides: a node would refuse them
             print(
@@ -199,7 +207,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     print(
         f"to seed an offline node, copy {cfg.dataset.data_dir} (datasets)"
-        + (f" and {HF_HUB_CACHE} (hub teacher weights)" if cfg.uses_diffusion else "")
+        + (f" and {HF_HUB_CACHE} (hub teacher weights)" if uses_diffusion(cfg) else "")
         + " to the same paths there (in the images: under /app/.cache, the node's cache volume)"
     )
     return 0

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 from feddifrc_app.casting import resolve_path
-from feddifrc_app.config import resolve_cache_dir
 from feddifrc_app.tools.cmd_common import CLIError, add_run_config_args, examples, int_list
 from feddifrc_app.tools.cmd_node import resolve_teacher
 from feddifrc_app.tools.run_config import load_app_config
@@ -46,6 +45,7 @@ def add_probe(p: argparse.ArgumentParser) -> None:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from feddifrc_app.data.registry import load_dataset
+    from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir
     from feddifrc_app.methods.feddifrc.teacher_probe import PROBE_SPLITS, probe, recommend, table
 
     if args.split not in PROBE_SPLITS:

@@ -4,7 +4,7 @@
     python -m feddifrc_app.tools.reference --check   # exit 1 naming a page that is out of date
 
 configuration.md is built from ``[tool.flwr.app.config]`` of pyproject.toml (each key's default
-and its end-of-line comment, in file order) and from config.py's key table ``config.KEYS`` (type,
+and its end-of-line comment, in file order) and from the loader's key table ``config_loader.keys()`` (type,
 choices, range as ``load_config`` checks it, path, resume); cli.md from ``cli.build_parser()``
 (every command, flag, default and example). Nothing here repeats a default, a range or a help
 text: tests/test_reference.py keeps the committed pages equal to what this writes.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app import casting, config
+from feddifrc_app import casting, config_loader
 from feddifrc_app.tools.cmd_common import shown_default
 
 ROOT = Path(__file__).resolve().parents[2]  # the app folder (its pyproject.toml, its docs/)
@@ -81,7 +81,7 @@ def _number(x: float) -> str:
 
 
 def allowed(typ: Any, rule: Mapping[str, Any]) -> str:
-    """What ``load_config`` accepts for a key, in words, from its entry in ``config.KEYS``."""
+    """What ``load_config`` accepts for a key, in words, from its entry in ``config_loader.keys()``."""
     if typ is bool:
         return "true or false"
     if rule["choices"]:
@@ -142,13 +142,15 @@ def configuration_page(pyproject: str) -> str:
     """docs/configuration.md for the pyproject.toml text ``pyproject``."""
     intro, keys = config_lines(pyproject)
     names = [k.key for k in keys]
-    if sorted(names) != sorted(config.KEYS):
+    table = config_loader.keys()
+    if sorted(names) != sorted(table):
         raise ValueError(
-            f"{SECTION} and config.KEYS differ: only in pyproject.toml "
-            f"{sorted(set(names) - set(config.KEYS))}, only in config.py "
-            f"{sorted(set(config.KEYS) - set(names))}"
+            f"{SECTION} and config_loader.keys() differ: only in pyproject.toml "
+            f"{sorted(set(names) - set(table))}, only in the config classes "
+            f"{sorted(set(table) - set(names))}"
         )
-    out = [HEADER.format(source="pyproject.toml's comments and config.py"), "# Configuration\n\n"]
+    source = "pyproject.toml's comments and the config classes (config.py, the methods' SECTIONS)"
+    out = [HEADER.format(source=source), "# Configuration\n\n"]
     out += [" ".join(intro) + "\n\n" if intro else "", OVERRIDES.format(section=SECTION)]
     section = None
     for k in keys:
@@ -159,7 +161,7 @@ def configuration_page(pyproject: str) -> str:
             out.append("| key | default | allowed | meaning | on resume |\n|---|---|---|---|---|\n")
         elif k.note:
             out.append(f"| | | | *{_cell(k.note)}* | |\n")
-        typ, rule = config.KEYS[k.key]
+        typ, rule = table[k.key]
         resume = "may change" if rule["resume"] else "must match"
         cells = (_code(k.key), _code(k.default), _cell(allowed(typ, rule)), _cell(k.comment), resume)
         out.append(f"| {' | '.join(cells)} |\n")

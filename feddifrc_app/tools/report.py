@@ -106,10 +106,18 @@ def _federated(results: Results) -> bool:
     return any(r.federated_accuracy is not None or r.evaluate_nodes for r in results.rounds)
 
 
-# The per-round table's columns: row fields, and the train metrics shown by name (train_metrics).
-_COLUMNS = ("round", "val_accuracy", "test_accuracy", "test_loss", "train-ce", "train-tdcl", "train-ndcr")
-_COLUMNS += ("nodes", "failures", "seconds")
+# The per-round table's columns: row fields, then the loss parts the nodes reported (a method's
+# terms are train-<its name>: CE, TDCL, NDCR, MOON's, ...), then the round's nodes and time.
+_COLUMNS = ("round", "val_accuracy", "test_accuracy", "test_loss")
+_LAST_COLUMNS = ("nodes", "failures", "seconds")
+_NOT_LOSS_PARTS = ("train-accuracy", "train-seconds", "train-total")
 _FEDERATED_COLUMNS = {"federated_accuracy": "fed-accuracy", "federated_loss": "fed-loss"}
+
+
+def _loss_parts(results: Results) -> list[str]:
+    """The ``train-<part>`` metrics the rows carry, in the order they first appear (CE if none)."""
+    seen = {k: None for r in results.rounds for k in (r.train_metrics or {}) if k.startswith("train-")}
+    return [k for k in seen if k not in _NOT_LOSS_PARTS] or ["train-ce"]
 
 
 def _cell(r: RoundRow, column: str) -> Any:
@@ -119,7 +127,7 @@ def _cell(r: RoundRow, column: str) -> Any:
 def format_table(results: Results) -> str:
     """A plain-text per-round table plus the summary line; with federated evaluation, its columns
     beside the central ones and a per-node table (``format_nodes``)."""
-    keys = list(_COLUMNS)
+    keys = [*_COLUMNS, *_loss_parts(results), *_LAST_COLUMNS]
     if _federated(results):
         keys[3:3] = list(_FEDERATED_COLUMNS)
     lines = ["  ".join(f"{_FEDERATED_COLUMNS.get(k, json_key(k)):>13}" for k in keys)]

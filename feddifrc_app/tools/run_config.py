@@ -1,6 +1,6 @@
 """The run config as ``flwr run`` builds it, for work done outside ``flwr run`` (the CLI, the
 sweep, the benchmarks): the Flower app's defaults (``[tool.flwr.app.config]`` of its
-pyproject.toml) updated with ``--run-config`` overrides, then ``config.load_config``.
+pyproject.toml) updated with ``--run-config`` overrides, then ``config_loader.load_config``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from feddifrc_app.config import Config, ConfigError, load_config
+from feddifrc_app.config import Config, ConfigError
+from feddifrc_app.config_loader import load_config
 
 # A key=value pair as Flower's parser finds it (flwr.common.config.parse_config_args).
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from feddifrc_app.casting import file_above
-from feddifrc_app.config import Config, load_config, resumable
+from feddifrc_app.config import Config
 from feddifrc_app.config_changes import run_changes
+from feddifrc_app.config_loader import load_config, resumable
 from feddifrc_app.files import FolderInUse, folder_holder, lock_folder, write_json
 from feddifrc_app.results import Results, summary_text
 from feddifrc_app.tools.run_config import parse_run_config

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from feddifrc_app.config import Config, load_config, load_node_config
+from feddifrc_app.config import Config, load_node_config
+from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset, load_validation
 from feddifrc_app.data.shares import client_split

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from feddifrc_app.config import Config
-from feddifrc_app.methods import Node
+from feddifrc_app.halves import Node
+from feddifrc_app.methods.feddifrc.rules import self_supervised, uses_diffusion
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Message
@@ -34,22 +35,22 @@ if TYPE_CHECKING:
 def setup_reply(msg: Message, n: Node, info: ConfigRecord) -> dict[str, Any]:
     from feddifrc_app.methods.feddifrc import node
 
-    return node.setup_reply(msg, n, info) if n.cfg.uses_diffusion else {}
+    return node.setup_reply(msg, n, info) if uses_diffusion(n.cfg) else {}
 
 
 def node_half(msg: Message, n: Node) -> FedDifRC | None:
     from feddifrc_app.methods.feddifrc import node
 
-    return node.node_half(msg, n) if n.cfg.uses_diffusion else None
+    return node.node_half(msg, n) if uses_diffusion(n.cfg) else None
 
 
 def server_half(cfg: Config) -> FedDifRCServer | None:
     from feddifrc_app.methods.feddifrc.server import FedDifRCServer
 
-    return FedDifRCServer(cfg) if cfg.uses_diffusion else None
+    return FedDifRCServer(cfg) if uses_diffusion(cfg) else None
 
 
 def central_evaluation(cfg: Config, loader: Callable, device: torch.device) -> LinearProbe | None:
     from feddifrc_app.methods.feddifrc.probe import LinearProbe
 
-    return LinearProbe(cfg, loader, device) if cfg.self_supervised else None
+    return LinearProbe(cfg, loader, device) if self_supervised(cfg) else None

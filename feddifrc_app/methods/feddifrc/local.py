@@ -9,18 +9,19 @@ from pathlib import Path
 import torch
 
 from feddifrc_app.data.loader import clean_batch
-from feddifrc_app.methods import Batch, Node, NodeHalf
+from feddifrc_app.halves import Batch, Node, NodeHalf
 from feddifrc_app.methods.feddifrc import losses
 from feddifrc_app.methods.feddifrc.anchors import anchored
 from feddifrc_app.methods.feddifrc.fused import TeacherTargets
 from feddifrc_app.methods.feddifrc.projection import Basis
+from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, self_supervised
 from feddifrc_app.methods.feddifrc.targets import node_targets, plan
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 
 
 def cache_dir(node: Node) -> Path:
     """The node's teacher cache folder (its node config's cache-dir, else diffusion.cache-dir)."""
-    return node.config.resolve_cache_dir(node.cfg)
+    return resolve_cache_dir(node.cfg, node.config.cache_dir, "node cache-dir")
 
 
 class FedDifRC(NodeHalf):
@@ -39,7 +40,7 @@ class FedDifRC(NodeHalf):
     ) -> None:
         self.node, self.targets, self.basis, self.anchors = node, targets, basis, anchors
         self.lc = node.cfg.loss
-        self.supervised = not node.cfg.self_supervised
+        self.supervised = not self_supervised(node.cfg)
         self.gen: torch.Generator | None = None
 
     def start(self, model: torch.nn.Module) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from feddifrc_app.config import LOSS_VARIANTS, NDCR_SPACES, NORMALISERS
+from feddifrc_app.methods.feddifrc.rules import LOSS_VARIANTS, NDCR_SPACES, NORMALISERS
 
 # Guards against a zero-norm vector in cosine / unit-vector normalisation.
 _EPS = 1e-8

@@ -2,7 +2,7 @@
 the train message's half (``local.FedDifRC`` under the message's basis).
 
 Setup query: the node names its teacher (the server checks that every node runs the same
-weights) and, when the query asks for the setup work (``methods.SETUP_WORK``), sends the
+weights) and, when the query asks for the setup work (``halves.SETUP_WORK``), sends the
 sufficient statistics of its pooled teacher features for the federated basis (and, for
 ``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``anchors.py``). Train message: the
 half (``local.FedDifRC``) prepares the node's targets under the message's basis when training
@@ -17,7 +17,7 @@ import torch
 from flwr.app import ConfigRecord, Message
 
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.methods import SETUP_WORK, Node
+from feddifrc_app.halves import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc.anchors import ANCHORS
 from feddifrc_app.methods.feddifrc.local import FedDifRC, cache_dir
 from feddifrc_app.methods.feddifrc.projection import Basis

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from feddifrc_app.config import Config
+from feddifrc_app.methods.feddifrc.rules import self_supervised
 
 
 def teacher_prompts(
@@ -17,13 +18,13 @@ def teacher_prompts(
     - ``feddifrc`` (and ``fedavg``): ``prompt_template.format(name)`` for every class in LABEL
       order (prompt y is the TDCL positive of a sample with label y, the others its
       negatives), then ``diffusion.ndcr_prompt`` ("" = unconditional).
-    - ``feddifrc-ssl`` (``cfg.self_supervised``): ``ssl.positive_prompt``, then the template
+    - ``feddifrc-ssl`` (``self_supervised(cfg)``): ``ssl.positive_prompt``, then the template
       over ``ssl.negatives`` or, when that is empty, over ``ssl.num_negatives`` names drawn
       without replacement by ``numpy.random.default_rng(cfg.seed)`` from ``negative_pool`` (default: the 200
       Tiny-ImageNet class names) and kept in pool order, then ``ssl.ndcr_prompt``.
     """
     d = cfg.diffusion
-    if cfg.self_supervised:
+    if self_supervised(cfg):
         negatives = tuple(cfg.ssl.negatives)
         if not negatives:
             if negative_pool is None:

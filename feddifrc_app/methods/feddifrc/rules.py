@@ -1,5 +1,7 @@
-"""FedDifRC's config rules: the teacher's layers, model and prompt, the loss variant, and what
-the self-supervised variant cannot do (run by ``config.load_config`` through ``methods.hooks``).
+"""FedDifRC's config: its sections (``diffusion.*``: the teacher; ``loss.*``: TDCL and NDCR;
+``ssl.*``: the self-supervised variant) and its rules: the teacher's layers, model and prompt, the
+loss variant, and what the self-supervised variant cannot do (run by ``config_loader.load_config``
+through ``methods.hooks``).
 
 The diffusion.* rules hold whatever the method: every run's config names a teacher, and the
 keys are checked where they are defined, before any work.
@@ -8,9 +10,100 @@ keys are checked where they are defined, before any work.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.casting import ConfigError, invalid
+from feddifrc_app import casting
+from feddifrc_app.casting import MIN_TEMPERATURE, ConfigError, invalid, resolve_path
+from feddifrc_app.config import DEFAULT_CACHE_DIR, DEVICES, DTYPES, key
+from feddifrc_app.diffusion.dit_features import MODES as DIT_FEATURES
+
+if TYPE_CHECKING:
+    from feddifrc_app.config import Config
+
+NAMES = ("feddifrc", "feddifrc-ssl")  # the method values of this package
+PROJECTIONS = ("federated-pca", "local-pca", "random", "per-batch")
+CONDITIONS = ("none", "global-model")
+LOSS_VARIANTS = ("paper", "code")
+NORMALISERS = ("none", "mean-distance")
+NDCR_SPACES = ("unit", "raw")
+NDCR_VIEWS = ("clean", "augmented")
+
+
+def hub_id_or_folder(name: str, text: str) -> str:
+    """A teacher: a hub id as given, or a local folder (``~``, ``/``, ``.``) made absolute."""
+    text = text.strip()
+    return casting.as_path(name, text) if text.startswith(("~", "/", ".")) else text
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    model: str = key(cast=hub_id_or_folder)  # "tiny-mnist", "tiny", a hub id, or a local folder
+    resolution: int = key(lo=8, hi=1024)
+    timestep: int = key(lo=0, hi=999)
+    blocks: tuple[int, ...] = key()  # -1 = the UNet's mid-block (family.MID_BLOCK)
+    pooling: str = key(choices=("mean", "grid"))
+    pool_grid: int = key(lo=1, hi=16)  # g of pooling = "grid": a g x g grid of each map, C g^2 features
+    dit_features: str = key(choices=DIT_FEATURES)  # pixart / sd3: raw block outputs or AdaLN-normalised
+    channels: tuple[int, ...] = key()
+    ensemble: int = key(lo=1, hi=64)
+    # The teacher's noise draws: fixed by default, so runs differing only in `seed` share the
+    # feature cache (one extraction per sweep); -1 = the run seed (a draw per seed, extracted per seed).
+    noise_seed: int = key(lo=-1)
+    projection: str = key(choices=PROJECTIONS)
+    # federated-pca's basis from a seeded sample of this many nodes' statistics (0 = every node)
+    basis_nodes: int = key(lo=0)
+    prompt_template: str = key()
+    ndcr_prompt: str = key()
+    batch_size: int = key(lo=1, resume=True)
+    device: str = key(choices=DEVICES, resume=True)
+    dtype: str = key(choices=DTYPES)
+    cache_dir: str = key(path=True, resume=True)  # "" = the node's cache-dir (resolve_cache_dir)
+    condition: str = key(choices=CONDITIONS)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    variant: str = key(choices=LOSS_VARIANTS)
+    tdcl_weight: float = key(lo=0.0)
+    ndcr_weight: float = key(lo=0.0)
+    temperature: float = key(lo=MIN_TEMPERATURE)  # below it the logits overflow (casting.py)
+    num_negatives: int = key(lo=0)
+    tdcl_normaliser: str = key(choices=NORMALISERS)
+    tdcl_targets: str = key(choices=("image", "anchors"))  # anchors: the class-prompt means (rules.py)
+    ndcr_space: str = key(choices=NDCR_SPACES)
+    ndcr_view: str = key(choices=NDCR_VIEWS)  # which view NDCR aligns: the student's or the target's
+
+
+@dataclass(frozen=True)
+class SSLConfig:
+    positive_prompt: str = key()
+    ndcr_prompt: str = key()
+    negatives: tuple[str, ...] = key()  # () = built-in Tiny-ImageNet class names
+    num_negatives: int = key(lo=1)
+    probe_epochs: int = key(lo=1)
+
+
+SECTIONS = {"diffusion": DiffusionConfig, "loss": LossConfig, "ssl": SSLConfig}
+
+
+def uses_diffusion(cfg: Config) -> bool:
+    """The run trains with the teacher (FedDifRC or its self-supervised variant)."""
+    return cfg.method in NAMES
+
+
+def self_supervised(cfg: Config) -> bool:
+    """FedDifRC without labels: a positive prompt and negatives instead of class prompts."""
+    return cfg.method == "feddifrc-ssl"
+
+
+def resolve_cache_dir(cfg: Config, override: str | None, name: str = "--cache-dir") -> Path:
+    """The teacher cache folder: ``override`` (a node's cache-dir, or ``feddifrc --cache-dir``,
+    named ``name`` in an error) wins, then the run config's diffusion.cache-dir, then ~/.cache/feddifrc."""
+    if override:
+        return resolve_path(override, name)
+    return resolve_path(cfg.diffusion.cache_dir or DEFAULT_CACHE_DIR, "diffusion.cache-dir")
 
 
 def check_inputs(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
-from feddifrc_app.methods import ServerHalf
+from feddifrc_app.halves import ServerHalf
 from feddifrc_app.methods.feddifrc.anchors import ANCHORS, class_anchors
 from feddifrc_app.methods.feddifrc.node import BASIS, STATS
 from feddifrc_app.methods.feddifrc.projection import Basis, fit_federated_basis, stats_from_arrays

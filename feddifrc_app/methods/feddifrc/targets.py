@@ -46,6 +46,7 @@ from feddifrc_app.methods.feddifrc.projection import (
     stats_to_arrays,
 )
 from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.rules import self_supervised
 from feddifrc_app.methods.feddifrc.store import (
     PREPARED,
     TARGETS_DISK_BUDGET,
@@ -161,7 +162,7 @@ def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
 def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
     """How many of ``prompts`` TDCL contrasts (the rest: the NDCR prompt, last): every class
     prompt, or (self-supervised) the positive prompt and the negatives."""
-    return len(prompts) - 1 if cfg.self_supervised else num_classes
+    return len(prompts) - 1 if self_supervised(cfg) else num_classes
 
 
 def node_targets(

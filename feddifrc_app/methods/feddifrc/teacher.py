@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from feddifrc_app import log
-from feddifrc_app.config import Config, DiffusionConfig
+from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.device import EXTRACTION_THREADS, resolve_device, resolve_dtype, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
@@ -52,6 +52,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_resolution,
 )
 from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
+from feddifrc_app.methods.feddifrc.rules import DiffusionConfig
 
 
 @dataclass(frozen=True)

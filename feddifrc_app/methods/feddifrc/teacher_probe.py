@@ -124,7 +124,7 @@ def candidate_blocks(cfg: Config, cache_dir: Path) -> tuple[int, ...]:
 
 def with_diffusion(cfg: Config, **diffusion) -> Config:
     """``cfg`` with these ``diffusion.*`` fields replaced."""
-    return dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, **diffusion))
+    return cfg.replace(diffusion=dataclasses.replace(cfg.diffusion, **diffusion))
 
 
 def grid_blocks(cfg: Config, cache_dir: Path, blocks: Sequence[int]) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """FedNH (Dai et al., AAAI 2023): class prototypes as the classifier, moved by the server.
 
-Nodes train the network under frozen prototypes (``model.PrototypeHead``) and then send,
+Nodes train the network under frozen prototypes (``head.PrototypeHead``) and then send,
 per class c they hold, ``n_c * normalise(mean of the normalised embeddings)`` and ``n_c``.
 The server (as FedNH's public code): ``avg_c = normalise(sum_i scaled_ic / sum_i n_ic)``,
 ``p_c <- normalise(rho * p_c + (1 - rho) * avg_c)``; a class no node holds keeps p_c. The
@@ -15,19 +15,33 @@ the rules where Flower is not installed); the node half in ``node.py``, the stra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from feddifrc_app.casting import invalid
-from feddifrc_app.config import Config
+from feddifrc_app.config import Config, key
 from feddifrc_app.strategy_rules import TWO_RECORDS
 
 if TYPE_CHECKING:
     from flwr.app import Message
     from flwr.serverapp.strategy import Strategy
 
-    from feddifrc_app.methods import Node
+    from feddifrc_app.halves import Node
     from feddifrc_app.methods.fednh.node import Prototypes
+
+NAMES = ("fednh",)  # the method values of this package
+
+
+@dataclass(frozen=True)
+class FedNHConfig:
+    rho: float = key(lo=0.0, hi=1.0)  # prototype smoothing (FedNH: 0.9)
+    scale: float = key(lo=0.0, lo_open=True)  # initial learnable logit scale (FedNH's ResNet: 20, CNN: 1)
+    max_grad_norm: float = key(lo=0.0)  # local gradient clipping (FedNH's code: 10); 0 = none
+
+
+SECTIONS = {"fednh": FedNHConfig}
 
 # server -> node config: "send your prototypes"; node -> server: {"scaled": (C, D), "counts": (C,)}
 PROTOTYPES = "fednh-prototypes"
@@ -56,8 +70,12 @@ def own_strategy(cfg: Config, common: dict[str, Any]) -> Strategy | None:
 
 
 def model_options(cfg: Config) -> dict[str, Any]:
-    """FedNH's classifier is its prototype head (``model.PrototypeHead``)."""
-    return {"prototype_scale": cfg.fednh.scale} if cfg.method == "fednh" else {}
+    """FedNH's classifier is its prototype head (``head.PrototypeHead``)."""
+    if cfg.method != "fednh":
+        return {}
+    from feddifrc_app.methods.fednh.head import PrototypeHead
+
+    return {"head": functools.partial(PrototypeHead, scale=cfg.fednh.scale)}
 
 
 def node_half(msg: Message, n: Node) -> Prototypes | None:

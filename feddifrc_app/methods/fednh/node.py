@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from feddifrc_app.data.loader import make_loader
-from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.halves import Node, NodeHalf
 from feddifrc_app.methods.fednh import PROTOTYPES
 from feddifrc_app.train import clip_gradients
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.halves import Node, NodeHalf
 from feddifrc_app.methods._local_steps import fresh_momentum, normalising_factor
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from feddifrc_app.strategy_rules import TWO_RECORDS
 if TYPE_CHECKING:
     from flwr.app import Message
 
-    from feddifrc_app.methods import Node
+    from feddifrc_app.halves import Node
     from feddifrc_app.methods.scaffold.node import Corrected
 
 CONTROL = "scaffold-c"  # server -> node: the server control variate

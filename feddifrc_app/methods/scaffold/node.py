@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from feddifrc_app.methods import Node, NodeHalf
+from feddifrc_app.halves import Node, NodeHalf
 from feddifrc_app.methods._local_steps import normalising_factor
 from feddifrc_app.methods.scaffold import ACCEPTED, CONTROL, DELTA, OWN, PENDING, PENDING_ROUND
 from feddifrc_app.records import record_to_state
