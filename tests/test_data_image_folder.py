@@ -88,3 +88,46 @@ def test_image_folder_errors(tmp_path: Path) -> None:
     (tmp_path / "train").mkdir()
     with pytest.raises(DatasetUnavailableError, match="neither test/ nor val/"):
         load_dataset(dcfg(name="image-folder", data_dir=str(tmp_path)), "train")
+
+
+def test_a_decoded_folder_is_kept_and_never_served_stale(tmp_path: Path, monkeypatch) -> None:
+    """The decoded images are kept under the data dir's hidden .feddifrc-decoded/ and read back
+    (no image decoded again) while no image file changed; a rewritten image (even with its old
+    modification time restored), an added or a removed one is decoded afresh."""
+    import os
+
+    from feddifrc_app.data.sources import image_folder
+
+    for cls, rgb in COLOURS.items():
+        for k in range(3):
+            _png(tmp_path / "train" / cls / f"{k}.png", rgb, (8, 8))
+        _png(tmp_path / "test" / cls / "t.png", rgb, (8, 8))
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8, val_fraction=0.0)
+    decoded: list[Path] = []
+    real = image_folder._read_image
+    monkeypatch.setattr(image_folder, "_read_image", lambda p, s: decoded.append(p) or real(p, s))
+
+    first = load_dataset(cfg, "train")
+    assert len(decoded) == 9
+    kept = sorted(p.name for p in (tmp_path / ".feddifrc-decoded").iterdir())
+    assert len(kept) == 1 and kept[0].startswith("train-8px-")
+    assert image_folder_classes(tmp_path) == ["cat", "dog_house", "zebra"]  # the hidden folder: no class
+    again = load_dataset(cfg, "train")
+    assert len(decoded) == 9  # read back, nothing decoded
+    assert again.fingerprint == first.fingerprint and torch.equal(again.images, first.images)
+    assert np.array_equal(again.labels, first.labels)
+
+    # Rewritten in place with another colour, its modification time put back: the change time differs.
+    cat0 = tmp_path / "train" / "cat" / "0.png"
+    before = cat0.stat()
+    _png(cat0, (1, 2, 3), (8, 8))
+    os.utime(cat0, ns=(before.st_atime_ns, before.st_mtime_ns))
+    changed = load_dataset(cfg, "train")
+    assert len(decoded) == 18 and changed.fingerprint != first.fingerprint
+    assert changed.images[0, :, 4, 4].tolist() == [1, 2, 3]  # the new image, not the kept one
+
+    _png(tmp_path / "train" / "zebra" / "3.png", COLOURS["zebra"], (8, 8))
+    assert len(load_dataset(cfg, "train")) == 10
+    (tmp_path / "train" / "dog_house" / "2.png").unlink()
+    assert len(load_dataset(cfg, "train")) == 9
+    assert len(load_dataset(cfg, "train")) == 9 and len(decoded) == 18 + 10 + 9  # the last one read back
