@@ -73,6 +73,19 @@ def test_two_refusals_name_the_first_method_as_before():
         make_config(method="fedavg", strategy__name="fednova", train__keep_momentum=True)
 
 
+def test_fednh_clips_once():
+    """FedNH's own clipping and every method's are two keys for one step: one of them, never both."""
+    with pytest.raises(
+        ConfigError, match=r"'fednh.max-grad-norm' = 10 and 'train.max-grad-norm' = 5 both clip"
+    ):
+        make_config(method="fednh", train__max_grad_norm=5.0)
+    assert (
+        make_config(method="fednh", train__max_grad_norm=5.0, fednh__max_grad_norm=0.0).train.max_grad_norm
+        == 5.0
+    )
+    assert make_config(method="fedavg", train__max_grad_norm=5.0).fednh.max_grad_norm == 10.0  # never read
+
+
 def test_a_new_methods_rules_need_no_edit_of_config_py(monkeypatch):
     """A method module's three rules, and load_config / resumable applying them."""
     dummy = types.ModuleType("feddifrc_app.methods.dummy")

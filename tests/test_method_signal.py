@@ -91,9 +91,7 @@ def test_tdcl_learns_from_the_trained_teacher_not_from_shuffled_prompts_or_the_c
         PretrainRecipe(resolution=cfg.diffusion.resolution, vae_steps=0, unet_steps=0),
         progress=False,
     )
-    control_cfg = dataclasses.replace(
-        cfg, diffusion=dataclasses.replace(cfg.diffusion, model=str(control_dir))
-    )
+    control_cfg = cfg.replace(diffusion=dataclasses.replace(cfg.diffusion, model=str(control_dir)))
     control = _targets(control_cfg, cache, data, ids)
 
     got = {

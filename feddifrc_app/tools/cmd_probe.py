@@ -48,19 +48,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir
     from feddifrc_app.methods.feddifrc.teacher_probe import PROBE_SPLITS, probe, recommend, table
 
-    if args.split not in PROBE_SPLITS:
-        raise CLIError(
-            f"--split {args.split!r}: probe on {' or '.join(PROBE_SPLITS)}; the test split is what a "
-            "benchmark reports, and choosing layers on it would fit the benchmark"
-        )
-    poolings = [s.strip() for s in args.poolings.split(",") if s.strip()]
-    if not poolings or set(poolings) - {"mean", "grid"}:
-        raise CLIError(f"--poolings {args.poolings!r}: expected mean, grid or mean,grid")
-    timesteps = int_list("--timesteps", args.timesteps) or []
-    if not timesteps or any(not 0 <= t <= 999 for t in timesteps):
-        raise CLIError(f"--timesteps {args.timesteps!r}: expected comma-separated integers in 0..999")
-    if args.folds < 2:
-        raise CLIError(f"--folds {args.folds}: at least 2")
+    poolings, timesteps = _checked(args, PROBE_SPLITS)
     out = json_out(args.json)
     cfg = load_app_config(args.app, args.run_config)
     cache_dir = resolve_cache_dir(cfg, args.cache_dir)
@@ -94,6 +82,24 @@ def cmd_probe(args: argparse.Namespace) -> int:
         rec = {"pooling": pooling, "timestep": t, "blocks": list(blocks), "mean_ndcr_ncc": score}
         write_json(out, {"cells": [asdict(c) for c in cells], "recommendation": rec, "seconds": wall})
     return 0
+
+
+def _checked(args: argparse.Namespace, splits: tuple[str, ...]) -> tuple[list[str], list[int]]:
+    """The probe's flags, checked before any work: its poolings and timesteps."""
+    if args.split not in splits:
+        raise CLIError(
+            f"--split {args.split!r}: probe on {' or '.join(splits)}; the test split is what a "
+            "benchmark reports, and choosing layers on it would fit the benchmark"
+        )
+    poolings = [s.strip() for s in args.poolings.split(",") if s.strip()]
+    if not poolings or set(poolings) - {"mean", "grid"}:
+        raise CLIError(f"--poolings {args.poolings!r}: expected mean, grid or mean,grid")
+    timesteps = int_list("--timesteps", args.timesteps) or []
+    if not timesteps or any(not 0 <= t <= 999 for t in timesteps):
+        raise CLIError(f"--timesteps {args.timesteps!r}: expected comma-separated integers in 0..999")
+    if args.folds < 2:
+        raise CLIError(f"--folds {args.folds}: at least 2")
+    return poolings, timesteps
 
 
 def json_out(value: str | None) -> Path | None:

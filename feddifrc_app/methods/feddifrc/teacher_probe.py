@@ -33,6 +33,7 @@ import torch
 
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
+from feddifrc_app.device import torch_threads
 from feddifrc_app.diffusion.family import MID_BLOCK, has_mid_block, layer_count, map_sides
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.methods.feddifrc.losses import tdcl_paper
@@ -81,9 +82,8 @@ def student_tdcl(
     x = torch.from_numpy(pixels).float()
     x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
     r, labels = torch.from_numpy(reps).float(), torch.from_numpy(y).long()
-    out, threads = [], torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small: more threads cost more than they save
-    try:
+    out = []
+    with torch_threads(1):  # matrices this small: more threads cost more than they save
         for tr, te in StratifiedKFold(folds, shuffle=True, random_state=0).split(pixels, y):
             torch.manual_seed(0)
             lin = torch.nn.Linear(x.shape[1], r.shape[-1])
@@ -95,8 +95,6 @@ def student_tdcl(
                 opt.step()
             with torch.no_grad():
                 out.append(float(tdcl_paper(lin(x[te]), r[te], labels[te], temperature=temperature)))
-    finally:
-        torch.set_num_threads(threads)
     return float(np.mean(out))
 
 

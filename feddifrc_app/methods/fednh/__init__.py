@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from feddifrc_app.casting import invalid
+from feddifrc_app.casting import ConfigError, invalid
 from feddifrc_app.config import Config, key
 from feddifrc_app.strategy_rules import TWO_RECORDS
 
@@ -52,6 +52,13 @@ def check_config(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     if v["method"] == "fednh" and v["strategy.name"] != "fedavg":
         raise invalid(
             "strategy.name", v["strategy.name"], "method 'fednh' brings its own aggregation: use 'fedavg'"
+        )
+    own, every = v["fednh.max-grad-norm"], v["train.max-grad-norm"]
+    if v["method"] == "fednh" and own > 0 and every > 0:
+        # Both would clip each step, in effect at the smaller norm: one key must say which.
+        raise ConfigError(
+            f"config keys 'fednh.max-grad-norm' = {own:g} and 'train.max-grad-norm' = {every:g} both clip "
+            "FedNH's local gradients: set one of them to 0"
         )
 
 
