@@ -24,8 +24,8 @@ BASE_METHOD = "fedavg"  # CE alone, under the run's strategy: no method module
 
 @functools.cache
 def keys() -> dict[str, tuple[Any, Mapping[str, Any]]]:
-    """(type, rule) of every key, in pyproject order: ``Config``'s, then each method module's
-    sections (``SECTIONS``); ``method`` takes "fedavg" or a module's ``NAMES``."""
+    """(type, rule) of every key: ``Config``'s in field order, then each method module's sections
+    (``SECTIONS``) in module order; ``method`` takes "fedavg" or a module's ``NAMES``."""
     found = {k: (t, m) for k, t, m in key_specs(Config)}
     typ, rule = found["method"]
     found["method"] = (typ, {**rule, "choices": (BASE_METHOD, *methods.names())})

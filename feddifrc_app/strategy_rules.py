@@ -49,9 +49,7 @@ def robust_aggregation_error(name: str, f: int, m: int, sampled: int) -> str:
     return ""
 
 
-def check_config(
-    v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]] = ()
-) -> None:
+def check_config(v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]]) -> None:
     """config_loader.load_config's rules for the strategy, then for strategy.dp; ``dp_refusals``:
     the methods' ``dp_refusal`` hooks (the loader passes them: this module imports no method)."""
     check_robust(v)
@@ -74,7 +72,7 @@ def check_robust(v: Mapping[str, Any]) -> None:
         )
 
 
-def check_dp(v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]] = ()) -> None:
+def check_dp(v: Mapping[str, Any], dp_refusals: Sequence[Callable[[Mapping[str, Any]], str]]) -> None:
     """strategy.dp with what Flower's wrappers and client mods can handle: each method's
     ``dp_refusal`` (why it cannot be wrapped, "" = it can), then adaptive clipping's count noise."""
     dp = v["strategy.dp"]
