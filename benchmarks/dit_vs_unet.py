@@ -44,16 +44,15 @@ from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.diffusion.dit_features import MASSIVE_RATIO, massive_channels
 from feddifrc_app.diffusion.family import family_module
 from feddifrc_app.files import write_json
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
-from feddifrc_app.methods.feddifrc.teacher_probe import (
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_prompts, teacher_spec
+from feddifrc_app.tools.cmd_common import one_line_errors
+from feddifrc_app.tools.run_config import load_app_config
+from feddifrc_app.tools.teacher_probe import (
     candidate_blocks,
     probe,
     recommend,
     with_diffusion,
 )
-from feddifrc_app.tools.cmd_common import one_line_errors
-from feddifrc_app.tools.run_config import load_app_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_quality import control_teacher, measure  # noqa: E402

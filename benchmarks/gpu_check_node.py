@@ -112,7 +112,7 @@ def _synthetic_client(n: int, dim: int):
     teacher targets of width ``dim`` for them."""
     from feddifrc_app.data.images import ImageData
     from feddifrc_app.data.sources.hub import CIFAR10_STATS
-    from feddifrc_app.methods.feddifrc.targets import TeacherTargets
+    from feddifrc_app.methods.feddifrc.store import TeacherTargets
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 10, (n,), generator=g).numpy().astype(np.int64)
@@ -138,7 +138,7 @@ def _training_speed(c: Check, cfg, data, targets, model) -> dict[str, Any]:
     """One timed epoch (after a warm-up one) and one profiled: steps/s, GPU busy, peak memory."""
     from feddifrc_app.data.loader import make_loader
     from feddifrc_app.halves import Node
-    from feddifrc_app.methods.feddifrc.local import FedDifRC
+    from feddifrc_app.methods.feddifrc.node import FedDifRC
     from feddifrc_app.train import train_local
 
     n, workers = len(data.labels), cfg.dataset.num_workers

@@ -74,8 +74,7 @@ def fill_random_features(cfg, cache_dir: Path, widths: dict[int, int], only_miss
     run's real key; no teacher runs. Also used by benchmarks/scale.py. Returns the images filled."""
     from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.diffusion.shards import FeatureStore
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_prompts, teacher_spec
 
     data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
     prompts = teacher_prompts(cfg, data.class_names)

@@ -254,8 +254,7 @@ def _extracted_nodes(cfg, work: Path, per_node: int) -> list:
     from feddifrc_app.data.partition import partition_by_config
     from feddifrc_app.diffusion.shards import FeatureStore
     from feddifrc_app.methods.feddifrc.projection import client_stats
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_prompts, teacher_spec
 
     train = load_dataset(cfg.dataset, "train", seed=cfg.seed)
     parts = max(1, len(train) // 250)  # warm_cache's extraction: partition 0 of these

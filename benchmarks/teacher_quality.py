@@ -78,11 +78,10 @@ from feddifrc_app.methods.feddifrc.projection import (
     fit_federated_basis,
     fuse,
 )
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
-from feddifrc_app.methods.feddifrc.teacher_probe import ndcr_geometry, prompt_effect, student_tdcl, unit
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_prompts, teacher_spec
 from feddifrc_app.tools.cmd_common import one_line_errors
 from feddifrc_app.tools.run_config import load_app_config
+from feddifrc_app.tools.teacher_probe import ndcr_geometry, prompt_effect, student_tdcl, unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +90,7 @@ TARGETS = {"probe": (0.85, 0.5), "prompt-effect": (0.1, 0.01)}
 
 def control_teacher(cfg, folder: Path, family: str = "sd") -> Path:
     """The untrained control: same architecture and recipe at 0 steps (built once)."""
-    from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+    from feddifrc_app.tools.pretrain import PretrainRecipe, pretrain_teacher
 
     marker = folder / "feddifrc.json"
     recipe = json.loads(marker.read_text())["recipe"] if marker.is_file() else {}

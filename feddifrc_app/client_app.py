@@ -11,15 +11,12 @@ Message types:
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
 import time
 import zlib
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +25,7 @@ from flwr.clientapp import ClientApp
 
 from feddifrc_app import log, methods, privacy
 from feddifrc_app.config import Config, NodeConfig, load_node_config
-from feddifrc_app.config_loader import load_config
+from feddifrc_app.config_loader import process_config
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
 from feddifrc_app.device import resolve_device
@@ -59,24 +56,9 @@ def _arrived(msg: Message) -> float:
 
 
 def _context(context: Context) -> tuple[Config, NodeConfig]:
-    cfg = _config(_config_key(context.run_config), os.path.expanduser("~"))
+    cfg = process_config(context.run_config)
     configure_torch(cfg.train)  # every handler: its threads and kernels before any torch work
     return cfg, load_node_config(context.node_config)
-
-
-def _config_key(run_config: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...]:
-    # Each value with its type's name: True == 1 == 1.0 as dict keys, not as config values.
-    return tuple(sorted((k, type(v).__name__, v) for k, v in run_config.items()))
-
-
-@functools.lru_cache(maxsize=4)
-def _config(key: tuple[tuple[str, str, Any], ...], home: str) -> Config:
-    """``load_config`` once per process per run config (a simulation actor serves thousands of
-    messages of one run: casting and checking every key cost half a setup reply). Keyed by the
-    whole run config, each value with its type, and the home folder (``~`` in a path key); a
-    path key's symlinks are followed once per process and run config, as the ServerApp follows
-    them once per run. A config that fails is not kept: every message is refused again."""
-    return load_config({k: v for k, _, v in key})
 
 
 def _seed(cfg: Config, rnd: int, node: NodeConfig) -> int:

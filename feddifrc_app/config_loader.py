@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,6 +98,25 @@ def load_config(run_config: Mapping[str, Any]) -> Config:
     values["run-name"] = values["run-name"].strip()
     _check_rules(values, run_config)
     return _build(Config, values)
+
+
+def process_config(run_config: Mapping[str, Any]) -> Config:
+    """``load_config`` once per process per run config (a simulation actor serves thousands of
+    messages of one run: casting and checking every key cost half a setup reply). Keyed by the
+    whole run config, each value with its type, and the home folder (``~`` in a path key); a
+    path key's symlinks are followed once per process and run config, as the ServerApp follows
+    them once per run. A config that fails is not kept: every message is refused again."""
+    return _process_config(_config_key(run_config), os.path.expanduser("~"))
+
+
+def _config_key(run_config: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...]:
+    # Each value with its type's name: True == 1 == 1.0 as dict keys, not as config values.
+    return tuple(sorted((k, type(v).__name__, v) for k, v in run_config.items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _process_config(key: tuple[tuple[str, str, Any], ...], home: str) -> Config:
+    return load_config({k: v for k, _, v in key})
 
 
 def _check_rules(v: Mapping[str, Any], raw: Mapping[str, Any]) -> None:

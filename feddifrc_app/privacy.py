@@ -53,7 +53,7 @@ from flwr.supercore.differential_privacy import (
 
 from feddifrc_app import log
 from feddifrc_app.config import Config, ConfigError
-from feddifrc_app.config_loader import load_config
+from feddifrc_app.config_loader import process_config
 from feddifrc_app.federation import POPULATION
 from feddifrc_app.metric_keys import METRICS
 from feddifrc_app.records import MODEL
@@ -338,7 +338,7 @@ def client_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     train = msg.metadata.message_type == MessageType.TRAIN and "config" in msg.content
     if not train or KEY_CLIPPING_NORM not in msg.content["config"]:
         return call_next(msg, ctxt)
-    cfg = load_config(ctxt.run_config)
+    cfg = process_config(ctxt.run_config)  # the handlers' cast, kept for the process
     mode = cfg.strategy.dp
     mod = {"client-fixed": fixedclipping_mod, "client-adaptive": adaptiveclipping_mod}.get(mode)
     if mod is None:

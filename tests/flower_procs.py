@@ -51,6 +51,7 @@ Typical use::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -86,6 +87,7 @@ __all__ = [
     "flower_procs_own_ray",
     "free_port",
     "ray_cluster",
+    "session",
     "start_ray_head",
     "wait_for_port",
 ]
@@ -201,6 +203,29 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+def _pids() -> list[int]:
+    """Every live pid (Linux ``/proc``; empty elsewhere)."""
+    proc = Path("/proc")
+    return [int(e.name) for e in proc.iterdir() if e.name.isdigit()] if proc.is_dir() else []
+
+
+def session(pid: int) -> int | None:
+    """The session id of ``pid`` (None if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[3])  # state ppid pgrp session
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    """Whether ``pid``'s environment holds ``entry`` (``NAME=value``); False if unreadable."""
+    try:
+        return entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 class FlowerProc:
@@ -377,17 +402,53 @@ class FlowerProcs:
         self.procs[name].kill(sig, grace)
 
     def close(self) -> None:
-        """Kill every process still running, newest first, then the managed local SuperLink."""
+        """Kill every process still running, newest first, then the managed local SuperLink, then
+        what they left behind (:meth:`stop_leftovers`)."""
+        sessions = self.sessions()
         for proc in reversed(list(self.procs.values())):
             proc.kill(signal.SIGTERM, grace=5.0)
         self.stop_local_superlink()
+        self.stop_leftovers(sessions)
+
+    def sessions(self) -> set[int]:
+        """The sessions of every live process started here and of its descendants (a SuperExec
+        makes one of its own, which its simulation's Ray processes share), never this process's."""
+        pids = [p.pid for p in self.procs.values() if p.alive()] + self.local_superlink_pids()
+        found = {session(p) for p in pids + [d for p in pids for d in descendants(p)]}
+        return found - {None, os.getsid(0)}
+
+    def stop_leftovers(self, sessions: set[int], grace: float = 5.0) -> list[int]:
+        """SIGTERM, then after ``grace`` s SIGKILL, every process (never this one) in one of
+        ``sessions`` or whose environment holds this harness's FLWR_HOME; the pids found.
+
+        Killing the process trees misses what left them before: Ray agents whose raylet was
+        killed (Ray's shutdown under load) are reparented to init and linger for minutes. Their
+        session and environment are still the run's; nothing else is matched, so another
+        user's or session's processes (the shared test Ray cluster's, say) are never touched.
+        """
+        mark = f"FLWR_HOME={self.flwr_home}".encode()
+        found = [p for p in _pids() if p != os.getpid() and (session(p) in sessions or _has_env(p, mark))]
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+            for p in found:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(_exists(p) for p in found):
+                time.sleep(0.05)
+        return found
 
     def start_local_superlink(self, timeout: float = 180.0) -> None:
-        """Start the SuperLink that `flwr run` would start for a `:local:` connection, and wait for it.
+        """Start the SuperLink that `flwr run` would start for a `:local-in-memory:` connection, and
+        wait for it.
 
         The same command as ``flwr.cli.local_superlink`` (so `flwr` finds it healthy and uses it),
         started here because Flower gives its own start 15 s: on a loaded 2-core machine running
-        several simulation tests at once, a SuperLink's imports alone can take longer.
+        several simulation tests at once, a SuperLink's imports alone can take longer. Without
+        ``--database`` (`:local:` passes one): state in memory, as in test_deployment. With SQLite,
+        a write that waits past Flower's fixed 5 s ``busy_timeout`` (a starved core) is an HTTP 500,
+        which the simulation process does not retry: on a task heartbeat it ends the heartbeat
+        thread (the run is failed within 60 s), on PushLogs the log upload (`flwr log` stops short).
+        No test needs the state after the SuperLink is gone: close() ends it with the test.
         """
         runtime = self.flwr_home / "local-superlink"
         runtime.mkdir(parents=True, exist_ok=True)
@@ -406,8 +467,6 @@ class FlowerProcs:
             port,
             "--log-file",
             str(runtime / "superlink.log"),
-            "--database",
-            str(runtime / "state.db"),
         ]
         proc = self.start("local-superlink", argv, ready_port=int(port), timeout=timeout)
         deadline = time.monotonic() + timeout

@@ -1,4 +1,4 @@
-"""TDCL-anchors (methods/feddifrc/anchors.py, loss.tdcl-targets = "anchors"): the class-prompt means
+"""TDCL-anchors (methods/feddifrc/targets.py and projection.py, loss.tdcl-targets = "anchors"): the class-prompt means
 of the fused targets, from the nodes' per-prompt sums, shipped by the server half and replacing
 every image's TDCL targets on the node."""
 
@@ -18,11 +18,18 @@ from feddifrc_app.halves import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
-from feddifrc_app.methods.feddifrc.anchors import ANCHORS, anchored, class_anchors, prompt_sums
-from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
-from feddifrc_app.methods.feddifrc.node import BASIS, STATS
-from feddifrc_app.methods.feddifrc.projection import Basis, fuse
+from feddifrc_app.methods.feddifrc.projection import (
+    ANCHORS,
+    BASIS,
+    STATS,
+    Basis,
+    class_anchors,
+    fuse,
+    prompt_sums,
+)
 from feddifrc_app.methods.feddifrc.server import FedDifRCServer
+from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
+from feddifrc_app.methods.feddifrc.targets import anchored
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_arrays

@@ -13,8 +13,8 @@ import torch
 
 from feddifrc_app.diffusion.shards import FeatureStore
 from feddifrc_app.methods.feddifrc import store
-from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.projection import Basis
+from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
 
 SHARD_1 = (
     '{"format": "feddifrc-features", "version": 1, "key": "' + "ab" * 32 + '", "shard": 1, "shard_size": 8, '

@@ -23,7 +23,7 @@ import torch
 from conftest import default_run_config
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from feddifrc_app import client_app
+from feddifrc_app import client_app, config_loader
 from feddifrc_app.config import ConfigError, load_node_config
 from feddifrc_app.config_loader import load_config
 from feddifrc_app.data import shares as ds
@@ -33,8 +33,13 @@ from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc import teacher as th
 from feddifrc_app.methods.feddifrc.projection import fit_basis, merge_client_stats, stats_from_arrays
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import (
+    feature_set,
+    featurizer,
+    pooled_features,
+    teacher_prompts,
+    teacher_spec,
+)
 from feddifrc_app.model import build_model
 from feddifrc_app.records import arrays_to_record, state_to_record
 from feddifrc_app.train import evaluate as evaluate_model
@@ -471,19 +476,19 @@ def test_a_run_config_is_loaded_once_per_process_keyed_by_every_value_and_its_ty
     setup queries of one run), never served for another config: a changed value, the same value
     of another type (True / 1 / 1.0), or another home folder is loaded again; a refused one is
     refused every time."""
-    key, home = client_app._config_key, os.path.expanduser("~")
+    key = config_loader._config_key
     rc = run_config(tmp_path)
-    cfg = client_app._config(key(rc), home)
+    cfg = config_loader.process_config(rc)
     assert cfg == load_config(rc)
-    assert client_app._config(key(dict(rc)), home) is cfg
+    assert config_loader.process_config(dict(rc)) is cfg
     lr = {**rc, "train.lr": rc["train.lr"] * 2}
-    assert client_app._config(key(lr), home).train.lr == rc["train.lr"] * 2
+    assert config_loader.process_config(lr).train.lr == rc["train.lr"] * 2
     assert key({"k": True}) != key({"k": 1}) and key({"k": 1}) != key({"k": 1.0})
-    elsewhere = client_app._config(key(rc), str(tmp_path / "home"))
+    elsewhere = config_loader._process_config(key(rc), str(tmp_path / "home"))
     assert elsewhere is not cfg and elsewhere == cfg
     for _ in range(2):
         with pytest.raises(ConfigError, match=r"train\.lr"):
-            client_app._config(key({**rc, "train.lr": -1.0}), home)
+            config_loader.process_config({**rc, "train.lr": -1.0})
 
 
 def test_bad_node_config_fails_naming_the_key(tmp_path: Path) -> None:

@@ -3,14 +3,18 @@ folders (the server's), the federation's class list, and the errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from data_helpers import COLOURS, _png, dcfg
+from data_helpers import COLOURS, _png, _truncate, dcfg
 
 from feddifrc_app.data.images import DatasetUnavailableError
 from feddifrc_app.data.registry import load_dataset, load_validation
@@ -131,3 +135,132 @@ def test_a_decoded_folder_is_kept_and_never_served_stale(tmp_path: Path, monkeyp
     (tmp_path / "train" / "dog_house" / "2.png").unlink()
     assert len(load_dataset(cfg, "train")) == 9
     assert len(load_dataset(cfg, "train")) == 9 and len(decoded) == 18 + 10 + 9  # the last one read back
+
+
+@contextlib.contextmanager
+def _unwritable(folder: Path) -> Iterator[None]:
+    """``folder`` made unwritable for this process, then writable again. A user's read-only data
+    folder is mode 0o555; root writes through that mode, so for root the folder is also made
+    immutable (``chattr +i``: Linux refuses every write to it, root's too, and ``access(W_OK)``
+    says so, as for a read-only mount). Skipped only when a probe file can still be created."""
+    folder.chmod(0o555)
+    chattr = shutil.which("chattr")
+    immutable = (
+        _can_write(folder)
+        and chattr is not None
+        and subprocess.run([chattr, "+i", str(folder)]).returncode == 0
+    )
+    try:
+        if _can_write(folder):
+            pytest.skip(f"{folder} stays writable for this user (mode 0o555, and chattr +i refused)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run([str(chattr), "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+def _can_write(folder: Path) -> bool:
+    probe = folder / ".probe"
+    try:
+        probe.touch()
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+def _every_file(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
+
+
+def _folder_of_images(root: Path) -> None:
+    for cls, rgb in COLOURS.items():
+        for k in range(3):
+            _png(root / "train" / cls / f"{k}.png", rgb, (8, 8))
+        _png(root / "test" / cls / "t.png", rgb, (8, 8))
+
+
+def test_a_read_only_image_folder_is_decoded_in_memory_said_once(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A site's read-only data folder: every load decodes (nothing can be kept), gives the same
+    images, says so in one line per process, and writes nothing, not even a temp file."""
+    from feddifrc_app.data.sources import image_folder
+
+    data = tmp_path / "data"
+    _folder_of_images(data)
+    cfg = dcfg(name="image-folder", data_dir=str(data), image_size=8, val_fraction=0.0)
+    decoded: list[Path] = []
+    real = image_folder._read_image
+    monkeypatch.setattr(image_folder, "_read_image", lambda p, s: decoded.append(p) or real(p, s))
+    before = _every_file(data)
+    with _unwritable(data), caplog.at_level(logging.INFO, logger="flwr.feddifrc"):
+        first, again = load_dataset(cfg, "train"), load_dataset(cfg, "train")
+        assert len(load_dataset(cfg, "test")) == 3
+        assert _every_file(data) == before  # no .feddifrc-decoded/, no partial file
+    assert len(decoded) == 9 + 9 + 3  # decoded every time
+    assert again.fingerprint == first.fingerprint and torch.equal(again.images, first.images)
+    assert sorted(first.images[:, :, 4, 4].tolist()) == sorted([list(c) for c in COLOURS.values()] * 3)
+    said = [r.getMessage() for r in caplog.records if "not writable" in r.getMessage()]
+    assert said == [f"image folder {data} is not writable: its images are decoded in every process"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+    kept = load_dataset(cfg, "train")  # writable again: kept, and the same images
+    assert kept.fingerprint == first.fingerprint and len(list((data / ".feddifrc-decoded").iterdir())) == 1
+
+
+def test_an_unwritable_cache_folder_costs_a_warning_and_leaves_no_partial_file(
+    tmp_path: Path, caplog
+) -> None:
+    """The data folder writable, its .feddifrc-decoded/ not (another user made it): the write
+    fails, the run goes on with the decoded images, and no temp file is left behind."""
+    data = tmp_path / "data"
+    _folder_of_images(data)
+    cfg = dcfg(name="image-folder", data_dir=str(data), image_size=8, val_fraction=0.0)
+    reference = load_dataset(cfg, "train")
+    cache = data / ".feddifrc-decoded"
+    for f in cache.iterdir():
+        f.unlink()
+    with _unwritable(cache), caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        got = load_dataset(cfg, "train")
+        assert list(cache.iterdir()) == []
+    assert got.fingerprint == reference.fingerprint and torch.equal(got.images, reference.images)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"could not write decoded cache {cache}/train-8px-")
+    assert line.endswith("the split will be decoded again next time")
+
+
+@pytest.mark.parametrize("damage", ["flip-pixel-byte", "valid-npz-other-pixel", "truncate"])
+def test_a_damaged_decoded_folder_is_never_loaded_and_is_rewritten(
+    tmp_path: Path, monkeypatch, caplog, damage: str
+) -> None:
+    from feddifrc_app.data.sources import image_folder
+
+    _folder_of_images(tmp_path)
+    cfg = dcfg(name="image-folder", data_dir=str(tmp_path), image_size=8, val_fraction=0.0)
+    reference = load_dataset(cfg, "train")
+    (path,) = (tmp_path / ".feddifrc-decoded").iterdir()
+    if damage == "flip-pixel-byte":  # bit rot inside the images member: the zip's CRC no longer holds
+        raw = bytearray(path.read_bytes())
+        raw[raw.index(b"images.npy") + 200] ^= 0x01
+        path.write_bytes(bytes(raw))
+    elif damage == "valid-npz-other-pixel":  # a well-formed file whose pixels are not the key's
+        with np.load(path) as z:
+            stored = {k: z[k] for k in z.files}
+        stored["images"][0, 0, 0, 0] ^= 0x01
+        with open(path, "wb") as f:  # np.savez(path) would append .npz to a name without it
+            np.savez(f, **stored)
+    else:
+        _truncate(path)
+    decoded: list[Path] = []
+    real = image_folder._read_image
+    monkeypatch.setattr(image_folder, "_read_image", lambda p, s: decoded.append(p) or real(p, s))
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        got = load_dataset(cfg, "train")
+    assert len(decoded) == 9  # decoded afresh, not read from the damaged file
+    assert torch.equal(got.images, reference.images) and got.fingerprint == reference.fingerprint
+    assert f"decoded cache {path} " in caplog.text and "rebuilding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr.feddifrc"):
+        assert load_dataset(cfg, "train").fingerprint == reference.fingerprint
+    assert len(decoded) == 9 and caplog.text == ""  # rewritten whole: read back clean
+    assert [p.name for p in (tmp_path / ".feddifrc-decoded").iterdir()] == [path.name]

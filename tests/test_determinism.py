@@ -20,8 +20,7 @@ from conftest import make_config
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.device import TORCH_DEFAULT_THREADS, DeviceError, node_threads, torch_threads
 from feddifrc_app.diffusion.shards import FeatureStore
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_prompts, teacher_spec
 from feddifrc_app.train import configure_torch
 
 IMAGES = 20  # of the quickstart's mnist-5k, through its tiny-mnist (~0.15 s an image on one core)

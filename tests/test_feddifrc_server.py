@@ -8,8 +8,8 @@ from conftest import make_config
 from flwr.app import ConfigRecord, RecordDict
 
 from feddifrc_app import methods
-from feddifrc_app.methods.feddifrc.node import BASIS
 from feddifrc_app.methods.feddifrc.projection import (
+    BASIS,
     Basis,
     client_stats,
     fit_federated_basis,

@@ -216,7 +216,7 @@ def test_a_diverging_contrastive_term_names_its_temperature_besides_train_lr():
     temperature of the half's contrastive term (MOON's moon.tau, FedDifRC's loss.temperature)."""
     from feddifrc_app.halves import Node
     from feddifrc_app.methods import moon
-    from feddifrc_app.methods.feddifrc.local import FedDifRC
+    from feddifrc_app.methods.feddifrc.node import FedDifRC
     from feddifrc_app.model import build_model
     from feddifrc_app.train import DivergedError, train_local
 

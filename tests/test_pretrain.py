@@ -13,7 +13,7 @@ import torch
 
 from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import TeacherLoadError, load_teacher, teacher_identity
-from feddifrc_app.diffusion.pretrain import PretrainRecipe, pretrain_teacher
+from feddifrc_app.tools.pretrain import PretrainRecipe, pretrain_teacher
 
 PROMPTS = ("a photo of a digit zero", "a photo of a digit one", "a photo of a digit two")
 
@@ -128,7 +128,7 @@ def test_a_failed_save_keeps_the_previous_teacher_and_leaves_no_partial_folder(
 ) -> None:
     import shutil
 
-    from feddifrc_app.diffusion import pretrain
+    from feddifrc_app.tools import pretrain
 
     out = tmp_path / "teacher"
     shutil.copytree(few_steps, out)
@@ -211,7 +211,7 @@ def test_out_folder_is_missing_empty_or_its_own_unless_force(
 ) -> None:
     import shutil
 
-    from feddifrc_app.diffusion.pretrain import OutFolderError, check_out_folder
+    from feddifrc_app.tools.pretrain import OutFolderError, check_out_folder
 
     check_out_folder(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -250,7 +250,7 @@ def test_out_folder_is_missing_empty_or_its_own_unless_force(
 def test_pretrain_into_a_foreign_folder_is_refused_before_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from feddifrc_app.diffusion import pretrain
+    from feddifrc_app.tools import pretrain
 
     def no_training(*a, **k):
         raise AssertionError("trained although the folder is refused")
@@ -267,7 +267,7 @@ def test_pretrain_into_a_foreign_folder_is_refused_before_training(
 
 
 def test_folder_edited_during_training_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from feddifrc_app.diffusion import pretrain
+    from feddifrc_app.tools import pretrain
 
     out = tmp_path / "t"
     out.mkdir()  # empty when the run starts
@@ -289,7 +289,7 @@ def test_folder_edited_during_training_is_kept(tmp_path: Path, monkeypatch: pyte
 
 
 def test_leftovers_of_a_killed_pretraining_are_removed_and_only_those(tmp_path: Path) -> None:
-    from feddifrc_app.diffusion.pretrain import remove_stale_temp
+    from feddifrc_app.tools.pretrain import remove_stale_temp
 
     dead, live = _dead_pid(), os.getpid()
     out = tmp_path / "teacher"
@@ -362,7 +362,7 @@ def test_pixart_family_trains_a_dit_teacher_the_app_loads(tmp_path: Path) -> Non
 
 
 def test_a_teacher_that_never_left_its_warm_up_is_labelled_random_weights() -> None:
-    from feddifrc_app.diffusion.pretrain import untrained
+    from feddifrc_app.tools.pretrain import untrained
 
     assert untrained(PretrainRecipe(unet_steps=0)) and untrained(PretrainRecipe(unet_steps=1))  # warm-up 100
     assert untrained(PretrainRecipe(unet_steps=100)) and not untrained(PretrainRecipe(unet_steps=101))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import make_config
 
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
+from feddifrc_app.methods.feddifrc.teacher import teacher_prompts
 
 
 def test_teacher_prompts():

@@ -13,7 +13,7 @@ from conftest import ROOT, default_run_config
 from flwr.app import Context, RecordDict
 
 from feddifrc_app.config_loader import load_config
-from feddifrc_app.methods.feddifrc.node import STATS
+from feddifrc_app.methods.feddifrc.projection import STATS
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

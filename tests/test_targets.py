@@ -24,8 +24,7 @@ from feddifrc_app.methods.feddifrc import node as node_half
 from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.projection import random_basis
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_prompts, teacher_spec
 
 # ----------------------------------------------------------------------------- prepared targets on disk
 
@@ -207,7 +206,7 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     live.write_bytes(b"half")
     # Room for two files: the one about to be rewritten and the most recently used other one.
     assert files[1].stat().st_mtime_ns > files[2].stat().st_mtime_ns
-    monkeypatch.setattr(tg, "TARGETS_DISK_BUDGET", path.stat().st_size + files[1].stat().st_size)
+    monkeypatch.setattr(store, "TARGETS_DISK_BUDGET", path.stat().st_size + files[1].stat().st_size)
     store.PREPARED.items.clear()
     path.unlink()
     _prepare(cache, *client)  # rewritten now: the newest; one of the other two must go
@@ -238,10 +237,6 @@ def test_the_node_half_refuses_a_missing_federated_basis_before_touching_the_tea
     with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
         node_half.node_half(msg, node)
     assert not (tmp_path / "cache").exists()
-    with pytest.raises(ValueError, match="federated-pca' but the server sent no basis"):
-        tg.client_basis(
-            cfg, {1: np.zeros((1, 1, 256)), 2: np.zeros((1, 1, 128)), 3: np.zeros((1, 1, 128))}, None
-        )
 
 
 def test_node_targets_are_client_targets_plus_their_cost(prepared) -> None:

@@ -21,8 +21,13 @@ from feddifrc_app.diffusion.shards import key_fields, key_from_fields
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.methods.feddifrc import teacher
 from feddifrc_app.methods.feddifrc.projection import client_stats, fit_federated_basis, fuse
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, featurizer, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import (
+    feature_set,
+    featurizer,
+    pooled_features,
+    teacher_prompts,
+    teacher_spec,
+)
 
 
 def test_cache_key_names_the_weights_never_their_folder(tmp_path):

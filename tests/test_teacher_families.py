@@ -27,8 +27,7 @@ from feddifrc_app.diffusion.pipeline import (
 )
 from feddifrc_app.diffusion.tiny import build_tiny_pipeline
 from feddifrc_app.diffusion.tiny_zoo import build_tiny_zoo
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_prompts, teacher_spec
 
 CPU = torch.device("cpu")
 PROMPTS = ("a photo of a zero", "a photo of a one", "")

@@ -1,4 +1,4 @@
-"""feddifrc probe-teacher (methods/feddifrc/teacher_probe.py, tools/cmd_probe.py): the measures by
+"""feddifrc probe-teacher (tools/teacher_probe.py, tools/cmd_probe.py): the measures by
 hand, the recommendation rule, a real probe of the tiny UNet, and the test split refused."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from conftest import PLUMBING, ROOT, make_config
 
 from feddifrc_app.data.registry import load_dataset
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_spec
-from feddifrc_app.methods.feddifrc.teacher_probe import (
+from feddifrc_app.methods.feddifrc.teacher import feature_set, pooled_features, teacher_prompts, teacher_spec
+from feddifrc_app.tools import cli
+from feddifrc_app.tools.teacher_probe import (
     Cell,
     ndcr_geometry,
     probe,
@@ -23,7 +23,6 @@ from feddifrc_app.methods.feddifrc.teacher_probe import (
     table,
     unit,
 )
-from feddifrc_app.tools import cli
 
 
 def test_prompt_effect_and_unit_by_hand() -> None:
@@ -92,7 +91,7 @@ def test_probe_teacher_refuses_what_it_cannot_probe_in_one_line_before_any_work(
     """Issue 45 case 4: a teacher that does not load (a missing folder, a hub id offline), --json
     naming a folder, an empty split and a class with fewer images than --folds were tracebacks
     (the last two after the teacher work, the --json one after the whole probe)."""
-    from feddifrc_app.methods.feddifrc import teacher_probe
+    from feddifrc_app.tools import teacher_probe
 
     monkeypatch.setattr(teacher_probe, "score_pass", lambda *a: pytest.fail("the probe started"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -53,7 +53,7 @@ APP_ERRORS = (
     ("feddifrc_app.device", "DeviceError"),
     ("feddifrc_app.diffusion.digests", "TeacherLoadError"),
     ("feddifrc_app.diffusion.family", "FamilyError"),  # a teacher folder, or a key it refuses
-    ("feddifrc_app.diffusion.pretrain", "OutFolderError"),
+    ("feddifrc_app.tools.pretrain", "OutFolderError"),
     ("feddifrc_app.files", "FolderInUse"),
     ("feddifrc_app.privacy", "DPError"),
     ("feddifrc_app.tools.sweep", "SweepError"),

@@ -85,8 +85,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         )
 
     from feddifrc_app.data.registry import load_dataset
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
-    from feddifrc_app.methods.feddifrc.teacher import feature_set
+    from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_prompts
 
     spec = resolve_teacher(cfg, cache_dir)
     for split in splits:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from feddifrc_app.casting import resolve_path
-from feddifrc_app.diffusion.recipe_numbers import FAMILIES, PretrainRecipe  # torch-free
 from feddifrc_app.tools.cmd_common import CLIError, examples
+from feddifrc_app.tools.pretrain_numbers import FAMILIES, PretrainRecipe  # torch-free
 from feddifrc_app.tools.run_config import load_app_config
 
 if TYPE_CHECKING:  # --help stays torch-free
@@ -84,12 +84,12 @@ def _add_data_choice(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from feddifrc_app.diffusion.pretrain import (
+    from feddifrc_app.methods.feddifrc.teacher import teacher_prompts
+    from feddifrc_app.tools.pretrain import (
         OutFolderError,
         check_out_folder,
         pretrain_teacher,
     )
-    from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 
     protected, out = [resolve_path(args.app, "--app")], resolve_path(args.out, "--out")
     if args.limit < 0:

@@ -1,5 +1,5 @@
 """``feddifrc probe-teacher``: which layers and timestep for this teacher, measured
-(``methods/feddifrc/teacher_probe.py``)."""
+(``tools/teacher_probe.py``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def add_probe(p: argparse.ArgumentParser) -> None:
 def cmd_probe(args: argparse.Namespace) -> int:
     from feddifrc_app.data.registry import load_dataset
     from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir
-    from feddifrc_app.methods.feddifrc.teacher_probe import PROBE_SPLITS, probe, recommend, table
+    from feddifrc_app.tools.teacher_probe import PROBE_SPLITS, probe, recommend, table
 
     poolings, timesteps = _checked(args, PROBE_SPLITS)
     out = json_out(args.json)

@@ -1,16 +1,17 @@
 """FedDifRC (and its self-supervised variant ``feddifrc-ssl``): the diffusion teacher's targets
 (TDCL + NDCR) and the federated basis, plugged in through the methods protocol (``methods``).
 
-- node half: the setup reply (teacher identity, PCA statistics) and the train message's half
-  (``node.py``), the local loss against the targets (``local.py``; ``targets.py``: teacher
-  spec -> features -> basis -> fused targets);
-- server half (``server.py``): teacher checks, the federated basis (and, for the TDCL-anchors
-  control ``loss.tdcl-targets = "anchors"``, the class anchors: ``anchors.py``), records for every
-  train message, its checkpointed state;
+- node half (``node.py``): the setup reply (teacher identity, PCA statistics), the train
+  message's half and its loss against the targets (``targets.py``: teacher spec -> features ->
+  basis -> fused targets, in numbered steps; ``store.py``: kept per process and on disk;
+  ``teacher.py``: the teacher's features; ``losses.py``: TDCL and NDCR);
+- server half (``server.py``): teacher checks, the federated basis (``projection.py``; for the
+  TDCL-anchors control ``loss.tdcl-targets = "anchors"``, the class anchors too), records for
+  every train message, its checkpointed state;
 - central evaluation of ``feddifrc-ssl`` (``probe.py``): a linear probe, no classifier head.
 
-The hooks import their halves when called: the package itself loads without Flower (``local.py``
-runs in tools that have none).
+The hooks import their halves when called: the package itself loads without Flower (``node.py``'s
+``FedDifRC`` runs in tools that have none).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from feddifrc_app.methods.feddifrc.rules import self_supervised, uses_diffusion
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Message
 
-    from feddifrc_app.methods.feddifrc.local import FedDifRC
+    from feddifrc_app.methods.feddifrc.node import FedDifRC
     from feddifrc_app.methods.feddifrc.probe import LinearProbe
     from feddifrc_app.methods.feddifrc.server import FedDifRCServer
 

@@ -1,37 +1,55 @@
-"""FedDifRC's node half, message side: the setup reply (teacher identity, PCA statistics) and
-the train message's half (``local.FedDifRC`` under the message's basis).
+"""FedDifRC's node half: the setup reply (teacher identity, PCA statistics), the train message's
+half and its part of local training.
 
 Setup query: the node names its teacher (the server checks that every node runs the same
 weights) and, when the query asks for the setup work (``halves.SETUP_WORK``), sends the
 sufficient statistics of its pooled teacher features for the federated basis (and, for
-``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``anchors.py``). Train message: the
-half (``local.FedDifRC``) prepares the node's targets under the message's basis when training
-starts, then adds TDCL + NDCR to every step's loss (in place of CE when self-supervised).
+``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``projection.prompt_sums``). Train
+message: the message is checked here, once (``node_half``); ``FedDifRC.start`` prepares the
+node's targets under the message's basis with one call (``targets.node_targets``), then every
+step's loss is CE (none when self-supervised) + TDCL + NDCR against them.
+
+Flower-free at import, as ``train.py``: a tool or benchmark runs ``FedDifRC`` without Flower
+installed (``benchmarks/gpu_check.py``); the message side imports Flower's records when it runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ConfigRecord, Message
 
+from feddifrc_app.data.loader import clean_batch
 from feddifrc_app.files import ensure_writable_dir
-from feddifrc_app.halves import SETUP_WORK, Node
-from feddifrc_app.methods.feddifrc.anchors import ANCHORS
-from feddifrc_app.methods.feddifrc.local import FedDifRC, cache_dir
-from feddifrc_app.methods.feddifrc.projection import Basis
-from feddifrc_app.methods.feddifrc.targets import node_stats, plan, require_basis
+from feddifrc_app.halves import SETUP_WORK, Batch, Node, NodeHalf
+from feddifrc_app.methods.feddifrc import losses
+from feddifrc_app.methods.feddifrc.projection import ANCHORS, BASIS, STATS, Basis
+from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, self_supervised
+from feddifrc_app.methods.feddifrc.store import TeacherTargets
+from feddifrc_app.methods.feddifrc.targets import Plan, anchored, node_stats, node_targets, plan
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
-from feddifrc_app.records import arrays_to_record, record_to_arrays
 
-BASIS = "basis"  # server -> node, train message: the shared basis (projection.Basis.to_arrays)
-STATS = "pca-stats"  # node -> server, setup reply: the statistics (projection.stats_to_arrays)
+if TYPE_CHECKING:
+    from flwr.app import ConfigRecord, Message
+
 _CACHE_KEY = "cache-dir (node-config, else diffusion.cache-dir)"  # named in its errors
+
+
+def cache_dir(node: Node) -> Path:
+    """The node's teacher cache folder (its node config's cache-dir, else diffusion.cache-dir)."""
+    return resolve_cache_dir(node.cfg, node.config.cache_dir, "node cache-dir")
+
+
+def node_plan(node: Node) -> Plan:
+    """This node's targets plan (``targets.plan``, kept for the process)."""
+    return plan(node.cfg, teacher_spec(node.cfg, cache_dir(node)), node.data, node.ids)
 
 
 def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
     """The teacher's identity in ``info`` and, when asked, this node's PCA statistics."""
+    from feddifrc_app.records import arrays_to_record
+
     cfg = node.cfg
     # No SD load; no GPU for diffusion.device = 'cuda' fails here.
     spec = teacher_spec(cfg, ensure_writable_dir(cache_dir(node), _CACHE_KEY))
@@ -49,12 +67,83 @@ def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
 
 def node_half(msg: Message, node: Node) -> FedDifRC:
     """The train message's half: its basis and, under ``loss.tdcl-targets = "anchors"``, the
-    anchors (each refused before any teacher work if the config needs it and the message has none)."""
+    anchors, each refused here (before any teacher work) if the config needs it and the message
+    has none."""
+    from feddifrc_app.records import record_to_arrays
+
     basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
-    require_basis(node.cfg, basis)
+    if node.cfg.diffusion.projection == "federated-pca" and basis is None:
+        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
     anchors = None
     if ANCHORS in msg.content:
         anchors = torch.from_numpy(record_to_arrays(msg.content[ANCHORS])[ANCHORS])
     elif node.cfg.loss.tdcl_targets == "anchors":
         raise ValueError("loss.tdcl-targets = 'anchors' but the server sent no anchors")
     return FedDifRC(node, basis=basis, anchors=anchors)
+
+
+class FedDifRC(NodeHalf):
+    """CE (unless self-supervised) + TDCL + NDCR against this node's teacher targets.
+
+    ``targets``: prepared ones (tests, benchmarks); else ``start`` prepares them under ``basis``
+    from the received model (``targets.node_targets``, its cost in the reply's metrics).
+    ``anchors`` (K, D): the server's class anchors, which replace every image's TDCL targets."""
+
+    def __init__(
+        self,
+        node: Node,
+        targets: TeacherTargets | None = None,
+        basis: Basis | None = None,
+        anchors: torch.Tensor | None = None,
+    ) -> None:
+        self.node, self.targets, self.basis, self.anchors = node, targets, basis, anchors
+        self.lc = node.cfg.loss
+        self.supervised = not self_supervised(node.cfg)
+        self.gen: torch.Generator | None = None
+
+    def start(self, model: torch.nn.Module) -> dict[str, float]:
+        n, cost = self.node, {}
+        if self.targets is None:
+            self.targets, cost = node_targets(node_plan(n), self.basis, model, n.device)
+            model.train()  # conditioning embeds in eval mode
+        self.targets = self.targets.on(n.device, n.ids)
+        if self.anchors is not None:  # after ``on``: the (K, D) anchors move, not n copies
+            self.targets = anchored(self.targets, self.anchors)
+        self.gen = torch.Generator().manual_seed(n.seed)  # negative sampling in TDCL
+        return cost
+
+    def divergence_remedy(self) -> str:
+        return f"raise loss.temperature (= {self.lc.temperature:g})"  # TDCL's similarities / it
+
+    def view(self, batch: Batch) -> torch.Tensor | None:
+        """NDCR's target was computed from the un-augmented image: align that view's embedding."""
+        clean = self.lc.ndcr_weight > 0 and self.lc.ndcr_view == "clean" and batch.augmented
+        return clean_batch(self.node.data, batch.idx) if clean else None
+
+    def loss(self, batch: Batch) -> dict[str, torch.Tensor]:
+        lc, sup, device = self.lc, self.supervised, batch.z.device
+        reps, ndcr = self.targets.take(batch.idx)
+        # Per-batch fusion returns CPU tensors; targets moved by ``on`` are already there (a no-op).
+        reps, ndcr = (None if t is None else t.to(device, non_blocking=True) for t in (reps, ndcr))
+        # Self-supervised: no CE; reps (B, 1 + K, D) = positive prompt first, then the negatives.
+        parts = losses.feddifrc_loss(
+            batch.logits if sup else None,
+            batch.y if sup else None,
+            batch.z,
+            reps,
+            ndcr,
+            variant=lc.variant,
+            tdcl_weight=lc.tdcl_weight,
+            ndcr_weight=lc.ndcr_weight,
+            temperature=lc.temperature,
+            num_negatives=lc.num_negatives,
+            normaliser=lc.tdcl_normaliser,
+            ndcr_space=lc.ndcr_space,
+            generator=self.gen,
+            ndcr_z=batch.z_view,
+        )
+        if not sup:
+            del parts["ce"]  # not a loss term here: no "train-ce" metric (it would read as a CE of 0)
+        if ndcr is not None:
+            parts["ndcr-cosine"] = losses.cosine_alignment(batch.z_view.detach(), ndcr)
+        return parts

@@ -17,6 +17,9 @@ Bases (``diffusion.projection``):
 - ``per-batch``: :func:`fuse_per_batch`, the FedDifRC public code's PCA refit on every
   batch (features of different batches land in different coordinates), on pooled rows.
 
+The class anchors of the TDCL-anchors control (``loss.tdcl-targets = "anchors"``) are fused
+means under the federated basis: :func:`prompt_sums` (a node's share), :func:`class_anchors`.
+
 A pooled array ``(N, P, C)`` (image x prompt) contributes ``N * P`` rows.
 """
 
@@ -28,6 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# What travels in FedDifRC's messages (record names)
+STATS = "pca-stats"  # node -> server, setup reply: stats_to_arrays (+ prompt_sums with the anchors)
+BASIS = "basis"  # server -> node, train message: Basis.to_arrays
+ANCHORS = "anchors"  # server -> node, train message: the (K, D) class anchors (float32)
+_COUNT = "anchors.count"
 
 # --------------------------------------------------------------------------- statistics
 
@@ -410,3 +419,45 @@ def fuse_per_batch(pooled: Mapping[int, np.ndarray], widths: Sequence[int]) -> n
         w[:, :n] = _sign_fix(vt[:n].T)
         parts.append((centred @ w).astype(np.float32).reshape(*x.shape[:-1], k))
     return np.concatenate(parts, axis=-1)
+
+
+# --------------------------------------------------------------------------- class anchors
+# TDCL-anchors (``loss.tdcl-targets = "anchors"``): every image's TDCL targets replaced by the
+# teacher's class-prompt means of the fused representations, ``anchor_k = mean_i fused[i, k]`` over
+# all nodes' training images. Paired against TDCL-only it removes the per-image diffusion content
+# and keeps the fixed class anchors.
+#
+# Exact from sums: ``fuse`` is affine per block (``(x_b - m_b) @ W_b``), so the mean of the fused
+# rows is the fused mean of the pooled rows. Each node sends, in its setup reply beside the PCA
+# statistics, the per-prompt SUMS of its pooled features over its images and its image count (no
+# raw feature leaves it); the server adds them up, divides and fuses the means with the federated
+# basis, and ships the ``(K, D)`` anchors in every train message.
+
+
+def prompt_sums(pooled: Mapping[int, np.ndarray], k: int) -> dict[str, np.ndarray]:
+    """A node's share: per block the float64 sum over its images of the first ``k`` (class)
+    prompts' pooled rows ``(k, C_b)``, and its image count (``pooled``: ``{block: (n, P, C_b)}``)."""
+    counts = {int(x.shape[0]) for x in pooled.values()}
+    if len(counts) != 1:
+        raise ValueError(f"prompt_sums: blocks hold different numbers of images {sorted(counts)}")
+    out = {_COUNT: np.array([counts.pop()], dtype=np.int64)}
+    for b, x in pooled.items():
+        out[f"anchors.{int(b)}.sum"] = np.asarray(x[:, :k], dtype=np.float64).sum(axis=0)
+    return out
+
+
+def class_anchors(parts: Sequence[Mapping[str, np.ndarray]], basis: Basis) -> np.ndarray:
+    """The server's anchors ``(K, D)`` float32 from the nodes' :func:`prompt_sums`: summed,
+    divided by the total image count and fused with ``basis`` (affine: = the mean fused row)."""
+    parts = list(parts)
+    missing = [i for i, p in enumerate(parts) if _COUNT not in p]
+    if not parts or missing:
+        raise ValueError(
+            "loss.tdcl-targets = 'anchors': a setup reply lacks the per-prompt sums "
+            "(the node runs an older app or another config)"
+        )
+    n = sum(int(np.asarray(p[_COUNT]).reshape(-1)[0]) for p in parts)
+    if n < 1:
+        raise ValueError("loss.tdcl-targets = 'anchors': the nodes hold no training images")
+    means = {b: np.sum([p[f"anchors.{b}.sum"] for p in parts], axis=0) / n for b in basis.blocks}
+    return fuse(means, basis)

@@ -13,9 +13,15 @@ from flwr.app import ArrayRecord, RecordDict
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.halves import ServerHalf
-from feddifrc_app.methods.feddifrc.anchors import ANCHORS, class_anchors
-from feddifrc_app.methods.feddifrc.node import BASIS, STATS
-from feddifrc_app.methods.feddifrc.projection import Basis, fit_federated_basis, stats_from_arrays
+from feddifrc_app.methods.feddifrc.projection import (
+    ANCHORS,
+    BASIS,
+    STATS,
+    Basis,
+    class_anchors,
+    fit_federated_basis,
+    stats_from_arrays,
+)
 from feddifrc_app.records import arrays_to_record, record_to_arrays
 from feddifrc_app.results import Results
 

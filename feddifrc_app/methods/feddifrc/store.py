@@ -1,8 +1,10 @@
-"""A client's prepared (fused) targets, kept so that no process re-fuses what a key can reuse.
+"""A client's prepared (fused) teacher targets: what they are (``TeacherTargets``) and where they
+are kept, so that no process re-fuses what a key can reuse.
 
-Kept twice: in this process (``PREPARED``, least recently used first out) and on disk beside the
-feature cache, so that a new process (a deployment starts one per message) loads one small
-verified file instead of re-reading and re-fusing every shard::
+``read_through`` is the one call a node makes. Targets are kept twice: in this process
+(``PREPARED``, least recently used first out) and on disk beside the feature cache, so that a new
+process (a deployment starts one per message) loads one small verified file instead of
+re-reading and re-fusing every shard::
 
     <cache_dir>/targets/<key>.npz     key = sha256 of everything the targets depend on
 
@@ -21,7 +23,8 @@ import hashlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
 
@@ -30,6 +33,7 @@ import torch
 
 from feddifrc_app import log
 from feddifrc_app.config import Config
+from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.files import (
     ArchiveKind,
     CorruptFile,
@@ -38,8 +42,71 @@ from feddifrc_app.files import (
     read_verified,
     write_verified,
 )
-from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
-from feddifrc_app.methods.feddifrc.projection import Basis
+from feddifrc_app.methods.feddifrc.projection import Basis, fuse_per_batch
+
+
+@dataclass
+class TeacherTargets:
+    """Frozen diffusion targets for one client's training images.
+
+    ``rows[i]`` is the row of dataset index ``i`` (-1 = not in this client's set).
+    Supervised: ``prompt_reps`` (n, K, D) = the image under each class prompt, ``ndcr`` (n, D).
+    Self-supervised: ``prompt_reps`` (n, 1 + K_neg, D) = positive prompt first, then negatives.
+    ``per_batch`` is the public code's behaviour: pooled per-block features are kept and the
+    PCA is refit on every batch by ``fuse_batch`` (comparison only).
+    """
+
+    rows: torch.Tensor  # int64 (max_index + 1,)
+    prompt_reps: torch.Tensor | None  # float32 (n, K, D)
+    ndcr: torch.Tensor | None  # float32 (n, D)
+    # per-batch mode: ({block: pooled (n, P, C_b)}, widths, K) -> PCA refit on each batch
+    per_batch: tuple[dict[int, np.ndarray], tuple[int, ...], int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.rows, self.prompt_reps, self.ndcr]
+        size = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return size + (sum(a.nbytes for a in self.per_batch[0].values()) if self.per_batch else 0)
+
+    def on(self, device: torch.device, ids: np.ndarray) -> TeacherTargets:
+        """These targets on ``device`` for training on dataset indices ``ids`` (moved once per round,
+        gathered there every step). Every id must have a row (KeyError otherwise): checked here, once,
+        so that ``take`` on a GPU gathers with device-resident indices and no host sync per step."""
+        self._require(torch.as_tensor(np.asarray(ids, dtype=np.int64)))
+        if self.per_batch is not None:  # fused on the CPU every batch: rows stay there
+            return self
+
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return TeacherTargets(move(self.rows), move(self.prompt_reps), move(self.ndcr), self.per_batch)
+
+    def _require(self, idx: torch.Tensor) -> None:
+        rows = self.rows.cpu()
+        if bool((idx >= len(rows)).any()) or bool((rows[idx.clamp(max=len(rows) - 1)] < 0).any()):
+            raise KeyError("a training image has no teacher target (targets built for other indices)")
+
+    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(TDCL representations (B, K, D), NDCR targets (B, D)) of dataset indices ``idx`` (B,),
+        on the targets' device. On the CPU ``idx`` is checked here (free); on a GPU it must be among
+        the ids given to ``on``, which checked them."""
+        if self.rows.device.type == "cpu":
+            self._require(idx.cpu())
+        r = self.rows[idx.to(self.rows.device, non_blocking=True)]
+        if self.per_batch is not None:
+            pooled, widths, k = self.per_batch
+            fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
+            return fused[:, :k], fused[:, -1]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r]
+        ndcr = None if self.ndcr is None else self.ndcr[r]
+        return reps, ndcr
+
+
+def target_rows(ids: np.ndarray) -> torch.Tensor:
+    """``TeacherTargets.rows``: dataset index -> row in the client's arrays (-1: not this client's)."""
+    rows = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+    rows[torch.as_tensor(ids)] = torch.arange(len(ids))
+    return rows
 
 
 class _Prepared:
@@ -48,7 +115,7 @@ class _Prepared:
     A simulation actor serves the same partitions round after round; without this it re-read
     the client's cached features (at CIFAR-10 scale ~2.5 GB of shards) and fused them every
     round. Least recently used entries go first once ``budget`` bytes are held. A new process
-    finds them on disk instead (``client_targets``).
+    finds them on disk instead (``read_through``).
     """
 
     def __init__(self, budget: int) -> None:
@@ -170,3 +237,29 @@ def targets_key(
     )
     h.update(f"|{d.channels}|{cfg.embedding_dim}|{TARGETS_FORMAT}-v{TARGETS_VERSION}|float32".encode())
     return h.hexdigest()
+
+
+Prepared = tuple[TeacherTargets, Basis | None, CacheStats]
+
+
+def read_through(key: str, path: Path | None, ids: np.ndarray, prepare: Callable[[], Prepared]) -> Prepared:
+    """A client's targets and the basis they were fused with, from this process's memory, else from
+    ``path`` (None: none is kept on disk, the per-batch mode), else ``prepare()``d and kept in
+    both; with the feature-cache cost (every image a hit unless prepared here)."""
+    hits = CacheStats(hits=int(np.unique(ids).size))
+    if (hit := PREPARED.get(key)) is not None:
+        return *hit, hits
+    if path is not None and (stored := load_stored(path, key, ids)) is not None:
+        PREPARED.put(key, stored)
+        return *stored, hits
+    targets, basis, stats = prepare()
+    PREPARED.put(key, (targets, basis))
+    if path is not None and basis is not None:
+        try:
+            save_prepared(path, key, ids, targets, basis)
+            evict(path.parent, path, TARGETS_DISK_BUDGET)
+        except OSError as e:  # the run does not need the file: the next process prepares them again
+            log.warning(
+                "prepared targets: could not write %s (%s); a new process will prepare them again", path, e
+            )
+    return targets, basis, stats

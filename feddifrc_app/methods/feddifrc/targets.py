@@ -1,4 +1,4 @@
-"""The frozen diffusion targets one client trains against.
+"""The frozen diffusion targets one client trains against, in numbered steps.
 
 Pipeline for a client's images ``ids`` (dataset indices)::
 
@@ -12,29 +12,29 @@ Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
 (self-supervised: the positive prompt, the negatives, then the NDCR prompt).
 The pooled features come through ``teacher.py`` (the teacher is loaded lazily, only when the
 cache misses, so a warm cache means no Stable Diffusion load at all). FedDifRC's node half
-(``node.py``) makes one call here per train message: ``node_targets`` of a ``Plan``.
-
-A client's fused targets are prepared once (``client_targets``) and kept by ``store``.
+(``node.py``) makes one call here per train message, ``node_targets`` of its ``Plan``, which
+reads through ``store`` (this process's memory, the node's disk) before preparing anything.
 The per-batch comparison mode keeps pooled rows (the shards themselves): nothing is stored.
+Checks on the message (a federated basis present) are done once, at the edge: ``node.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.device import EXTRACTION_THREADS, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.methods.feddifrc.anchors import prompt_sums
-from feddifrc_app.methods.feddifrc.fused import TeacherTargets, target_rows
+from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc.projection import (
     Basis,
     client_stats,
@@ -42,32 +42,27 @@ from feddifrc_app.methods.feddifrc.projection import (
     fuse,
     fused_widths,
     local_pca_basis,
+    prompt_sums,
     random_basis,
     stats_to_arrays,
 )
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.rules import self_supervised
-from feddifrc_app.methods.feddifrc.store import (
-    PREPARED,
-    TARGETS_DISK_BUDGET,
-    evict,
-    load_stored,
-    save_prepared,
-    targets_key,
-)
+from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.teacher import (
     FeatureSet,
     TeacherSpec,
     feature_set,
     featurizer,
     pooled_features,
+    teacher_prompts,
 )
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """One node's teacher targets, resolved once: the run config, the teacher's features of this
-    node's data (spec, prompts, cache key), its image ids and how many prompts TDCL contrasts."""
+    """One node's teacher targets, resolved once per process: the run config, the teacher's
+    features of this node's data (spec, prompts, cache key), its image ids and how many prompts
+    TDCL contrasts."""
 
     cfg: Config
     features: FeatureSet
@@ -75,25 +70,76 @@ class Plan:
     num_prompts_tdcl: int
 
 
+# A simulation actor serves many nodes' messages of one run: each node's plan is resolved once.
+_PLANS: OrderedDict[tuple, Plan] = OrderedDict()
+_PLANS_KEPT = 8192
+
+
 def plan(cfg: Config, spec: TeacherSpec, data: ImageData, ids: np.ndarray) -> Plan:
-    """The node's ``Plan`` under ``spec`` (no teacher work: the feature-cache key only)."""
-    prompts = teacher_prompts(cfg, data.class_names)
-    k = num_prompts_tdcl(cfg, data.num_classes, prompts)
-    return Plan(cfg, feature_set(spec, data, prompts), np.asarray(ids, dtype=np.int64), k)
+    """The node's ``Plan`` under ``spec`` (no teacher work: the feature-cache key only), kept for
+    the process by the run config, the spec, the data's fingerprint and the ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    key = (cfg, spec, data.fingerprint, hashlib.sha256(ids.tobytes()).digest())
+    if (hit := _PLANS.get(key)) is None:
+        prompts = teacher_prompts(cfg, data.class_names)
+        k = num_prompts_tdcl(cfg, data.num_classes, prompts)
+        hit = _PLANS[key] = Plan(cfg, feature_set(spec, data, prompts), ids, k)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return hit
 
 
-def require_basis(cfg: Config, server_basis: Basis | None) -> None:
-    """Under ``federated-pca`` the targets need the server's basis (the train message's)."""
-    if cfg.diffusion.projection == "federated-pca" and server_basis is None:
-        raise ValueError("diffusion.projection = 'federated-pca' but the server sent no basis")
+def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
+    """How many of ``prompts`` TDCL contrasts (the rest: the NDCR prompt, last): every class
+    prompt, or (self-supervised) the positive prompt and the negatives."""
+    return len(prompts) - 1 if self_supervised(cfg) else num_classes
+
+
+def node_targets(
+    p: Plan, server_basis: Basis | None, model: torch.nn.Module, device: torch.device
+) -> tuple[TeacherTargets, dict[str, float]]:
+    """This node's targets in a train message (``client_targets``, then conditioned on the received
+    ``model`` when ``diffusion.condition = "global-model"``: every round, never stored), and their
+    cost as reply metrics (``teacher-seconds``, ``teacher-cache-misses``, ``condition-seconds``)."""
+    t0 = time.perf_counter()
+    targets, basis, stats = client_targets(p, server_basis)
+    metrics: dict[str, float] = {}
+    if p.cfg.diffusion.condition == "global-model":
+        targets, metrics["condition-seconds"] = conditioned_targets(p, targets, basis, model, device)
+    metrics["teacher-seconds"] = time.perf_counter() - t0
+    metrics["teacher-cache-misses"] = float(stats.misses)
+    return targets, metrics
+
+
+def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
+    """A client's static targets, the basis they were fused with and their feature-cache cost:
+
+    1. the key: everything the targets depend on (``store.targets_key``);
+    2. read through the store: this process's memory, else the node's disk (none in the
+       per-batch mode), else
+    3. ``prepare`` them (pooled features, basis, fusion), kept in both.
+    """
+    key = store.targets_key(p.cfg, p.features.key, p.ids, server_basis, p.num_prompts_tdcl)
+    kept = p.cfg.diffusion.projection != "per-batch"  # per-batch: pooled rows, fused every batch
+    path = p.features.spec.cache_dir / "targets" / f"{key}.npz" if kept else None
+    return store.read_through(key, path, p.ids, lambda: prepare(p, server_basis))
+
+
+def prepare(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
+    """A client's static targets from the feature cache (the teacher only on a miss): its pooled
+    features, the basis it projects with, the fused targets; with the feature-cache cost."""
+    pooled, stats = pooled_features(p.features, p.ids)
+    with torch_threads(EXTRACTION_THREADS):  # stored targets serve runs of any train.threads
+        basis = client_basis(p.cfg, pooled, server_basis)
+        return build_targets(p, pooled, basis), basis, stats
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
-    """The basis this client projects with; None for the public code's per-batch refit."""
+    """The basis this client projects with (the server's under ``federated-pca``, which the node
+    half requires of the message); None for the public code's per-batch refit."""
     d = cfg.diffusion
     chans = [pooled[b].shape[-1] for b in d.blocks]
     widths = fused_widths(d.channels, chans, cfg.embedding_dim)
-    require_basis(cfg, server_basis)
     if d.projection == "federated-pca":
         return server_basis
     if d.projection == "local-pca":
@@ -107,7 +153,7 @@ def build_targets(p: Plan, pooled: dict[int, np.ndarray], basis: Basis | None) -
     """Fuse once with the shared basis (or keep pooled rows for the per-batch comparison mode)."""
     cfg, k = p.cfg, p.num_prompts_tdcl
     rows = target_rows(p.ids)
-    if basis is None:
+    if cfg.diffusion.projection == "per-batch":
         widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
         return TeacherTargets(
             rows=rows,
@@ -121,37 +167,10 @@ def build_targets(p: Plan, pooled: dict[int, np.ndarray], basis: Basis | None) -
     return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
 
 
-def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
-    """A client's static targets and the basis they were fused with: from this process's memory,
-    else from ``<cache_dir>/targets/``, else prepared (cache read, basis, fusion) and stored in both."""
-    cfg, ids = p.cfg, p.ids
-    key = targets_key(cfg, p.features.key, ids, server_basis, p.num_prompts_tdcl)
-    if (hit := PREPARED.get(key)) is not None:
-        return *hit, CacheStats(hits=int(np.unique(ids).size))
-    path = p.features.spec.cache_dir / "targets" / f"{key}.npz"
-    if cfg.diffusion.projection != "per-batch" and (stored := load_stored(path, key, ids)) is not None:
-        PREPARED.put(key, stored)
-        return *stored, CacheStats(hits=int(np.unique(ids).size))
-    pooled, stats = pooled_features(p.features, ids)
-    with torch_threads(EXTRACTION_THREADS):  # stored targets serve runs of any train.threads
-        basis = client_basis(cfg, pooled, server_basis)
-        targets = build_targets(p, pooled, basis)
-    PREPARED.put(key, (targets, basis))
-    if basis is not None:
-        try:
-            save_prepared(path, key, ids, targets, basis)
-            evict(path.parent, path, TARGETS_DISK_BUDGET)
-        except OSError as e:  # the run does not need the file: the next process prepares them again
-            log.warning(
-                "prepared targets: could not write %s (%s); a new process will prepare them again", path, e
-            )
-    return targets, basis, stats
-
-
 def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
     """What a node sends once for the federated basis: the sufficient statistics of its pooled
     teacher features (``projection.stats_to_arrays``; no raw feature leaves it; with the anchors,
-    ``anchors.prompt_sums`` too), and their cost."""
+    ``projection.prompt_sums`` too), and their cost."""
     pooled, stats = pooled_features(p.features, p.ids)
     arrays = stats_to_arrays(client_stats(pooled))
     if p.cfg.loss.tdcl_targets == "anchors":  # and the per-prompt sums of its class prompts
@@ -159,27 +178,19 @@ def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
     return arrays, stats
 
 
-def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) -> int:
-    """How many of ``prompts`` TDCL contrasts (the rest: the NDCR prompt, last): every class
-    prompt, or (self-supervised) the positive prompt and the negatives."""
-    return len(prompts) - 1 if self_supervised(cfg) else num_classes
-
-
-def node_targets(
-    p: Plan, server_basis: Basis | None, model: torch.nn.Module, device: torch.device
-) -> tuple[TeacherTargets, dict[str, float]]:
-    """This node's targets in a train message under the server's basis (cached features, no SD
-    call on a hit), conditioned on the received ``model`` when ``diffusion.condition =
-    "global-model"``, and their cost as reply metrics (``teacher-seconds``,
-    ``teacher-cache-misses``, ``condition-seconds``)."""
-    t0 = time.perf_counter()
-    targets, basis, stats = client_targets(p, server_basis)
-    metrics: dict[str, float] = {}
-    if p.cfg.diffusion.condition == "global-model":
-        targets, metrics["condition-seconds"] = conditioned_targets(p, targets, basis, model, device)
-    metrics["teacher-seconds"] = time.perf_counter() - t0
-    metrics["teacher-cache-misses"] = float(stats.misses)
-    return targets, metrics
+def anchored(targets: TeacherTargets, anchors: torch.Tensor) -> TeacherTargets:
+    """``targets`` with every image's TDCL representations replaced by the ``(K, D)`` anchors
+    (a broadcast view: no per-image copy); the NDCR target stays the image's own."""
+    reps = targets.prompt_reps
+    if reps is None or targets.per_batch is not None:
+        raise ValueError("loss.tdcl-targets = 'anchors' needs static TDCL targets under a shared basis")
+    if anchors.shape != reps.shape[1:]:
+        raise ValueError(
+            f"the server's anchors have shape {tuple(anchors.shape)}, this node's TDCL targets "
+            f"(K, D) = {tuple(reps.shape[1:])}: the nodes run different prompts or widths"
+        )
+    view = anchors.to(reps.device, reps.dtype).expand(reps.shape[0], -1, -1)
+    return TeacherTargets(rows=targets.rows, prompt_reps=view, ndcr=targets.ndcr)
 
 
 # What a VAE latent depends on -> {image id: latent (C, h, w)}: ~12 KB per image at 224 px.

@@ -6,6 +6,7 @@ cached pooled features of a dataset under a prompt list.
 feature depends on. Everything below takes the spec, never the run config::
 
     spec = teacher_spec(cfg, cache_dir)            # TeacherSpec: frozen, hashable
+    prompts = teacher_prompts(cfg, class_names)    # their order is part of the feature-cache key
     features = feature_set(spec, data, prompts)    # FeatureSet: + the feature-cache key
     pooled, stats = pooled_features(features, ids) # {block: (n, P, C_b)} from the cache
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_resolution,
 )
 from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
-from feddifrc_app.methods.feddifrc.rules import DiffusionConfig
+from feddifrc_app.methods.feddifrc.rules import DiffusionConfig, self_supervised
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,41 @@ def check_folder(d: DiffusionConfig, identity: TeacherIdentity) -> None:
     check_layers(d.blocks, layer_count(folder, family), family, mid=has_mid_block(folder, family))
     check_mode(d.dit_features, family, family_module(family))
     check_maps(folder, family, d.blocks, d.resolution, d.pool_grid if d.pooling == "grid" else 0)
+
+
+def teacher_prompts(
+    cfg: Config, class_names: Sequence[str], negative_pool: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The prompt list of the run's method; the NDCR prompt is always LAST.
+
+    - ``feddifrc`` (and ``fedavg``): ``prompt_template.format(name)`` for every class in LABEL
+      order (prompt y is the TDCL positive of a sample with label y, the others its
+      negatives), then ``diffusion.ndcr_prompt`` ("" = unconditional).
+    - ``feddifrc-ssl`` (``self_supervised(cfg)``): ``ssl.positive_prompt``, then the template
+      over ``ssl.negatives`` or, when that is empty, over ``ssl.num_negatives`` names drawn
+      without replacement by ``numpy.random.default_rng(cfg.seed)`` from ``negative_pool`` (default: the 200
+      Tiny-ImageNet class names) and kept in pool order, then ``ssl.ndcr_prompt``.
+    """
+    d = cfg.diffusion
+    if self_supervised(cfg):
+        negatives = tuple(cfg.ssl.negatives)
+        if not negatives:
+            if negative_pool is None:
+                from feddifrc_app.data.tiny_imagenet_names import TINY_IMAGENET_CLASS_NAMES as negative_pool
+            pool = tuple(negative_pool)
+            if not pool:
+                raise ValueError("teacher_prompts: empty negative_pool for method 'feddifrc-ssl'")
+            rng = np.random.default_rng(int(cfg.seed))
+            pick = rng.choice(len(pool), size=min(int(cfg.ssl.num_negatives), len(pool)), replace=False)
+            negatives = tuple(pool[i] for i in sorted(pick))
+        return (
+            cfg.ssl.positive_prompt,
+            *(d.prompt_template.format(n) for n in negatives),
+            cfg.ssl.ndcr_prompt,
+        )
+    if not class_names:
+        raise ValueError("teacher_prompts: no class names")
+    return (*(d.prompt_template.format(c) for c in class_names), d.ndcr_prompt)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,4 +1,4 @@
-"""``feddifrc pretrain-teacher``: train the tiny teacher of ``recipe.py`` and write it as a
+"""``feddifrc pretrain-teacher``: train the tiny teacher of ``pretrain_recipe.py`` and write it as a
 diffusers pipeline folder, atomically, with a ``feddifrc.json`` (the recipe, the losses, every
 file's sha256: the loader verifies them) and a model card. The output folder is checked before
 training and again at the swap, so no one's files are replaced by accident.
@@ -21,10 +21,10 @@ import torch
 
 from feddifrc_app.diffusion.digests import folder_digests
 from feddifrc_app.diffusion.pipeline import PRETRAINED_KIND
-from feddifrc_app.diffusion.recipe import train_teacher
-from feddifrc_app.diffusion.recipe_numbers import FAMILIES, PretrainRecipe
 from feddifrc_app.diffusion.tiny import MARKER, quiet, save_tiny_pipeline
 from feddifrc_app.files import atomic_folder, stale_siblings
+from feddifrc_app.tools.pretrain_numbers import FAMILIES, PretrainRecipe
+from feddifrc_app.tools.pretrain_recipe import train_teacher
 
 __all__ = ["FAMILIES", "OutFolderError", "PretrainRecipe", "check_out_folder", "pretrain_teacher"]
 __all__ += ["remove_stale_temp", "untrained"]
@@ -239,7 +239,7 @@ def _card(m: dict[str, Any]) -> str:
     return f"""# {m["model_id"]}: a tiny latent text-to-image teacher, {kind}
 
 A diffusers `{cls}` folder written by `feddifrc pretrain-teacher`
-(`feddifrc_app/diffusion/pretrain.py`). Load it with `diffusion.model = "<this folder>"`.
+(`feddifrc_app/tools/pretrain.py`). Load it with `diffusion.model = "<this folder>"`.
 
 ## Data
 {m["data"]["images"]} images, per class {m["data"]["per_class"]}. {m["data"]["note"]}

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from feddifrc_app.diffusion.featurizer import encode_prompts, to_unit_range
-from feddifrc_app.diffusion.recipe_numbers import PretrainRecipe  # torch-free, for --help
 from feddifrc_app.diffusion.tiny import SD_SCHEDULER, tiny_text_encoder
 from feddifrc_app.diffusion.tiny_zoo import PIXART_BLOCKS, tiny_t5
+from feddifrc_app.tools.pretrain_numbers import PretrainRecipe  # torch-free, for --help
 
 TEACHER_VAE = dict(
     in_channels=3,

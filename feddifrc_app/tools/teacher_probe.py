@@ -37,11 +37,11 @@ from feddifrc_app.device import torch_threads
 from feddifrc_app.diffusion.family import MID_BLOCK, has_mid_block, layer_count, map_sides
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.methods.feddifrc.losses import tdcl_paper
-from feddifrc_app.methods.feddifrc.prompts import teacher_prompts
 from feddifrc_app.methods.feddifrc.teacher import (
     feature_set,
     pooled_features,
     release,
+    teacher_prompts,
     teacher_spec,
 )
 
