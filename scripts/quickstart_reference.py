@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -52,20 +51,6 @@ def fresh_run(work: Path) -> dict:
     return json.loads((out / "quickstart" / "results.json").read_text())
 
 
-def _exit_on_termination() -> None:
-    """SIGTERM (`timeout`, a CI job's cancel) and SIGHUP (a closed terminal) end Python without
-    running `finally`, and the local SuperLink, in a session of its own, never sees them: it and
-    its simulation's Ray would live on. As SystemExit they close the harness (FlowerProcs.close)
-    and remove the temp folder, as Ctrl-C does."""
-
-    def leave(signum: int, _frame: object) -> None:
-        signal.signal(signum, signal.SIG_DFL)  # a second one ends the script at once
-        raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, leave)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
@@ -74,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from feddifrc_app.results import summary_text
+    from feddifrc_app.tools.cmd_common import exit_on_termination
 
-    _exit_on_termination()
     # The harness's close() (leaving the `with` in fresh_run) stops the SuperLink, its simulation
-    # and whatever they left behind, before the folder goes.
-    with tempfile.TemporaryDirectory(prefix="quickstart-") as work:
+    # and whatever they left behind, before the folder goes: on SIGTERM / SIGHUP too.
+    with exit_on_termination(), tempfile.TemporaryDirectory(prefix="quickstart-") as work:
         r = fresh_run(Path(work))
     got = {"platform": platform(), "line": summary_text(r["summary"]), "summary": r["summary"]}
     got["test-accuracy"] = [x["test-accuracy"] for x in r["rounds"]]

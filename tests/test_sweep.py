@@ -344,6 +344,65 @@ def test_closing_the_local_federation_stops_what_its_flwr_commands_started_and_n
             p.wait()
 
 
+def test_closing_the_local_federation_stops_its_superlinks_session_and_no_other(tmp_path):
+    """`flwr` starts the local SuperLink in a session of its own; its simulation's processes share
+    it whatever their environment. close() stops the SuperLink (found by its --log-file in our
+    FLWR_HOME), then every process in its session, never another session's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flower_procs import _exists
+
+    flower = Flower(ROOT, tmp_path / "home", "local", "")
+    fake = tmp_path / "bin" / "flower-superlink"  # our SuperLink, spelled as flwr starts it
+    fake.parent.mkdir()
+    fake.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], env={})\n"
+        "open(sys.argv[-1], 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    pidfile = tmp_path / "child.pid"
+    argv = [sys.executable, str(fake), "--log-file", str(flower.home / "superlink.log"), str(pidfile)]
+    link = subprocess.Popen(argv, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        while not pidfile.exists() or not pidfile.read_text():
+            assert link.poll() is None, "the stand-in SuperLink died before starting its child"
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        assert b"FLWR_HOME" not in Path(f"/proc/{child}/environ").read_bytes()  # found by session only
+        flower.close(grace=0)
+        assert link.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 60  # SIGTERM'd: gone at once; 60 s only bounds a failure
+        while _exists(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _exists(child), "the SuperLink's session outlived close()"
+        assert other.poll() is None
+    finally:
+        for p in (link, other):
+            p.kill()
+            p.wait()
+        if pidfile.exists() and pidfile.read_text() and _exists(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_sigterm_inside_exit_on_termination_is_a_system_exit_and_the_handlers_come_back():
+    import os
+    import signal
+
+    from feddifrc_app.tools.cmd_common import exit_on_termination
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, exit_on_termination():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_table_uses_only_completed_runs_of_the_configured_rounds_and_names_each_skipped_cell(tmp_path):
     out = tmp_path / "sw"
     conf = "conf/mnist5k-moon.toml"

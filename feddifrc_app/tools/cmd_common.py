@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -95,6 +97,26 @@ def one_line_errors(prog: str) -> Callable[[Callable[..., int]], Callable[..., i
         return run
 
     return wrap
+
+
+@contextlib.contextmanager
+def exit_on_termination() -> Iterator[None]:
+    """Inside: SIGTERM (`timeout`, a CI job's cancel) and SIGHUP (a closed terminal), which end
+    Python without running ``finally``, raise SystemExit (128 + the signal) instead, so the
+    caller's cleanup runs, as on Ctrl-C: a local SuperLink that `flwr` started, in a session of its
+    own, never sees them, and it and its simulation's Ray would live on. A second one ends the
+    process at once. The previous handlers come back on leaving."""
+
+    def leave(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    before = {signum: signal.signal(signum, leave) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def int_list(flag: str, s: str | None) -> list[int] | None:

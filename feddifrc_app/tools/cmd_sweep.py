@@ -9,7 +9,7 @@ from typing import Any
 
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import Config, ConfigError
-from feddifrc_app.tools.cmd_common import CLIError, examples
+from feddifrc_app.tools.cmd_common import CLIError, examples, exit_on_termination
 from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config, quoted
 
 
@@ -119,8 +119,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
-    try:
-        failures = run_sweep(sweep, cells, flower, args.cell_timeout)
+    try:  # a SIGTERM'd sweep stops its run and its local SuperLink too
+        with exit_on_termination():
+            failures = run_sweep(sweep, cells, flower, args.cell_timeout)
     finally:
         flower.close()
     print(write_sweep_table(out))

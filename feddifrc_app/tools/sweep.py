@@ -201,9 +201,9 @@ class Flower:
         run_id = str(ans["run-id"])
         try:
             return self._wait(run_id, run_config, timeout)
-        except KeyboardInterrupt:
-            # Ctrl-C: the run would go on as an orphan writing into the cell's folder; stop it
-            # through Flower before the sweep exits.
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C (or SIGTERM / SIGHUP, cmd_common.exit_on_termination): the run would go on as
+            # an orphan writing into the cell's folder; stop it through Flower before the sweep exits.
             print(f"\ninterrupted: stopping Flower run {run_id} (flwr stop) ...", flush=True)
             self.stop(run_id)
             raise
@@ -252,22 +252,24 @@ class Flower:
 
     def close(self, grace: float = 10) -> None:
         """Stop a flower-superlink whose --log-file lies in OUR FLWR_HOME (never another one), then
-        what our `flwr` commands started and outlived it: every process whose environment holds our
-        FLWR_HOME (the local simulation's Ray GCS, raylet and agents, which otherwise linger for
-        minutes after an interrupted run)."""
-        self._stop_superlinks()
+        what our `flwr` commands started and outlived it: every process in that SuperLink's session
+        (its simulation and the simulation's Ray, which `flwr` starts in a session of its own) or
+        whose environment holds our FLWR_HOME (Ray agents reparented after their raylet went, which
+        otherwise linger for minutes after an interrupted run). Never this process's session."""
+        sessions = self._stop_superlinks()
         if self.federation != "local":
             return  # a deployed SuperLink's processes are not ours
         mark = f"FLWR_HOME={self.home}".encode()
         deadline = time.monotonic() + grace  # the SuperLink ends its own simulation first, if it can
-        while (left := _processes_with(mark)) and time.monotonic() < deadline:
+        while (left := _processes_of(mark, sessions)) and time.monotonic() < deadline:
             time.sleep(0.5)
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
 
-    def _stop_superlinks(self) -> None:
-        mine = str(self.home) + "/"
+    def _stop_superlinks(self) -> set[int]:
+        """SIGTERM our SuperLinks; their sessions (read before they go)."""
+        mine, sessions = str(self.home) + "/", set()
         for entry in Path("/proc").glob("[0-9]*"):
             try:
                 argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -280,16 +282,22 @@ class Flower:
                 log = argv[argv.index("--log-file") + 1] if argv.index("--log-file") + 1 < len(argv) else ""
                 if log.startswith(mine):
                     with contextlib.suppress(OSError):
+                        sessions.add(os.getsid(int(entry.name)))
                         os.kill(int(entry.name), signal.SIGTERM)
+        return sessions - {os.getsid(0)}
 
 
-def _processes_with(mark: bytes) -> list[int]:
-    """Our user's processes (never this one) whose environment holds the entry ``mark``."""
+def _processes_of(mark: bytes, sessions: set[int]) -> list[int]:
+    """Our user's processes (never this one) in one of ``sessions`` or whose environment holds the
+    entry ``mark``."""
     out = []
     for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
         try:
-            if int(entry.name) != os.getpid() and mark in (entry / "environ").read_bytes().split(b"\0"):
-                out.append(int(entry.name))
+            if pid != os.getpid() and (
+                os.getsid(pid) in sessions or mark in (entry / "environ").read_bytes().split(b"\0")
+            ):
+                out.append(pid)
         except OSError:  # gone, or another user's
             continue
     return out
