@@ -219,11 +219,11 @@ def entries(out: Path) -> list[dict]:
     return sorted(rows, key=lambda e: (e["seed"], e["arm"]))
 
 
-def compare(rows: list[dict]) -> list[dict]:
-    """paired.json: one record per declared comparison, Holm over these tests only."""
+def compare(rows: list[dict], family: tuple = design.COMPARISONS) -> list[dict]:
+    """paired.json: one record per declared comparison of ``family``, Holm over these tests only."""
     by = {(e["arm"], e["seed"]): window_mean(e["test"], *design.WINDOW) for e in rows}
     out = []
-    for a, b, what in design.COMPARISONS:
+    for a, b, what in family:
         seeds = sorted(s for (arm, s) in by if arm == a and (b, s) in by)
         t = paired([by[(a, s)] - by[(b, s)] for s in seeds])
         out.append(
@@ -241,7 +241,8 @@ def reestimate(out: Path, rows: list[dict]) -> None:
     """Once REESTIMATE_AT whole seeds are done: the blinded pooled SD and the seeds it implies."""
     path = out / "reestimate.json"
     have = {(e["arm"], e["seed"]) for e in rows}
-    done = {s for s in range(design.REESTIMATE_AT) if all((a.name, s) in have for a in design.arms({}))}
+    declared = {a for c in design.COMPARISONS for a in c[:2]}
+    done = {s for s in range(design.REESTIMATE_AT) if all((a, s) in have for a in declared)}
     if path.is_file() or len(done) < design.REESTIMATE_AT:
         return
     by = {(e["arm"], e["seed"]): window_mean(e["test"], *design.WINDOW) for e in rows}
@@ -258,6 +259,10 @@ def table(out: Path) -> None:
     write_json(design.DOSE / "cells.json", rows)
     result = compare(rows)
     write_json(design.DOSE / "paired.json", result)
+    control = compare(rows, design.CONTROL)  # amendment 2: its own family
+    if any(r["seeds"] for r in control):
+        write_json(design.DOSE / "paired-control.json", control)
+    result += control
     for arm in sorted({e["arm"] for e in rows}):
         es = [e for e in rows if e["arm"] == arm]
         v = np.array([window_mean(e["test"], *design.WINDOW) for e in es])

@@ -86,14 +86,16 @@ class Arm:
 
 
 def arms(setting: dict[str, Any]) -> tuple[Arm, ...]:
-    """A FedAvg; B TDCL(T-big); C TDCL-anchors(T-big); D TDCL(T-small): TDCL only (NDCR off)."""
+    """A FedAvg; B TDCL(T-big); C TDCL-anchors(T-big); D TDCL(T-small); E TDCL(the untrained
+    control, amendment 2): TDCL only (NDCR off)."""
     tdcl = {"method": "feddifrc", "loss.ndcr-weight": 0.0, **setting}
-    big, small = str(TEACHERS / "t-big"), str(TEACHERS / "t-small")
+    big, small, untrained = (str(TEACHERS / t) for t in ("t-big", "t-small", "untrained"))
     return (
         Arm("A-fedavg", {"method": "fedavg"}),
         Arm("B-tdcl-big", {**tdcl, "diffusion.model": big}, "t-big"),
         Arm("C-anchors-big", {**tdcl, "diffusion.model": big, "loss.tdcl-targets": "anchors"}, "t-big"),
         Arm("D-tdcl-small", {**tdcl, "diffusion.model": small}, "t-small"),
+        Arm("E-tdcl-untrained", {**tdcl, "diffusion.model": untrained}, "untrained"),
     )
 
 
@@ -102,6 +104,9 @@ COMPARISONS = (
     ("B-tdcl-big", "C-anchors-big", "primary: T-big per-image targets vs its class anchors"),
     ("B-tdcl-big", "D-tdcl-small", "secondary: T-big vs T-small (does the dose matter?)"),
 )
+# Amendment 2 (declared after the family above was read, before any E cell): a family of its own,
+# one test, so the closed family's Holm adjustment is untouched. E - A is described, not tested.
+CONTROL = (("B-tdcl-big", "E-tdcl-untrained", "control: T-big vs the untrained teacher (is it knowledge?)"),)
 
 
 def chosen_setting() -> dict[str, Any] | None:
