@@ -249,7 +249,7 @@ def report(mode: str, r: dict[str, Any]) -> float | None:
         print("   no results.json")
         return None
     setup = res.setup_seconds if res.setup_seconds is not None else float("nan")
-    print(f"   setup-seconds {setup:.2f}, setup-cache-misses {res.setup_cache_misses}")
+    print(f"   setup-seconds {setup:.2f}, setup-cache-misses {res.extra.get('setup-cache-misses')}")
     print("   round  seconds  teacher-seconds  teacher-cache-misses  test-accuracy  failures")
     secs = {}
     for row in res.rounds[1:]:

@@ -204,7 +204,7 @@ def entries(out: Path) -> list[dict]:
         arm = arms.get(run["cell"]["conf"])
         if arm is None:
             continue
-        basis = run["results"].basis or {}
+        basis = run["results"].extra.get("basis", {})
         rows.append(
             {
                 "arm": arm,

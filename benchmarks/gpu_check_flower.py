@@ -135,10 +135,12 @@ def _deploy(c, procs, work: Path, deadline: float) -> dict[str, Any]:
 
 
 def _judge_deploy(c, got: dict[str, Any]) -> None:
+    from feddifrc_app.tools.report import teacher_of
+
     res, want = got["results"], c.device.type
     rounds = [r for r in (res.rounds if res else []) if r.round == 1]
     failures = rounds[0].failures if rounds else None
-    devices = (res.teacher or {}).get("devices", {}) if res else {}
+    devices = teacher_of(res).get("devices", {}) if res else {}
     on_device = bool(devices) and all(d.split()[0] == want for d in devices)
     c.data["G"] = {
         "status": got["status"],

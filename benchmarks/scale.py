@@ -198,7 +198,7 @@ def run_size(work: Path, data: Path, nodes: int, basis_nodes: int, timeout: floa
         "rounds": [rounds[k] for k in sorted(rounds)],
         "wall": wall,
         "results-bytes": (run.path / "results.json").stat().st_size,
-        "basis": res.basis,
+        "basis": res.extra.get("basis"),
         "accuracy": res.rounds[-1].test_accuracy,
         "load": f"{before} -> {load()}",
     }

@@ -27,8 +27,10 @@ from feddifrc_app.casting import (
 DATASETS = ("digits", "mnist-5k", "mnist-5k-pool", "cifar10", "cifar100", "tiny-imagenet", "image-folder")
 PARTITIONS = ("iid", "dirichlet", "pathological")
 MODELS = ("resnet10",)
+# Flower's own strategies; a method module adds those it brings (its ``STRATEGIES``), composed by
+# config_loader.keys() into what ``strategy.name`` accepts.
 STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian")
-STRATEGIES += ("fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg", "scaffold", "fednova")
+STRATEGIES += ("fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg")
 DP_MODES = ("none", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

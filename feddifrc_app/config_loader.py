@@ -18,7 +18,7 @@ from typing import Any
 
 from feddifrc_app import casting, methods, strategy_rules
 from feddifrc_app.casting import ConfigError, invalid
-from feddifrc_app.config import Config, fields_of, key_specs, last_stage_size
+from feddifrc_app.config import STRATEGIES, Config, fields_of, key_specs, last_stage_size
 
 BASE_METHOD = "fedavg"  # CE alone, under the run's strategy: no method module
 
@@ -26,13 +26,21 @@ BASE_METHOD = "fedavg"  # CE alone, under the run's strategy: no method module
 @functools.cache
 def keys() -> dict[str, tuple[Any, Mapping[str, Any]]]:
     """(type, rule) of every key: ``Config``'s in field order, then each method module's sections
-    (``SECTIONS``) in module order; ``method`` takes "fedavg" or a module's ``NAMES``."""
+    (``SECTIONS``) in module order; ``method`` takes "fedavg" or a module's ``NAMES``,
+    ``strategy.name`` Flower's strategies or one a module brings (``strategy_names``)."""
     found = {k: (t, m) for k, t, m in key_specs(Config)}
     typ, rule = found["method"]
     found["method"] = (typ, {**rule, "choices": (BASE_METHOD, *methods.names())})
+    typ, rule = found["strategy.name"]
+    found["strategy.name"] = (typ, {**rule, "choices": strategy_names()})
     for name, cls in methods.sections().items():
         found.update((k, (t, m)) for k, t, m in key_specs(cls, f"{name}."))
     return found
+
+
+def strategy_names() -> tuple[str, ...]:
+    """What ``strategy.name`` accepts: Flower's strategies (config.STRATEGIES), then the methods'."""
+    return (*STRATEGIES, *methods.strategy_keys())
 
 
 @functools.cache

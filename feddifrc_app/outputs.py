@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import re
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -105,10 +106,11 @@ class RunDir:
     def results_path(self) -> Path:
         return self.path / "results.json"
 
-    def load_results(self) -> Results | None:
+    def load_results(self, declared: Mapping[str, type | tuple[type, ...]] | None = None) -> Results | None:
         """None when there is no results.json yet; a file that is not JSON or cannot be read (a
         folder, a symlink loop) is a ValueError naming it, one of another layout a TypeError (a key
-        of the wrong type) or AttributeError (not an object)."""
+        of the wrong type) or AttributeError (not an object). ``declared``: the methods' own keys
+        (``methods.results_keys``), type-checked too (report and status import no method)."""
         if not self.results_path.exists() and not self.results_path.is_symlink():
             return None
         try:
@@ -121,7 +123,7 @@ class RunDir:
             raise ValueError(
                 f"{self.results_path} is unreadable ({e.strerror or e}); restore it or start a new run"
             ) from None
-        return Results.from_json(obj)
+        return Results.from_json(obj, declared)
 
     def save_results(self, results: Results) -> None:
         results.summary = summarize(results.rounds)
@@ -154,8 +156,10 @@ class RunDir:
     def resumed_results(self, last: int) -> Results:
         """The results.json a resume after round ``last`` continues; refused when it is gone, since
         a new history would report rounds 1..last as never run."""
+        from feddifrc_app import methods  # the run's: loaded already
+
         try:
-            results = self.load_results()
+            results = self.load_results(methods.results_keys())
         except (AttributeError, TypeError):  # valid JSON of another layout
             results = None
         if results is None or not results.rounds:

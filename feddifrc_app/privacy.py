@@ -51,7 +51,7 @@ from flwr.supercore.differential_privacy import (
     compute_stdv,
 )
 
-from feddifrc_app import log
+from feddifrc_app import log, methods
 from feddifrc_app.config import Config, ConfigError
 from feddifrc_app.config_loader import process_config
 from feddifrc_app.federation import POPULATION
@@ -88,9 +88,10 @@ def _flower_dp_failure(e: BaseException, where: str, cfg: Config) -> DPError | N
     # flwr/supercore/differential_privacy.py (clipping), flwr/serverapp/strategy/dp_*.py (norm steps)
     if "flwr" not in last.parts or not (last.stem == "differential_privacy" or last.stem.startswith("dp_")):
         return None
+    keys = strategy_settings(cfg, methods.strategy_keys())
     return DPError(
         f"{where}: Flower's differential privacy failed ({type(e).__name__}: {e}), e.g. an update of "
-        f"norm 0 or a clipping norm out of float range; check {strategy_settings(cfg)}"
+        f"norm 0 or a clipping norm out of float range; check {keys}"
     )
 
 

@@ -1,16 +1,19 @@
 """results.json: one typed record and its typed round rows, the only code that turns them into
 JSON and back (no other module spells a row's key).
 
-The ServerApp writes it (``RunDir.save_results``); ``feddifrc report`` / ``status``, the sweep,
+The ServerApp writes it (``RunDir.save_results``); the CLI's ``report`` / ``status``, the sweep,
 the table and resume read it (``RunDir.load_results``). A key is present on disk only once the
-run has set it (a run that fails in setup has no ``summary``; only a FedDifRC run with
-``diffusion.projection = "federated-pca"`` has a ``basis``), so every optional field is None
-until set and None is never written (a round row's nulls: ``RoundRow``).
+run has set it (a run that fails in setup has no ``summary``), so every optional field is None
+until set and None is never written (a round row's nulls: ``RoundRow``). This module names no
+method: a method's own keys are declared in its package (``RESULTS``: key -> type, composed by
+``methods.results_keys``), set by its code in ``Results.extra`` and typed on load by whoever
+passes those declarations to ``Results.from_json``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -157,14 +160,15 @@ class Results:
     partition: str | None = None
     rounds: list[RoundRow] = field(default_factory=list)
     resumed: list[dict[str, int]] | None = None  # {"after-round", "run-id"} per resume
-    basis: dict[str, Any] | None = None  # the federated PCA fit: mode, fingerprint, rows, nodes, widths
-    setup_cache_misses: int | None = None  # teacher-cache misses while the nodes sent PCA statistics
+    # Keys this module does not type, kept as they are: a method's own (set by its server half,
+    # declared in its package: typed on load by ``from_json``'s ``declared``), those of another
+    # version or a hand edit. Written here, in the order they were set (a file: as it was read).
+    extra: dict[str, Any] = field(default_factory=dict)
     setup_seconds: float | None = None
-    teacher: dict[str, Any] | None = None  # model, weights-sha256, random-weights, devices
     label_counts: dict[str, list[int]] | None = None  # partition id -> training samples per class
     privacy: dict[str, Any] | None = None  # strategy.dp's settings, weighting, delta, accountant
     status: str | None = None  # running, completed, diverged, stopped, failed
-    process: dict[str, Any] | None = None  # pid and host of the ServerApp (`feddifrc status`)
+    process: dict[str, Any] | None = None  # pid and host of the ServerApp (the CLI's `status`)
     summary: dict[str, float | int | None] | None = None  # summarize(rounds), set on every save
     diverged_rounds: list[int] | None = None
     # server.evaluate-every > 1: the rounds the server scored centrally (0, every k-th, the last);
@@ -174,8 +178,8 @@ class Results:
     # What the run was warned of, each once: at setup (strategy.dp's noise: "expect no learning"),
     # at its end (a model that learned nothing: rounds.no_learning, "no learning: ...").
     warnings: list[str] | None = None
-    # Keys this code does not write (a file of another version, a hand edit): kept as they are.
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The keys of the object this record was read from, in its order (None: a record built here).
+    read_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     def evaluated(self) -> list[RoundRow]:
         """The rows the server scored centrally: every row, or under ``server.evaluate-every`` > 1
@@ -191,19 +195,26 @@ class Results:
             self.warnings = [*(self.warnings or []), text]
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Results:
-        """The record of a parsed results.json; a key of the wrong type is a TypeError naming it."""
-        known = {json_key(f.name): f.name for f in fields(cls) if f.name != "extra"}
-        out = cls(extra={k: v for k, v in obj.items() if k not in known})
-        for key, name in known.items():
+    def from_json(
+        cls, obj: dict[str, Any], declared: Mapping[str, type | tuple[type, ...]] | None = None
+    ) -> Results:
+        """The record of a parsed results.json; a key of the wrong type is a TypeError naming it.
+        ``declared``: the methods' own keys and their types (``methods.results_keys``), checked
+        too; without it they are kept unchecked (a reader that imports no method)."""
+        known = {json_key(f.name): f.name for f in fields(cls) if f.name not in ("extra", "read_keys")}
+        out = cls(extra={k: v for k, v in obj.items() if k not in known}, read_keys=tuple(obj))
+        types = {k: _TYPES[n] for k, n in known.items()} | {
+            k: t for k, t in (declared or {}).items() if k not in known
+        }
+        for key, want in types.items():
             if key in obj:
-                want = _TYPES[name]
                 if not isinstance(obj[key], want) or isinstance(obj[key], bool) and want is not bool:
                     raise TypeError(
                         f"results.json key {key!r} is a {type(obj[key]).__name__}, expected "
                         f"{' or '.join(t.__name__ for t in _as_tuple(want))}"
                     )
-                setattr(out, name, obj[key])
+                if key in known:
+                    setattr(out, known[key], obj[key])
         out.rounds = [RoundRow.from_json(r, f"rounds[{i}]") for i, r in enumerate(out.rounds)]
         for key, value in (out.summary or {}).items():  # summarize's numbers (others: kept as they are)
             if key in SUMMARY_NUMBERS and value is not None:
@@ -215,10 +226,18 @@ class Results:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object: set keys in field order, then ``extra``; NaN and inf become null."""
-        out = {json_key(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        out = {k: v for k, v in out.items() if v is not None} | self.extra
+        """The JSON object: set keys in field order (``extra``'s where that field is), a record
+        read from a file in its order and then what was set since; NaN and inf become null."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "extra":
+                out |= self.extra
+            elif f.name != "read_keys" and getattr(self, f.name) is not None:
+                out[json_key(f.name)] = getattr(self, f.name)
         out["rounds"] = [r.to_json() for r in self.rounds]
+        if self.read_keys is not None:  # as read (less what was cleared), then what was set since
+            keys = dict.fromkeys([*(k for k in self.read_keys if k in out), *out])
+            out = {k: out[k] for k in keys}
         return finite_or_none(out)
 
 
@@ -236,10 +255,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "partition": str,
     "rounds": list,
     "resumed": list,
-    "basis": dict,
-    "setup_cache_misses": int,
     "setup_seconds": (int, float),
-    "teacher": dict,
     "label_counts": dict,
     "privacy": dict,
     "status": str,

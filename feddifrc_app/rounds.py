@@ -283,7 +283,7 @@ class RoundLoop:
         if why:
             why += (
                 f"; the model learns nothing: check train.lr (= {self.cfg.train.lr:g}) and "
-                f"{strategy_settings(self.cfg)}"
+                f"{strategy_settings(self.cfg, methods.strategy_keys())}"
             )
             log.warning("%s", why)
             self.results.warn(why)
@@ -307,9 +307,10 @@ class RoundLoop:
     def frozen_error(self) -> FrozenModelError:
         inner = getattr(self.strategy, "clipping_norm", None)  # a DP wrapper's current norm
         clip = f"; the DP clipping norm is now {inner:g}" if inner is not None else ""
+        keys = strategy_settings(self.cfg, methods.strategy_keys())
         return FrozenModelError(
             f"the global model has not changed in {self.frozen_rounds} trained round(s) in a row: every "
-            f"aggregate equalled the model sent out ({strategy_settings(self.cfg)}{clip}); a run fails "
+            f"aggregate equalled the model sent out ({keys}{clip}); a run fails "
             f"after max-frozen-rounds = {self.cfg.max_frozen_rounds} such rounds: it learns nothing"
         )
 
@@ -419,7 +420,7 @@ class RoundLoop:
     def _server_side(self) -> str:
         # Every reply is finite (a node that diverges sends none): a non-finite aggregate is the
         # server's doing, its strategy (and DP) keys, not train.lr.
-        return f"the replies were finite: check {strategy_settings(self.cfg)}"
+        return f"the replies were finite: check {strategy_settings(self.cfg, methods.strategy_keys())}"
 
     def _reject(self, before: dict, failures: list[dict[str, Any]], what: str, remedy: str) -> None:
         """Record a diverged aggregate as the round's failure; a rejected update leaves no trace

@@ -2,8 +2,8 @@
 
 Flower's own ``flwr.serverapp.strategy`` classes (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi,
 FedAdagrad, FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg), one entry each in
-``FACTORIES``, and the strategies Flower lacks that the methods bring (``strategies()`` of
-``methods/scaffold/``, ``fednova/``); a method may replace it (``own_strategy``: FedNH).
+``FACTORIES``, and the strategies Flower lacks that the methods bring (a method package's
+``strategies()``); a method may replace it (its ``own_strategy``).
 The hyper-parameters are ``strategy.*`` config keys with Flower's defaults. The strategy's
 state (server momentum, control variates, a DP wrapper's clipping norm) is what a checkpoint
 keeps of it (``STATE``, ``CHECKPOINTED``). The config's rules for ``strategy.*`` are in
@@ -116,7 +116,7 @@ def _common(cfg: Config) -> dict[str, Any]:
     if cfg.strategy.dp != "none":
         # Flower's noise is calibrated to the plain mean of the clipped updates: weigh every reply
         # by the 1.0 the DP wrapper stamps on it, not by its examples (privacy.WEIGHT).
-        # SCAFFOLD, FedNova and FedNH, which weigh by examples themselves, are refused under DP.
+        # The methods whose strategies weigh by examples themselves refuse DP (their dp_refusal).
         common["weighted_by_key"] = privacy.WEIGHT
     return common
 
@@ -165,7 +165,7 @@ FACTORIES: dict[str, Callable[[Config, dict[str, Any]], Strategy]] = {
 
 def factories() -> dict[str, Callable[[Config, dict[str, Any]], Strategy]]:
     """Every strategy by name: Flower's (``FACTORIES``) and those the methods bring
-    (``strategies()`` of a method module: SCAFFOLD, FedNova)."""
+    (``strategies()`` of a method module)."""
     out = dict(FACTORIES)
     for brought in methods.hooks("strategies"):
         out |= brought()

@@ -115,8 +115,7 @@ STRATEGY_KEYS = {
     "multikrum": ("num-malicious-nodes", "num-nodes-to-select"),
     "bulyan": ("num-malicious-nodes",),
     "qfedavg": ("q",),
-    "scaffold": ("server-learning-rate",),
-}
+}  # a strategy a method brings: its package's STRATEGIES (methods.strategy_keys)
 DP_KEYS = {
     "fixed": ("dp-noise-multiplier", "dp-clipping-norm"),
     "adaptive": (
@@ -129,11 +128,12 @@ DP_KEYS = {
 }
 
 
-def strategy_settings(cfg: Config) -> str:
+def strategy_settings(cfg: Config, brought: Mapping[str, Sequence[str]]) -> str:
     """The keys behind the server's aggregate, with their values:
-    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP)."""
+    ``strategy.name = 'qfedavg', strategy.q = 15.0`` (and strategy.dp's keys under DP).
+    ``brought``: the methods' strategies' keys (``methods.strategy_keys()``)."""
     s = cfg.strategy
-    names = ["name", *STRATEGY_KEYS.get(s.name, ())]
+    names = ["name", *{**STRATEGY_KEYS, **brought}.get(s.name, ())]
     if s.dp != "none":
         names += ["dp", *DP_KEYS[s.dp.split("-")[1]]]
     flat = cfg.to_flat()

@@ -1,6 +1,6 @@
-"""TDCL-anchors (methods/feddifrc/targets.py and projection.py, loss.tdcl-targets = "anchors"): the class-prompt means
-of the fused targets, from the nodes' per-prompt sums, shipped by the server half and replacing
-every image's TDCL targets on the node."""
+"""TDCL-anchors (methods/feddifrc/targets.py, projection.py; loss.tdcl-targets = "anchors"): the
+class-prompt means of the fused targets, from the nodes' per-prompt sums, shipped by the server
+half and replacing every image's TDCL targets on the node."""
 
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def test_federated_anchors_equal_the_centralised_ones_and_reach_every_image(cach
     half, results = FedDifRCServer(cfg), Results(rounds=[], resumed=[])
     half.after_setup(setup, {10: 0, 11: 1}, results)
     sent = half.train_records()
-    assert list(sent) == [BASIS, ANCHORS] and results.basis["anchors"] == {"prompts": 10, "width": 512}
+    assert list(sent) == [BASIS, ANCHORS]
+    assert results.extra["basis"]["anchors"] == {"prompts": 10, "width": 512}
 
     basis = Basis.from_arrays(record_to_arrays(sent[BASIS]))
     p = tg.plan(cfg, teacher_spec(cfg, cache), data, np.arange(12))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, default_run_config, make_config
 
-from feddifrc_app.config import STRATEGIES, ConfigError, load_node_config
+from feddifrc_app import config_loader
+from feddifrc_app.config import ConfigError, load_node_config
 from feddifrc_app.config_loader import load_config
 from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir
 from feddifrc_app.tools.run_config import load_app_config, parse_run_config
@@ -135,7 +136,7 @@ def test_bad_values_name_key_value_and_range(override, fragment):
 @pytest.mark.parametrize(
     ("key", "value", "valid"),
     [
-        ("strategy.name", "fedsgd", STRATEGIES),
+        ("strategy.name", "fedsgd", config_loader.strategy_names()),
         ("dataset.name", "mnist", ("digits", "cifar10", "cifar100", "tiny-imagenet", "image-folder")),
         ("partition.name", "quantity", ("iid", "dirichlet", "pathological")),
         ("method", "scaffold", ("fedavg", "feddifrc", "feddifrc-ssl", "moon", "fednh")),

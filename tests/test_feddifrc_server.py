@@ -47,15 +47,17 @@ def test_the_basis_is_fitted_once_from_the_replies_sent_with_every_train_message
     sent = half.train_records()
     assert list(sent) == [BASIS]
     assert Basis.from_arrays(record_to_arrays(sent[BASIS])).fingerprint() == want.fingerprint()
-    assert results.basis == {
+    assert results.extra["basis"] == {
         "mode": "federated-pca",
         "fingerprint": want.fingerprint(),
         "rows": 2 * 6 * 3,
         "nodes": 2,
         "widths": [16, 8, 8],
     }
-    assert results.setup_cache_misses == 6
-    assert results.teacher["devices"] == {"cuda float16": [0], "cpu float32": [1]}  # partition order
+    assert results.extra["setup-cache-misses"] == 6
+    assert list(results.extra) == ["basis", "setup-cache-misses", "teacher"]  # in results.json's order
+    assert set(results.extra) <= set(methods.results_keys())  # each declared: typed on load
+    assert results.extra["teacher"]["devices"] == {"cuda float16": [0], "cpu float32": [1]}  # partition order
     assert not half.setup_work()  # once
 
     # A resumed run continues with the checkpoint's basis and asks the nodes for nothing.
@@ -71,7 +73,7 @@ def test_other_projections_fit_nothing_and_other_methods_have_no_server_half():
     half = FedDifRCServer(cfg)
     results = Results(rounds=[], resumed=[])
     half.after_setup({11: _reply(0, 0, "cpu float32")}, {11: 0}, results)
-    assert not half.setup_work() and half.train_records() == {} and results.basis is None
-    assert results.teacher["model"] == "tiny" and half.state() == {"basis": None}
+    assert not half.setup_work() and half.train_records() == {} and "basis" not in results.extra
+    assert results.extra["teacher"]["model"] == "tiny" and half.state() == {"basis": None}
     fedavg = methods.server_half(make_config(method="fedavg"))
     assert fedavg.halves == [] and not fedavg.setup_work() and fedavg.state() == {}

@@ -497,11 +497,23 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
     discovery no longer finds it, the server still builds every other strategy (SCAFFOLD's and
     FedNova's come from their packages' ``strategies``), and a node still trains under the other
     client-side method (MOON's term, FedProx's term), from the message alone."""
+    import importlib
     import shutil
     import sys
     from pathlib import Path
 
     from conftest import default_run_config
+
+    from feddifrc_app import config_loader
+    from feddifrc_app.config_loader import load_config
+
+    # Removing a method removes its pyproject defaults too: the loader refuses keys no module declares.
+    gone = tuple(
+        f"{s}." for s in getattr(importlib.import_module(f"{methods.__name__}.{removed}"), "SECTIONS", {})
+    )
+
+    def run_config(**overrides: object) -> dict:
+        return {k: v for k, v in default_run_config(**overrides).items() if not k.startswith(gone)}
 
     copy = tmp_path / "methods"
     shutil.copytree(Path(methods.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -514,21 +526,22 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
     for name in [n for n in sys.modules if n.startswith("feddifrc_app.methods.")]:
         monkeypatch.delitem(sys.modules, name)
     methods.modules.cache_clear()
+    config_loader.keys.cache_clear()  # the keys of the package as it is now
     try:
         names = [m.__name__.rsplit(".", 1)[1] for m in methods.modules()]
         assert removed not in names and {"feddifrc", "moon", "fedprox"} - {removed} <= set(names)
         from feddifrc_app.config import STRATEGIES
+        from feddifrc_app.config_loader import strategy_names
         from feddifrc_app.strategy import build_strategy, factories
 
         brought = {"scaffold", "fednova"}
-        assert set(factories()) == (set(STRATEGIES) - {removed}) | (set(STRATEGIES) - brought)
+        assert set(factories()) == set(strategy_names())  # the removed module's strategy goes with it
+        assert set(strategy_names()) == (set(STRATEGIES) | brought) - ({removed} & brought)
         for name in sorted(set(factories()) - {"krum", "multikrum", "bulyan"}):
-            assert build_strategy(make_config(method="fedavg", strategy__name=name)) is not None
+            assert build_strategy(load_config(run_config(method="fedavg", strategy__name=name))) is not None
         method = "fedavg" if removed == "moon" else "moon"
-        rc = default_run_config(
-            method=method, dataset__train_limit=40, train__device="cpu", train__batch_size=5
-        )
-        sent = methods.train_config(make_config(method=method))  # the server half
+        rc = run_config(method=method, dataset__train_limit=40, train__device="cpu", train__batch_size=5)
+        sent = methods.train_config(load_config(run_config(method=method)))  # the server half
         reply = _train_on_node(rc, {"proximal-mu": 1.0, **sent})
         assert not reply.has_error(), reply.error.reason
         m = reply.content["metrics"]
@@ -536,3 +549,4 @@ def test_removing_a_method_module_leaves_the_others_working(removed, tmp_path, m
         assert f"train-{kept}" in m and f"train-{removed}" not in m and m["train-ce"] > 0
     finally:
         methods.modules.cache_clear()
+        config_loader.keys.cache_clear()

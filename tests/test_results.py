@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from feddifrc_app import methods, results
 from feddifrc_app.results import Results, RoundRow, json_key, summarize, summary_text
 
 
@@ -72,21 +73,63 @@ def test_a_results_json_reads_and_writes_back_byte_for_byte():
         "error": "DivergedError: ...",
         "from-another-version": {"kept": True},
     }
-    r = Results.from_json(json.loads(json.dumps(on_disk)))
-    assert (r.setup_cache_misses, r.label_counts, r.extra) == (
-        3,
-        on_disk["label-counts"],
-        {"from-another-version": {"kept": True}},
-    )
-    assert json.dumps(r.to_json()) == json.dumps(on_disk)
+    text = json.dumps(on_disk)
+    for declared in (methods.results_keys(), None):  # as a resume reads it, and as `report` does
+        r = Results.from_json(json.loads(text), declared)
+        assert (r.setup_seconds, r.label_counts, r.extra) == (
+            1.5,
+            on_disk["label-counts"],
+            {k: on_disk[k] for k in ("basis", "setup-cache-misses", "teacher", "from-another-version")},
+        )
+        assert json.dumps(r.to_json()) == text  # keys, values and their order
+        r.status, r.error = "completed", None  # a resumed run: cleared keys go, new ones come last
+        r.warn("w")
+        assert list(r.to_json()) == [k for k in on_disk if k != "error"] + ["warnings"]
     assert Results(rounds=[]).to_json() == {"rounds": []}  # a key is written once it is set
+
+
+def test_a_built_record_writes_a_methods_keys_where_a_run_always_wrote_them():
+    r = Results("feddifrc", "fedavg", "mnist-5k", "dirichlet", [], [], setup_seconds=1.0, status="running")
+    r.extra |= {"basis": {"mode": "federated-pca"}, "setup-cache-misses": 0, "teacher": {"model": "m"}}
+    # Before setup-seconds, as in every file so far save "teacher" (it was written after it).
+    assert list(r.to_json()) == [
+        "method",
+        "strategy",
+        "dataset",
+        "partition",
+        "rounds",
+        "resumed",
+        "basis",
+        "setup-cache-misses",
+        "teacher",
+        "setup-seconds",
+        "status",
+    ]
 
 
 def test_a_key_of_the_wrong_type_is_named():
     with pytest.raises(TypeError, match="results.json key 'rounds' is a str, expected list"):
         Results.from_json({"rounds": "none"})
-    with pytest.raises(TypeError, match="key 'setup-cache-misses' is a bool"):
-        Results.from_json({"setup-cache-misses": True})
+    with pytest.raises(TypeError, match="results.json key 'setup-seconds' is a str, expected int or float"):
+        Results.from_json({"setup-seconds": "1"})
+    # A method's own keys, as its package declares them (methods.results_keys).
+    declared = methods.results_keys()
+    with pytest.raises(TypeError, match="results.json key 'setup-cache-misses' is a bool, expected int"):
+        Results.from_json({"setup-cache-misses": True}, declared)
+    with pytest.raises(TypeError, match="results.json key 'teacher' is a list, expected dict"):
+        Results.from_json({"teacher": []}, declared)
+    with pytest.raises(TypeError, match="results.json key 'basis' is a str, expected dict"):
+        Results.from_json({"basis": "pca"}, declared)
+    # Without the declarations (a reader that imports no method) they are kept unchecked.
+    assert Results.from_json({"teacher": []}).extra == {"teacher": []}
+
+
+def test_results_py_names_no_method():
+    """results.py types what every run writes; a method's keys are its package's (``RESULTS``)."""
+    source = Path(results.__file__).read_text().lower()
+    words = {"feddifrc", "basis", "teacher", "cache-misses", "cache_misses", *methods.names()}
+    assert [w for w in sorted(words) if w in source] == []
+    assert {"basis", "setup-cache-misses", "teacher"} <= set(methods.results_keys())
 
 
 def test_the_summary_has_the_final_federated_accuracy_only_with_federated_evaluation():

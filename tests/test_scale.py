@@ -85,15 +85,15 @@ def test_the_basis_from_a_sample_asks_every_node_who_it_is_and_only_the_sample_f
     assert sorted(partition_of.values()) == list(range(NODES))  # every node said who it is
     assert sorted(setup) == sorted(partition_of)
     sampled = [n for n, c in setup.items() if STATS in c]
-    assert len(sampled) == 2 and results.basis["nodes"] == 2
+    assert len(sampled) == 2 and results.extra["basis"]["nodes"] == 2
     # The basis's rows: the sampled nodes' images under each of the 10 class prompts and the NDCR one.
-    assert results.basis["rows"] == 11 * sum(int(setup[n]["info"]["num-examples"]) for n in sampled)
+    assert results.extra["basis"]["rows"] == 11 * sum(int(setup[n]["info"]["num-examples"]) for n in sampled)
     # Drawn in partition order from the run seed: other node ids (a new run) draw the same partitions.
     again, again_of, again_results = _setup(tmp_path, basis_nodes=2)
     assert sorted(again_of[n] for n, c in again.items() if STATS in c) == sorted(
         partition_of[n] for n in sampled
     )
-    assert again_results.basis["fingerprint"] == results.basis["fingerprint"]
+    assert again_results.extra["basis"]["fingerprint"] == results.extra["basis"]["fingerprint"]
 
 
 def test_the_label_plot_of_thousands_of_nodes_has_the_width_of_sixty(tmp_path: Path) -> None:

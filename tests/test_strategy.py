@@ -10,8 +10,8 @@ from fakes import RecordingGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedTrimmedAvg
 
-from feddifrc_app import config_loader
-from feddifrc_app.config import STRATEGIES, ConfigError
+from feddifrc_app import config, config_loader, methods
+from feddifrc_app.config import ConfigError
 from feddifrc_app.federation import NUM_NODES
 from feddifrc_app.methods import scaffold
 from feddifrc_app.strategy import (
@@ -23,6 +23,8 @@ from feddifrc_app.strategy import (
 )
 from feddifrc_app.strategy_rules import STRATEGY_KEYS
 
+STRATEGIES = config_loader.strategy_names()
+
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_name_builds(name):
@@ -33,6 +35,9 @@ def test_every_name_builds(name):
 def test_every_strategy_name_has_one_factory_and_its_keys_are_strategy_keys():
     assert set(factories()) == set(STRATEGIES)
     assert set(STRATEGY_KEYS) <= set(STRATEGIES)
+    brought = methods.strategy_keys()  # each named by its package, with the keys it reads
+    assert set(brought) == {"scaffold", "fednova"} and not set(brought) & set(config.STRATEGIES)
+    assert all(f"strategy.{k}" in config_loader.keys() for names in brought.values() for k in names)
     assert all(f"strategy.{k}" in config_loader.keys() for names in STRATEGY_KEYS.values() for k in names)
 
 

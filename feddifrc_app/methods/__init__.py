@@ -16,6 +16,10 @@ proximal term. A module in this package is picked up by being here; it may defin
 - ``server_half(cfg) -> ServerHalf | None``: the method's part of the server's run (what the
   setup query asks, what it does with the replies, records for every train message, its
   checkpointed state);
+- ``STRATEGIES`` (with ``strategies()``): the ``strategy.name`` values it brings -> the
+  strategy.* keys that shape their aggregate (``strategy_keys``; config.py names none of them);
+- ``RESULTS``: the results.json keys its server half sets in ``Results.extra`` -> their types
+  (``results_keys``; results.py names no method);
 - ``central_evaluation(cfg, loader, device) -> callable | None``: replaces the server's
   central evaluation (``rounds.CentralEvaluator``) for a method that trains no classifier;
 - ``own_strategy(cfg, common) -> Strategy | None``: the strategy the method brings in place of
@@ -129,6 +133,18 @@ def names() -> tuple[str, ...]:
 def sections() -> dict[str, type]:
     """Every method's config sections (its ``SECTIONS``: name -> dataclass), in module order."""
     return {n: cls for found in hooks("SECTIONS") for n, cls in found.items()}
+
+
+def strategy_keys() -> dict[str, tuple[str, ...]]:
+    """The strategies the methods bring (their ``STRATEGIES``: name -> the strategy.* keys that
+    shape its aggregate), in module order."""
+    return {n: k for found in hooks("STRATEGIES") for n, k in found.items()}
+
+
+def results_keys() -> dict[str, type | tuple[type, ...]]:
+    """Every method's own results.json keys (its ``RESULTS``: key -> type), in module order:
+    ``Results.from_json`` checks a file's against them."""
+    return {k: t for found in hooks("RESULTS") for k, t in found.items()}
 
 
 def section_readers() -> dict[str, tuple[str, ...]]:

@@ -95,11 +95,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
     run_dir = resolve_path(args.run_dir, "RUN_DIR")
     results = _read_results(run_dir)  # first: a folder that is no run is refused before any import
-    from feddifrc_app.tools.report import format_table, plot_accuracy
+    from feddifrc_app.tools.report import format_table, plot_accuracy, teacher_of
 
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
-    teacher = results.teacher or {}
+    teacher = teacher_of(results)
     print(
         f"{run_dir}: {results.method} / {results.strategy} on {results.dataset} ({results.partition})"
         + (f"; teacher {teacher.get('model')}" if teacher else "")

@@ -37,6 +37,16 @@ def _save(fig: Figure, path: Path) -> None:
     _pyplot().close(fig)
 
 
+def teacher_of(results: Results) -> dict[str, Any]:
+    """The diffusion teacher the run's nodes ran ({} for a run without one): its ``model``,
+    ``weights-sha256``, ``random-weights`` and ``devices`` (``"cuda float16"`` -> partition ids),
+    the method's own key (its ``RESULTS``), read here without importing the method."""
+    found = results.extra.get("teacher", {})
+    if not isinstance(found, dict):
+        raise TypeError(f"results.json key 'teacher' is a {type(found).__name__}, expected dict")
+    return found
+
+
 # Accuracy series of a run's rows, as plotted: label -> the row's value.
 _CURVES: dict[str, Callable[[RoundRow], float | None]] = {
     "validation": lambda r: r.val_accuracy,
@@ -65,7 +75,7 @@ def plot_accuracy(results: Results, path: Path) -> None:
             title += f"  at val-best round {s['val-best-round']}: {100 * s['test-at-val-best-accuracy']:.2f}"
         if s.get("final-federated-accuracy") is not None:
             title += f"\nfinal federated {100 * s['final-federated-accuracy']:.2f}"
-    if (results.teacher or {}).get("random-weights"):
+    if teacher_of(results).get("random-weights"):
         title += "\n(teacher has RANDOM weights: not evidence that FedDifRC helps)"
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from feddifrc_app.methods.feddifrc.probe import LinearProbe
     from feddifrc_app.methods.feddifrc.server import FedDifRCServer
 
+# The results.json keys the server half sets (server.py), checked on load (methods.results_keys).
+RESULTS = {"basis": dict, "setup-cache-misses": int, "teacher": dict}
+
 
 def setup_reply(msg: Message, n: Node, info: ConfigRecord) -> dict[str, Any]:
     from feddifrc_app.methods.feddifrc import node

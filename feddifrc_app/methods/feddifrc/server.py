@@ -50,7 +50,7 @@ def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Resul
     stats = [stats_from_arrays(record_to_arrays(c[STATS])) for c in setup.values() if STATS in c]
     d = cfg.diffusion
     basis, merged = fit_federated_basis(stats, d.channels, d.blocks, cfg.embedding_dim)
-    results.basis = {
+    results.extra["basis"] = {
         "mode": "federated-pca",
         "fingerprint": basis.fingerprint(),
         "rows": merged[d.blocks[0]].count,
@@ -58,14 +58,14 @@ def federated_basis(cfg: Config, setup: Mapping[int, RecordDict], results: Resul
         "widths": list(basis.widths),
     }
     asked = [c for c in setup.values() if STATS in c]  # diffusion.basis-nodes: the sample only
-    results.setup_cache_misses = sum(int(c["info"]["teacher-cache-misses"]) for c in asked)
+    results.extra["setup-cache-misses"] = sum(int(c["info"]["teacher-cache-misses"]) for c in asked)
     return basis
 
 
 def anchors_record(basis: Basis, setup: Mapping[int, RecordDict], results: Results) -> ArrayRecord:
     """The class anchors (K, D) from the nodes' per-prompt sums under the fitted ``basis``."""
     anchors = class_anchors([record_to_arrays(c[STATS]) for c in setup.values() if STATS in c], basis)
-    results.basis["anchors"] = {"prompts": int(anchors.shape[0]), "width": int(anchors.shape[1])}
+    results.extra["basis"]["anchors"] = {"prompts": int(anchors.shape[0]), "width": int(anchors.shape[1])}
     return arrays_to_record({ANCHORS: anchors})
 
 
@@ -79,7 +79,7 @@ def record_teacher(
     devices: dict[str, list[int]] = {}
     for n in _by_partition(setup, partition_of):
         devices.setdefault(str(setup[n]["info"]["teacher-device"]), []).append(partition_of[n])
-    results.teacher = {
+    results.extra["teacher"] = recorded = {
         "model": str(teacher[0]["teacher-model"]),
         "weights-sha256": str(teacher[0]["teacher-weights"]),  # check_teachers: the same on every node
         "random-weights": bool(teacher[0]["teacher-random-weights"]),
@@ -87,8 +87,8 @@ def record_teacher(
     }
     # Partition ids up to a few dozen nodes; counts beyond (thousands of ids are no log line).
     where = devices if len(setup) <= 40 else {k: f"{len(v)} nodes" for k, v in devices.items()}
-    log.info("diffusion teacher %s on %s", results.teacher["model"], where)
-    if results.teacher["random-weights"]:
+    log.info("diffusion teacher %s on %s", recorded["model"], where)
+    if recorded["random-weights"]:
         log.warning(
             "the diffusion teacher has RANDOM weights: this run shows that the pipeline works "
             "(or is a control), not that FedDifRC helps"

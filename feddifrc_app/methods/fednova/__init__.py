@@ -58,6 +58,10 @@ def node_half(msg: Message, node: Node) -> Normalised | None:
     return Normalised(node.cfg.train.momentum) if msg.content["config"].get(A_KEY) else None
 
 
+# The strategies this package brings (``strategies``) -> the strategy.* keys that shape their aggregate.
+STRATEGIES: dict[str, tuple[str, ...]] = {"fednova": ()}
+
+
 def strategies() -> dict[str, Any]:
     """``strategy.name`` -> (the run config, the arguments every strategy takes) -> FedNova."""
     from feddifrc_app.methods.fednova.server import FedNova

@@ -68,6 +68,10 @@ def node_half(msg: Message, n: Node) -> Corrected | None:
     return node.node_half(msg, n)
 
 
+# The strategies this package brings (``strategies``) -> the strategy.* keys that shape their aggregate.
+STRATEGIES = {"scaffold": ("server-learning-rate",)}
+
+
 def strategies() -> dict[str, Any]:
     """``strategy.name`` -> (the run config, the arguments every strategy takes) -> SCAFFOLD."""
     from feddifrc_app.methods.scaffold.server import Scaffold
