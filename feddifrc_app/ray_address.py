@@ -39,8 +39,13 @@ class RayUnreachableError(RuntimeError):
 def current_cluster_file() -> Path:
     """Where ``ray start`` records its cluster for a later ``ray.init()``: Ray's temp dir
     (``RAY_TMPDIR``, else on Linux ``TMPDIR``, else ``/tmp``) / ``ray/ray_current_cluster``."""
-    tmp = os.environ.get("RAY_TMPDIR") or (sys.platform.startswith("linux") and os.environ.get("TMPDIR"))
-    return Path(tmp or "/tmp") / "ray" / "ray_current_cluster"
+    if "RAY_TMPDIR" in os.environ:  # Ray tests presence: an empty value is the working directory
+        tmp = os.environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+        tmp = os.environ["TMPDIR"]
+    else:
+        tmp = "/tmp"
+    return Path(tmp) / "ray" / "ray_current_cluster"
 
 
 def named_address() -> tuple[str, str] | None:
@@ -58,12 +63,12 @@ def named_address() -> tuple[str, str] | None:
     if env and env != "auto":
         return env, "RAY_ADDRESS"
     recorded = _recorded()
-    if recorded is not None or env != "auto":  # empty or unset: the file, else a Ray of its own
+    if env != "auto":  # empty or unset: the file, else a Ray of its own
         return recorded
     from ray._private.services import find_gcs_addresses  # Ray's own search: its raylets' flags
 
     find_gcs_addresses.cache_clear()
-    return auto_address(find_gcs_addresses())
+    return auto_address(find_gcs_addresses(), recorded)
 
 
 def _recorded() -> tuple[str, str] | None:
@@ -73,14 +78,22 @@ def _recorded() -> tuple[str, str] | None:
         recorded = path.read_text().strip()  # Ray strips it too (ray/_private/utils.py read_ray_address)
     except OSError:  # no file: no cluster recorded
         return None
-    if not recorded:
-        return None
+    if not recorded:  # Ray reads "" and fails to parse it ("Invalid address format")
+        raise RayUnreachableError(
+            f"{path} is empty: Ray takes it for the address of the last `ray start` cluster and "
+            "fails to parse it, so no node would start. Remove the file (once no `ray start` "
+            "cluster of yours runs), or name the cluster in RAY_ADDRESS"
+        )
     return recorded, f"{path}, where the last `ray start` on this machine recorded its cluster"
 
 
-def auto_address(running: frozenset[str] | set[str]) -> tuple[str, str]:
-    """``RAY_ADDRESS=auto`` with no recorded cluster: Ray joins a cluster running on this machine
-    (any one of them) and fails when there is none. The one running cluster, else refused."""
+def auto_address(running: frozenset[str] | set[str], recorded: tuple[str, str] | None) -> tuple[str, str]:
+    """``RAY_ADDRESS=auto``, in Ray's order (``get_ray_address_from_environment``): with several
+    clusters running here, the recorded one; else the one running here (over a recorded one);
+    else the recorded one; else Ray fails. Several running and none recorded: Ray joins any one
+    of them, which is refused here."""
+    if recorded is not None and len(running) != 1:
+        return recorded
     if len(running) == 1:
         return next(iter(running)), "RAY_ADDRESS=auto, the one Ray cluster running on this machine"
     if running:
@@ -128,9 +141,12 @@ def endpoint(address: str) -> tuple[str, int] | None:
 def host_port(address: str, named: str | None = None) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` -> (host, port); ``named``: the address as given."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host.strip("[]"):
+    bare_v6 = ":" in host and not (host.startswith("[") and host.endswith("]"))  # Ray cannot parse it
+    if not sep or not port.isdigit() or not host.strip("[]") or bare_v6:
         client = (named or "").startswith("ray://")
         hint = f"ray://<host>:{RAY_CLIENT_PORT}, Ray Client's default" if client else "<host>:6379"
+        if bare_v6:
+            hint = "an IPv6 host in brackets, [<host>]:<port>"
         raise RayUnreachableError(f"Ray address {named or address!r} is not <host>:<port>: write {hint}")
     return host.strip("[]"), int(port)
 

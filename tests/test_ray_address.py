@@ -58,23 +58,41 @@ def test_blanks_around_ray_address_are_refused_not_stripped(ray_env, monkeypatch
     assert ray_address.check(object()) is None  # a deployment's ServerApp: Ray is not its business
 
 
-def test_auto_joins_the_recorded_cluster_else_the_one_running_here(ray_env, monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", "auto")
-    ray_env.write_text("10.1.2.3:6379")
-    assert ray_address.named_address() == (
-        "10.1.2.3:6379",
-        f"{ray_env}, where the last `ray start` on this machine recorded its cluster",
-    )
-    # Nothing recorded: Ray joins a cluster whose raylet runs on this machine, any one of them,
-    # and fails (ConnectionError) when none does.
-    assert ray_address.auto_address({"10.0.0.5:6379"}) == (
-        "10.0.0.5:6379",
-        "RAY_ADDRESS=auto, the one Ray cluster running on this machine",
-    )
+def test_auto_follows_rays_order_between_the_recorded_cluster_and_those_running_here(ray_env, monkeypatch):
+    """Ray's ``get_ray_address_from_environment`` for "auto": several running and one recorded ->
+    the recorded; one running -> that one, even over a (maybe stale) recorded one; none running ->
+    the recorded; nothing -> ConnectionError."""
+    rec = ("10.1.2.3:6379", "the file")
+    one = ("10.0.0.5:6379", "RAY_ADDRESS=auto, the one Ray cluster running on this machine")
+    assert ray_address.auto_address({"10.0.0.5:6379", "10.0.0.6:6379"}, rec) == rec
+    assert ray_address.auto_address({"10.0.0.5:6379"}, rec) == one
+    assert ray_address.auto_address({"10.0.0.5:6379"}, None) == one
+    assert ray_address.auto_address(frozenset(), rec) == rec
     with pytest.raises(RayUnreachableError, match=r"2 Ray clusters run on this machine \(a:1, b:2\)"):
-        ray_address.auto_address({"b:2", "a:1"})
+        ray_address.auto_address({"b:2", "a:1"}, None)
     with pytest.raises(RayUnreachableError, match="joins a running Ray cluster only, and none is recorded"):
-        ray_address.auto_address(frozenset())
+        ray_address.auto_address(frozenset(), None)
+    # Ray's order checked against Ray itself, with the running clusters stubbed as Ray finds them.
+    from ray._private import services
+
+    ray_env.write_text(rec[0])
+    for running in ({"10.0.0.5:6379", "10.0.0.6:6379"}, {"10.0.0.5:6379"}, set()):
+        monkeypatch.setattr(services, "find_gcs_addresses", lambda r=running: set(r))
+        ours = ray_address.auto_address(running, (ray_env.read_text(), "the file"))[0]
+        assert services.get_ray_address_from_environment("auto", None) == ours
+
+
+def test_an_empty_recorded_cluster_file_is_refused_as_ray_cannot_parse_it(ray_env, monkeypatch):
+    ray_env.write_text("\n")
+    with pytest.raises(RayUnreachableError, match=f"{re.escape(str(ray_env))} is empty"):
+        ray_address.named_address()
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # Ray's own Ray: the file is not read
+    assert ray_address.named_address() is None
+
+
+def test_an_empty_ray_tmpdir_is_the_working_directory_as_for_ray(monkeypatch):
+    monkeypatch.setenv("RAY_TMPDIR", "")
+    assert ray_address.current_cluster_file() == Path("ray") / "ray_current_cluster"
 
 
 def test_auto_with_nothing_recorded_reads_the_raylets_of_this_machine(ray_env, monkeypatch):
@@ -109,6 +127,7 @@ def test_where_each_address_form_is_probed():
         (":6379", "is not <host>:<port>"),
         ("head.lab:port", "is not <host>:<port>"),
         ("[::1]", "is not <host>:<port>"),
+        ("::1:6379", "write an IPv6 host in brackets"),  # Ray's parse_address: None
         # ray.init() takes `x://` as Ray client module x: `http` has none (AssertionError in Ray).
         ("http://head.lab:8265", "is a Ray dashboard address .* <head>:6379 .* ray://<head>:10001"),
         ("https://head.lab:8265", "is a Ray dashboard address"),

@@ -394,13 +394,22 @@ def test_sigterm_inside_exit_on_termination_is_a_system_exit_and_the_handlers_co
     import os
     import signal
 
-    from feddifrc_app.tools.cmd_common import exit_on_termination
+    from feddifrc_app.tools.cmd_common import exit_on_termination, termination_held
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as e, exit_on_termination():
         os.kill(os.getpid(), signal.SIGTERM)
     assert e.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+    # A cleanup holds the signal: it runs to its end, then the signal ends the program.
+    steps = []
+    with pytest.raises(SystemExit) as e, exit_on_termination():
+        with termination_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            steps.append("cleaned up")
+        steps.append("not reached")
+    assert steps == ["cleaned up"] and e.value.code == 128 + signal.SIGTERM
 
 
 def test_table_uses_only_completed_runs_of_the_configured_rounds_and_names_each_skipped_cell(tmp_path):

@@ -119,6 +119,25 @@ def exit_on_termination() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def termination_held() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP are noted, not acted on, so a cleanup runs to its end; the first
+    one noted is raised again on leaving, for the handler outside (Python runs signal handlers in
+    the main thread whichever thread the signal reached, so noting works where a thread mask
+    would not)."""
+    noted: list[int] = []
+    before = {
+        sig: signal.signal(sig, lambda n, _f: noted.append(n)) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if noted:
+            signal.raise_signal(noted[0])
+
+
 def int_list(flag: str, s: str | None) -> list[int] | None:
     if s is None or not s.strip():
         return None

@@ -9,7 +9,7 @@ from typing import Any
 
 from feddifrc_app.casting import resolve_path
 from feddifrc_app.config import Config, ConfigError
-from feddifrc_app.tools.cmd_common import CLIError, examples, exit_on_termination
+from feddifrc_app.tools.cmd_common import CLIError, examples, exit_on_termination, termination_held
 from feddifrc_app.tools.run_config import RunConfigError, app_defaults, parse_run_config, quoted
 
 
@@ -119,11 +119,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except (ConfigError, SweepError) as e:
         raise CLIError(str(e)) from None
     flower = Flower(app, out / "flwr-home", args.federation, args.federation_config)
-    try:  # a SIGTERM'd sweep stops its run and its local SuperLink too
-        with exit_on_termination():
+    with exit_on_termination():  # a SIGTERM'd sweep stops its run and its local SuperLink too
+        try:
             failures = run_sweep(sweep, cells, flower, args.cell_timeout)
-    finally:
-        flower.close()
+        finally:
+            with termination_held():  # a signal now waits for close() to end
+                flower.close()
     print(write_sweep_table(out))
     for name, why in failures.items():
         print(f"FAILED {name}: {why.splitlines()[0] if why else ''}")

@@ -282,8 +282,10 @@ class Flower:
                 log = argv[argv.index("--log-file") + 1] if argv.index("--log-file") + 1 < len(argv) else ""
                 if log.startswith(mine):
                     with contextlib.suppress(OSError):
-                        sessions.add(os.getsid(int(entry.name)))
-                        os.kill(int(entry.name), signal.SIGTERM)
+                        pid = int(entry.name)
+                        if os.getsid(pid) == pid:  # `flwr` starts it detached: the session is the run's
+                            sessions.add(pid)
+                        os.kill(pid, signal.SIGTERM)
         return sessions - {os.getsid(0)}
 
 
