@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from feddifrc_app.tools import cli, cmd_sweep
 from feddifrc_app.tools.cmd_common import CLIError
 from feddifrc_app.tools.report import write_sweep_table
 from feddifrc_app.tools.run_config import app_defaults
-from feddifrc_app.tools.sweep import Cell, Flower, Sweep, SweepError, make_cells, run_sweep
+from feddifrc_app.tools.sweep import Cell, Flower, Sweep, SweepError, _processes_of, make_cells, run_sweep
 
 
 def sweep_in(tmp_path: Path, **overrides) -> Sweep:
@@ -243,6 +244,31 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys, monkeypat
     argv.remove(str(diverge))
     assert cli.main(argv) == 0
     assert "4 cells, 4 already done, 0 to run" in capsys.readouterr().out
+
+    # A ghost: a run submitted to this folder's SuperLink, which then went down without stopping
+    # it; its state (<FLWR_HOME>/local-superlink/state.db) keeps the run unfinished, and the next
+    # SuperLink on this folder would launch it beside a new cell's run. The next sweep stops it.
+    ghost = tmp_path / "ghost.toml"
+    ghost.write_text(
+        f'method = "fedavg"\nnum-server-rounds = 1000\ndataset.train-limit = 60\nrun-name = "ghost"\n'
+        f"outputs-dir = {json.dumps(str(tmp_path / 'ghost-runs'))}\n"
+    )
+    first = Flower(ROOT, out / "flwr-home", "local", FED)
+    submitted = first.json("run", ".", "local", "--run-config", str(ghost), "--federation-config", FED)
+    assert submitted["success"], submitted
+    first.close(grace=0)  # the SuperLink goes down (SIGTERM): the run stays as it was in the state
+    deadline = time.monotonic() + 300  # a hang guard: SIGTERM'd processes end in seconds
+    while _processes_of(f"FLWR_HOME={first.home}".encode(), set()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    second = Flower(ROOT, out / "flwr-home", "local", FED)
+    try:
+        assert second.stop_leftovers() == [str(submitted["run-id"])]
+        runs = second.json("ls", "local", "--run-id", str(submitted["run-id"]))["runs"]
+        assert runs[0]["status"] == "finished:stopped", runs
+        assert second.stop_leftovers() == []  # nothing left
+    finally:
+        second.close()
+        first.close()
 
 
 def test_table_of_a_sweep_with_no_finished_cell_says_so(tmp_path):

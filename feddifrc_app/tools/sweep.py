@@ -208,6 +208,24 @@ class Flower:
             self.stop(run_id)
             raise
 
+    def stop_leftovers(self) -> list[str]:
+        """Stop every run our own local SuperLink still lists as unfinished; their ids. A sweep
+        killed before it could stop its run (SIGKILL, a machine that went down) leaves that run
+        pending in the SuperLink's state (``<FLWR_HOME>/local-superlink/state.db``), and the next
+        SuperLink on this folder launches it again, beside the new run of the same cell. A
+        deployed SuperLink's runs are its users': never touched."""
+        if self.federation != "local":
+            return []
+        runs = self.json("ls", self.federation).get("runs") or []
+        left = [str(r["run-id"]) for r in runs if not str(r.get("status", "")).startswith("finished")]
+        for run_id in left:
+            print(
+                f"stopping Flower run {run_id}, left unfinished by an earlier sweep of this folder",
+                flush=True,
+            )
+            self.stop(run_id)
+        return left
+
     def stop(self, run_id: str, wait: float = 60) -> str:
         """`flwr stop` the run and wait (bounded) until Flower says it finished; its last status."""
         subprocess.run(
@@ -403,6 +421,8 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
     for c in cells:
         if c not in todo:
             sweep.record(c, status="completed", reason="")
+    if todo:  # before a cell's run can meet a ghost of an earlier one in its folder
+        flower.stop_leftovers()
     failures: dict[str, str] = {}
     t0 = time.monotonic()
     for i, cell in enumerate(todo, 1):
@@ -416,8 +436,10 @@ def run_sweep(sweep: Sweep, cells: list[Cell], flower: Flower, cell_timeout: flo
             status, reason = flower.run(sweep.submit_file(cell), cell_timeout)
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
             status, reason = "error", f"{type(e).__name__}: {e}"
-        except KeyboardInterrupt:  # Flower.run has stopped the cell's run
-            sweep.record(cell, status="stopped", reason="interrupted (Ctrl-C); rerun the sweep to resume")
+        except (KeyboardInterrupt, SystemExit):  # Flower.run has stopped the cell's run
+            sweep.record(
+                cell, status="stopped", reason="interrupted (Ctrl-C or a signal); rerun the sweep to resume"
+            )
             raise
         done = sweep.finished(cell, configs[cell.name])
         if status != "finished:completed" or done is None:
