@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -256,9 +259,14 @@ def test_sweep_of_every_baseline_and_a_diverging_run(tmp_path, capsys, monkeypat
     first = Flower(ROOT, out / "flwr-home", "local", FED)
     submitted = first.json("run", ".", "local", "--run-config", str(ghost), "--federation-config", FED)
     assert submitted["success"], submitted
-    first.close(grace=0)  # the SuperLink goes down (SIGTERM): the run stays as it was in the state
-    deadline = time.monotonic() + 300  # a hang guard: SIGTERM'd processes end in seconds
-    while _processes_of(f"FLWR_HOME={first.home}".encode(), set()) and time.monotonic() < deadline:
+    # The machine goes down: every process of this folder's Flower dies at once (SIGKILL), so none
+    # can record anything about the run, which stays as it was in the state.
+    mark = f"FLWR_HOME={first.home}".encode()
+    for pid in _processes_of(mark, set()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 300  # a hang guard: SIGKILL'd processes end at once
+    while _processes_of(mark, set()) and time.monotonic() < deadline:
         time.sleep(0.5)
     second = Flower(ROOT, out / "flwr-home", "local", FED)
     try:
