@@ -2,6 +2,8 @@
 
     python benchmarks/fednh_clip.py run --out DIR     # recheck run2's cells, then FedAvg+clip (resumable)
     python benchmarks/fednh_clip.py table --out DIR   # docs/method_effect/fednh_clip/: cells, summary, README
+    python benchmarks/fednh_clip.py run --out DIR2 --alphas 0.5   # one partition, on another machine:
+    # `table --out DIR2` keeps the docs' cells of the other alphas when they came from the same commit
 
 run2 (docs/method_effect/run2/) found FedNH (fednh.scale 20, fednh.max-grad-norm 10) far above
 FedAvg, but FedNH clipped its local gradients at norm 10 and FedAvg did not. The arm
@@ -235,10 +237,11 @@ def _arms(summary: dict) -> list[str]:
     return lines
 
 
-def run(out: Path, timeout: float) -> int:
-    """Per partition (alpha 0.05 first: its cells are the cheaper), the recheck's seed-0 cells, then
-    FedAvg+clip on every seed, with FedAvg and FedNH too once any recheck differs."""
+def run(out: Path, timeout: float, alphas: tuple[float, ...]) -> int:
+    """Per partition of `alphas` (alpha 0.05 first: its cells are the cheaper), the recheck's seed-0
+    cells, then FedAvg+clip on every seed, with FedAvg and FedNH too once any recheck differs."""
     extra = {**design.SETTINGS, "keep-checkpoints": 1, "diffusion.cache-dir": str(out / "cache")}
+    parts = [p for p in design.PARTITIONS if p.alpha in alphas]
 
     def lanes(cells: list) -> int:
         failed = 0
@@ -255,24 +258,42 @@ def run(out: Path, timeout: float) -> int:
         print(json.dumps(check, indent=1), flush=True)
         return check
 
-    for part in design.PARTITIONS:
+    for part in parts:
         if lanes([design.cell_of(BASE[a], part, 0) for a in BASE]):
             return 1
         check = checked()
         same = all(r["same"] for r in check["cells"])
         arms = [FEDAVG_CLIP] + ([] if same else list(BASE.values()))
         failed += lanes([design.cell_of(a, part, s) for s in SEEDS for a in arms])
-    if not checked()["identical"]:  # a later partition's recheck differed: every base cell from this code
-        cells = [design.cell_of(a, p, s) for p in design.PARTITIONS for s in SEEDS for a in BASE.values()]
-        failed += lanes(cells)
-    table(out, DOCS)
+    if not all(r["same"] for r in checked()["cells"]):  # a later recheck differed: base cells from here
+        failed += lanes([design.cell_of(a, p, s) for p in parts for s in SEEDS for a in BASE.values()])
     return 1 if failed else 0
+
+
+def merged(here: list[dict], check: dict, code: dict, docs: Path) -> tuple[list[dict], dict]:
+    """This run's cells and recheck, plus the docs' earlier ones for the cells (and rechecks) this run
+    did not make, where the earlier ones came from the same commit (a run resumed on a new machine
+    for the alphas it had not finished); a cell run here replaces the earlier record of that cell."""
+    if not (docs / "summary.json").exists():
+        return here, check
+    earlier = json.loads((docs / "summary.json").read_text())
+    if earlier["code"] != code:
+        raise SystemExit(f"{docs}: its cells came from {earlier['code']}, this run from {code}: not merged")
+    key = lambda e: (e["arm"], e["alpha"], e["seed"])  # noqa: E731
+    new = {key(e) for e in here} | {key(r) for r in check["cells"]}
+    kept = [e for e in json.loads((docs / "cells.json").read_text()) if key(e) not in new]
+    rows = [r for r in earlier["recheck"]["cells"] if key(r) not in new] + check["cells"]
+    rows.sort(key=key)
+    identical = len(rows) == 2 * len(design.PARTITIONS) and all(r["same"] for r in rows)
+    return sorted(kept + here, key=key), {"cells": rows, "identical": identical}
 
 
 def table(out: Path, docs: Path) -> None:
     saved = json.loads((out / "recheck.json").read_text())
     code = saved.pop("code")
-    here = [entry(r) for r in me.load_runs(out / "run")]
+    ran = [entry(r) for r in me.load_runs(out / "run")]
+    here, saved = merged(ran, saved, code, docs)
+    kept = sorted({e["alpha"] for e in here} - {e["alpha"] for e in ran})
     if saved["identical"]:
         run2 = [e for e in json.loads(RUN2.read_text()) if e["arm"] in BASE and e["seed"] in SEEDS]
         compared = run2 + [e for e in here if e["arm"] == FEDAVG_CLIP.name]
@@ -291,6 +312,12 @@ def table(out: Path, docs: Path) -> None:
     if len(compared) < planned:
         source += " (the run is not finished: `run` again resumes it; n below is what had finished)"
     source += "."
+    if kept:
+        alphas = ", ".join(f"{a:g}" for a in kept)
+        source += (
+            f" The alpha {alphas} cells ran in an earlier sitting at the same commit, on another "
+            "machine: this table keeps them from its own earlier record."
+        )
     summary = summarise(compared)
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "cells.json").write_text(json.dumps(here) + "\n")
@@ -311,10 +338,12 @@ def main() -> int:
         "--docs", default=str(DOCS), help="where `table` writes cells.json, summary.json, README.md"
     )
     ap.add_argument("--cell-timeout", type=float, default=1800)
+    alphas = ",".join(f"{p.alpha:g}" for p in design.PARTITIONS)
+    ap.add_argument("--alphas", default=alphas, help=f"`run`: the partitions to run (default {alphas})")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     if args.stage == "run":
-        return run(out, args.cell_timeout)
+        return run(out, args.cell_timeout, tuple(float(a) for a in args.alphas.split(",")))
     table(out, Path(args.docs).resolve())
     return 0
 

@@ -3,6 +3,7 @@ cells list (no runs)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -101,3 +102,32 @@ def test_an_alpha_without_cells_has_empty_differences_and_the_readme_says_descri
     )
     assert "| 0.05 | fedavg | 3 | 33.5 ± 2.0 | 38.0 ± 2.0 | 38.0 ± 2.0 | 36.0 ± 2.0 |" in text
     assert "commit `b1f18ca` (no tracked file changed" in text
+
+
+def _earlier(docs, code: dict, cells: list[dict], rows: list[dict]) -> None:
+    docs.mkdir()
+    (docs / "cells.json").write_text(json.dumps(cells))
+    (docs / "summary.json").write_text(json.dumps({"code": code, "recheck": {"cells": rows}}))
+
+
+def test_a_second_sitting_keeps_the_earlier_records_of_the_cells_it_did_not_run(tmp_path):
+    code = {"commit": "abc1234", "tracked-changes": ""}
+    row = {"arm": "fedavg", "alpha": 0.05, "seed": 0, "same": False}
+    docs = tmp_path / "docs"
+    _earlier(docs, code, CELLS[:3], [row, {**row, "arm": "fednh"}])
+    new = {**cell("fedavg", 0, 0.5), "alpha": 0.5}  # this sitting's cell: another alpha
+    check = {"cells": [{**row, "alpha": 0.5}, {**row, "arm": "fednh", "alpha": 0.5}], "identical": False}
+    here, merged = fc.merged([new], check, code, docs)
+    assert here == sorted([*CELLS[:3], new], key=lambda e: (e["arm"], e["alpha"], e["seed"]))
+    assert [(r["arm"], r["alpha"]) for r in merged["cells"]] == [
+        ("fedavg", 0.05),
+        ("fedavg", 0.5),
+        ("fednh", 0.05),
+        ("fednh", 0.5),
+    ]
+    assert merged["identical"] is False  # four rechecks, none the same
+    again = {**CELLS[0], "test": [0.0] * ROUNDS}  # a cell rerun here replaces its earlier record
+    assert fc.merged([again], check, code, docs)[0][0] == again
+    with pytest.raises(SystemExit, match="came from .*abc1234.*not merged"):
+        fc.merged([new], check, {**code, "commit": "def5678"}, docs)
+    assert fc.merged([new], check, code, tmp_path / "none") == ([new], check)  # nothing earlier
