@@ -55,7 +55,7 @@ def deploy_run_config(out: Path, device: str, dry: bool, timeout_s: float = 120.
     """One FedDifRC round on both nodes: digits (scikit-learn's, no download), the packaged
     tiny-mnist teacher by its folder, the teacher and the training on ``device``; a node that
     does not answer within ``timeout_s`` is the round's failure, not an hour's wait."""
-    limit = 200 if dry else 0  # 0: every training image
+    limit = 60 if dry else 0  # 0: every training image; 60: 30 a node, the extraction a few seconds
     wait = f"{max(float(timeout_s), 30.0):.0f}"
     return (
         f'method="feddifrc" dataset.name="digits" num-server-rounds=1 dataset.train-limit={limit} '

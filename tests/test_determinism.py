@@ -3,9 +3,10 @@
 at whatever thread count and with whichever other images; a node's torch threads come from
 ``train.threads`` (or the OMP_NUM_THREADS its Ray actor was given), never the machine's cores.
 
-The Flower-level bars reuse the suite's runs (no run here): test_simulation.py's cold run equals
-``tests/reference/suite-quickstart.json`` (``simulation_runs.assert_reference``), and
-test_ray_cluster.py's warm runs (one actor; two actors of 1 CPU on two raylets) equal each other.
+The Flower-level bars reuse the suite's runs (no run here): test_simulation.py's cold run (one actor
+of 1 CPU, ``init-args-num-cpus=1``) equals ``tests/reference/suite-quickstart.json``
+(``simulation_runs.assert_reference``), and so do test_ray_cluster.py's warm runs (one actor of 2
+CPUs; two actors of 1 CPU on two raylets, where ``init-args-num-cpus`` cannot be given).
 """
 
 from __future__ import annotations

@@ -15,14 +15,18 @@ from simulation_runs import EVAL, FED, QUICK, assert_reference, results, run_ok
 
 pytestmark = pytest.mark.slow
 
+ONE_CPU = "num-supernodes=2 client-resources-num-cpus=1 init-args-num-cpus=1"
+
 
 def test_feddifrc_simulation_end_to_end(flower_procs_own_ray, tmp_path):
     """The user's path: each run starts its own Ray, as `flwr run .` does (the other simulation
-    tests join one cluster per test session)."""
+    tests join one cluster per test session), here sized by the run's federation config."""
     flower_procs = flower_procs_own_ray
     out, cache = tmp_path / "runs", tmp_path / "cache"
     base = f"{QUICK} outputs-dir='{out}' diffusion.cache-dir='{cache}'"
-    first = run_ok(flower_procs, base + " run-name='cold'")
+    # One actor of 1 CPU in a Ray told its size (init-args-num-cpus): the third layout whose numbers
+    # must be the reference's, beside test_ray_cluster.py's one actor of 2 CPUs and two of 1 CPU.
+    first = run_ok(flower_procs, base + " run-name='cold'", fed=ONE_CPU)
     r = results(out / "cold")
     assert [x["round"] for x in r["rounds"]] == [0, 1, 2]
     for row in r["rounds"][1:]:
