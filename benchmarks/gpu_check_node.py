@@ -112,7 +112,7 @@ def _synthetic_client(n: int, dim: int):
     teacher targets of width ``dim`` for them."""
     from feddifrc_app.data.images import ImageData
     from feddifrc_app.data.sources.hub import CIFAR10_STATS
-    from feddifrc_app.methods.feddifrc.store import TeacherTargets
+    from feddifrc_app.methods.feddifrc.targets import TeacherTargets
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 10, (n,), generator=g).numpy().astype(np.int64)

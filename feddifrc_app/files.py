@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from feddifrc_app import log
+
 
 def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (best effort: not every filesystem allows it)."""
@@ -87,6 +89,27 @@ def dead_temp_files(folder: Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------- verified array files
+
+
+def evict(folder: Path, keep: Path, budget: int, what: str) -> None:
+    """Remove the least recently used ``*.npz`` files of ``folder`` beyond ``budget`` bytes (never
+    ``keep``; ``what`` they are names them in the log), and the temp files of writers killed
+    mid-write."""
+    for p in dead_temp_files(folder):
+        p.unlink(missing_ok=True)
+    files = []
+    for p in folder.glob("*.npz"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # another process evicted it
+            continue
+        files.append((p != keep, -st.st_mtime_ns, st.st_size, p))
+    total = 0
+    for others, _, size, p in sorted(files):  # `keep` first, then newest first
+        total += size
+        if others and total > budget:
+            p.unlink(missing_ok=True)
+            log.info("%s: removed %s (least recently used; %d bytes kept at most)", what, p, budget)
 
 
 class CorruptFile(Exception):

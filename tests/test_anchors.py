@@ -16,7 +16,6 @@ from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import write_json
 from feddifrc_app.halves import SETUP_WORK, Node
 from feddifrc_app.methods.feddifrc import node as node_half
-from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.projection import (
     ANCHORS,
@@ -28,8 +27,7 @@ from feddifrc_app.methods.feddifrc.projection import (
     prompt_sums,
 )
 from feddifrc_app.methods.feddifrc.server import FedDifRCServer
-from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
-from feddifrc_app.methods.feddifrc.targets import anchored
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 from feddifrc_app.outputs import RunDir
 from feddifrc_app.records import record_to_arrays
@@ -66,13 +64,13 @@ def test_anchored_targets_are_the_same_for_every_image_and_keep_the_ndcr_target(
     reps, ndcr = torch.randn(3, 2, 2), torch.randn(3, 2)
     own = TeacherTargets(rows=target_rows(ids), prompt_reps=reps, ndcr=ndcr)
     anchors = torch.tensor([[2.0, 1.0], [4.0, 2.0]])
-    t = anchored(own, anchors)
+    t = own.anchored(anchors)
     got, got_ndcr = t.take(torch.tensor([7, 4, 1, 7]))
     assert torch.equal(got, anchors.expand(4, 2, 2))  # whatever the image or its class
     assert torch.equal(got_ndcr, ndcr[[2, 0, 1, 2]])
     assert t.prompt_reps.stride(0) == 0  # a view of the (K, D) anchors, not n copies
     with pytest.raises(ValueError, match=r"anchors have shape \(3, 2\).*\(K, D\) = \(2, 2\)"):
-        anchored(own, torch.zeros(3, 2))
+        own.anchored(torch.zeros(3, 2))
 
 
 def _node(cfg, data, ids) -> Node:
@@ -117,12 +115,12 @@ def test_federated_anchors_equal_the_centralised_ones_and_reach_every_image(cach
     np.testing.assert_allclose(anchors, central, rtol=1e-5, atol=1e-5)
     assert np.abs(central).max() > 0.1  # not trivially zero
 
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
     half_b = node_half.node_half(_message("train", {"config": ConfigRecord(), **sent}), nodes[1])
     half_b.start(torch.nn.Linear(1, 1))
     reps, _ = half_b.targets.take(torch.as_tensor(parts[1]))
     assert torch.equal(reps, torch.from_numpy(anchors).expand(5, -1, -1))
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
 
     # A resumed run continues with the checkpoint's anchors (and asks the nodes for nothing).
     resumed = FedDifRCServer(cfg)

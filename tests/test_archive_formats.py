@@ -1,5 +1,5 @@
 """The on-disk files of the two verified-archive users, pinned byte for byte where it matters: the
-feature shards (``diffusion``'s cache) and the prepared targets (``methods/feddifrc/store.py``).
+feature shards (``diffusion``'s cache) and the prepared targets (``methods/feddifrc/targets.py``).
 The header's JSON text and the member names and order were written on commit 113fb0d, so files
 written before any refactor of the archive code are still what the code writes and loads."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from feddifrc_app.diffusion.shards import FeatureStore
-from feddifrc_app.methods.feddifrc import store
+from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.projection import Basis
-from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets, target_rows
 
 SHARD_1 = (
     '{"format": "feddifrc-features", "version": 1, "key": "' + "ab" * 32 + '", "shard": 1, "shard_size": 8, '
@@ -59,7 +59,7 @@ def test_prepared_targets_are_written_as_before_and_load(tmp_path: Path) -> None
     )
     reps = torch.arange(18, dtype=torch.float32).reshape(3, 2, 3) / 4
     targets = TeacherTargets(target_rows(ids), reps, torch.ones(3, 3))
-    store.save_prepared(tmp_path / "t.npz", "cd" * 32, ids, targets, basis)
+    tg.save_prepared(tmp_path / "t.npz", "cd" * 32, ids, targets, basis)
     names, header = _raw(tmp_path / "t.npz")
     assert names == ["header", "ids", "basis.mode", "basis.blocks", "basis.1.mean", "basis.1.components"] + [
         "basis.3.mean",
@@ -68,6 +68,6 @@ def test_prepared_targets_are_written_as_before_and_load(tmp_path: Path) -> None
         "ndcr",
     ]
     assert json.loads(header) == json.loads(TARGETS) and header == TARGETS
-    loaded, again = store.load_prepared(tmp_path / "t.npz", "cd" * 32, ids)
+    loaded, again = tg.load_prepared(tmp_path / "t.npz", "cd" * 32, ids)
     assert torch.equal(loaded.prompt_reps, reps) and torch.equal(loaded.rows, target_rows(ids))
     assert again.fingerprint() == basis.fingerprint()

@@ -29,7 +29,6 @@ from feddifrc_app.config_loader import load_config
 from feddifrc_app.data import shares as ds
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.diffusion.pipeline import teacher_identity
-from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc import teacher as th
 from feddifrc_app.methods.feddifrc.projection import fit_basis, merge_client_stats, stats_from_arrays
@@ -208,30 +207,30 @@ def test_targets_are_prepared_once_per_process_and_per_basis(
     cache = tmp_path / "cache"
     shutil.copytree(teacher_cache, cache)
     rc = run_config(cache)
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
     first = call("train", train_msg(1, basis), context(rc, 0)).content["metrics"]
-    assert len(store.PREPARED.items) == 1
-    ((targets, _),) = store.PREPARED.items.values()
+    assert len(tg.PREPARED.items) == 1
+    ((targets, _),) = tg.PREPARED.items.values()
     assert targets.prompt_reps.shape == (N_IMAGES, 10, 512) and targets.ndcr.shape == (N_IMAGES, 512)
     shutil.rmtree(cache / "features")  # a re-read would have to extract again: misses > 0
     second = call("train", train_msg(2, basis), context(rc, 0)).content["metrics"]
     assert first["teacher-cache-misses"] == second["teacher-cache-misses"] == 0
-    assert not (cache / "features").exists() and len(store.PREPARED.items) == 1
+    assert not (cache / "features").exists() and len(tg.PREPARED.items) == 1
 
     # Another basis (or node) is another entry, computed from the features again.
     own = stats_from_arrays({k: v.numpy() for k, v in setup_replies[0].content["pca-stats"].items()})
     other = fit_basis(own, (256, 128, 128), (1, 2, 3))
     third = call("train", train_msg(3, other), context(rc, 0)).content["metrics"]
-    assert third["teacher-cache-misses"] == N_IMAGES and len(store.PREPARED.items) == 2
+    assert third["teacher-cache-misses"] == N_IMAGES and len(tg.PREPARED.items) == 2
 
     # Least recently used entries go once the byte budget is exceeded; the newest always stays.
-    budget, store.PREPARED.budget = store.PREPARED.budget, 1
+    budget, tg.PREPARED.budget = tg.PREPARED.budget, 1
     try:
-        store.PREPARED.put("newest", store.PREPARED.get(next(iter(store.PREPARED.items))))
-        assert list(store.PREPARED.items) == ["newest"]
+        tg.PREPARED.put("newest", tg.PREPARED.get(next(iter(tg.PREPARED.items))))
+        assert list(tg.PREPARED.items) == ["newest"]
     finally:
-        store.PREPARED.budget = budget
-        store.PREPARED.items.clear()
+        tg.PREPARED.budget = budget
+        tg.PREPARED.items.clear()
 
 
 def test_train_is_deterministic_per_round(teacher_cache: Path, basis) -> None:
@@ -387,7 +386,7 @@ def test_with_a_hold_out_the_teacher_sees_and_trains_against_the_training_part_o
     assert m["teacher-cache-misses"] == 0 and m["num-examples"] == 7.0  # the same 7, cached by id
     cfg, node = load_config(rc), load_node_config({"partition-id": 0, "num-partitions": N_PARTS})
     train_ids, held = ds.client_split(cfg, node)[1], ds.client_holdout(cfg, node)[1]
-    targets, _ = next(reversed(store.PREPARED.items.values()))  # the targets this train message used
+    targets, _ = next(reversed(tg.PREPARED.items.values()))  # the targets this train message used
     assert (targets.rows[torch.as_tensor(train_ids)] >= 0).all()
     assert all(int(i) >= len(targets.rows) or targets.rows[int(i)] == -1 for i in held)
 
@@ -434,7 +433,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
 
     # The images' VAE latents were encoded once: a later round re-encodes nothing, same numbers.
     feat = featurizer(features.spec)
-    assert {int(i) for i in ids} <= set(tg._LATENTS[tg._latent_key(feat, data)])  # other tests add more
+    assert {int(i) for i in ids} <= set(tg._LATENTS[tg._latent_key(features.spec, data)])  # others add more
 
     def no_encode(images):
         raise AssertionError("VAE encode called again for the same images")

@@ -1,10 +1,13 @@
-"""The frozen teacher loader and the embedded tiny SD pipeline (offline, CPU, real diffusers)."""
+"""The frozen teacher loader and the embedded tiny SD pipeline (offline, CPU, real diffusers); its
+text encoders freed once the prompts are encoded."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,12 +15,14 @@ import torch
 
 from feddifrc_app.device import DeviceError, auto_dtype, resolve_device, resolve_dtype
 from feddifrc_app.diffusion.family import family_module
+from feddifrc_app.diffusion.featurizer import Featurizer
 from feddifrc_app.diffusion.pipeline import (
     Teacher,
     TeacherLoadError,
     load_teacher,
     placement,
     release_teacher,
+    released,
     teacher_identity,
     weights_hash,
 )
@@ -351,3 +356,58 @@ def test_packaged_teacher_with_a_missing_file_names_it_and_how_to_rebuild(
     msg = str(e.value)
     assert "\n" not in msg and "unet/diffusion_pytorch_model.safetensors is missing" in msg
     assert f"feddifrc pretrain-teacher --out {pkg / 'teachers' / 'tiny-mnist'}" in msg
+
+
+# --------------------------------------------------------------------------- text encoders
+# Freed, not parked (issue 46 item 2): once a featurizer's prompts are encoded the teacher's text
+# encoders and tokenizers are released, and the features are bit-identical to the path that keeps them.
+
+PROMPTS = ("a photo of a zero", "a photo of a one", "")
+MODELS = {"sd": ("tiny", (1, 2, 3)), "pixart": ("tiny-pixart", (1, 2, 3)), "sd3": ("tiny-sd3", (1, 2, 3))}
+TEXT_PARTS = {"sd": 1, "pixart": 1, "sd3": 3}  # text encoders each family's prompt encoding runs
+
+
+def _make(teacher, blocks) -> Featurizer:
+    return Featurizer(teacher, resolution=16, timestep=300, blocks=blocks, ensemble=1, seed=0)
+
+
+def _pipe_parts(teacher) -> list:
+    """The kept pipeline's text encoders and tokenizers (what would park them in host RAM)."""
+    pipe = teacher.parts.get("pipe")
+    parts = teacher.adapter.TEXT_PARTS
+    names = (*parts, *(p.replace("text_encoder", "tokenizer") for p in parts))
+    return [] if pipe is None else [getattr(pipe, n) for n in names]
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_text_encoders_are_released_and_features_are_bit_identical(family: str, teacher_cache: Path) -> None:
+    model, blocks = MODELS[family]
+    kept = _make(load_teacher(model, teacher_cache, CPU, torch.float32), blocks)  # the old path
+    folder = str(teacher_identity(model, teacher_cache).folder)  # by path: a Teacher of its own
+    t = load_teacher(folder, teacher_cache, CPU, torch.float32)
+    try:
+        assert len(t.text_encoders) == TEXT_PARTS[family] and not released(t)
+        refs = [weakref.ref(m) for m in (*t.text_encoders, t.tokenizer)]
+        new = _make(t, blocks)
+        new.encode_then_release(PROMPTS)
+        gc.collect()
+        assert [r() for r in refs] == [None] * len(refs)  # nothing holds them any more
+        assert t.text_encoders == () and t.text_encoder is None and t.tokenizer is None
+        assert all(p is None for p in _pipe_parts(t))
+        gen = torch.Generator().manual_seed(5)
+        images = torch.randint(0, 256, (3, 3, 12, 12), generator=gen, dtype=torch.uint8)
+        ids = torch.tensor([4, 5, 6])
+        a, b = kept(images, ids, PROMPTS), new(images, ids, PROMPTS)
+        assert sorted(a) == sorted(b) == list(blocks)
+        for k in blocks:
+            assert torch.equal(a[k], b[k]), k  # bit-identical
+        assert released(t)  # the memoised encodings served: nothing was loaded again
+        # a new prompt list loads them again from the folder: the same encodings as never released
+        other = ("a photo of a two", "")
+        got, want = new.conditioning(other), kept.conditioning(other)
+        assert torch.equal(got.tokens, want.tokens) and sorted(got.extras) == sorted(want.extras)
+        assert all(torch.equal(got.extras[n], want.extras[n]) for n in want.extras)
+        assert len(t.text_encoders) == TEXT_PARTS[family] and not released(t)
+        assert {p.device for m in t.text_encoders for p in m.parameters()} == {CPU}
+    finally:
+        release_teacher(folder, teacher_cache, CPU, torch.float32)

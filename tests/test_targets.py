@@ -21,7 +21,6 @@ from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.files import CorruptFile
 from feddifrc_app.halves import Node
 from feddifrc_app.methods.feddifrc import node as node_half
-from feddifrc_app.methods.feddifrc import store
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.projection import random_basis
 from feddifrc_app.methods.feddifrc.teacher import feature_set, teacher_prompts, teacher_spec
@@ -70,13 +69,13 @@ def prepared(warm_cache: Path, tmp_path: Path):
     cache = tmp_path / "cache"
     shutil.copytree(warm_cache, cache)
     client = _client(cache)
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
     first, basis, stats = _prepare(cache, *client)
     assert (stats.hits, stats.misses) == (N, 0)
     (path,) = (cache / "targets").glob("*.npz")
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
     yield cache, client, first, basis, path
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
 
 
 def _no_shards(monkeypatch, cache: Path) -> None:
@@ -102,7 +101,7 @@ def test_a_new_process_loads_prepared_targets_without_touching_the_shards(prepar
     idx = torch.tensor([3, 9, 14])
     for a, b in zip(again.take(idx), first.take(idx), strict=True):
         assert torch.equal(a, b)
-    assert len(store.PREPARED.items) == 1  # and kept in memory from then on
+    assert len(tg.PREPARED.items) == 1  # and kept in memory from then on
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "tamper", "other-key", "other-ids"])
@@ -127,9 +126,9 @@ def test_a_damaged_targets_file_is_never_loaded_and_is_rewritten(prepared, damag
         other_key = path.stem if damage == "other-ids" else "f" * 64
         n = len(other_ids)
         part = tg.TeacherTargets(first.rows, first.prompt_reps[:n].clone(), first.ndcr[:n].clone())
-        store.save_prepared(path, other_key, other_ids, part, basis)
+        tg.save_prepared(path, other_key, other_ids, part, basis)
     with pytest.raises(CorruptFile):
-        store.load_prepared(path, path.stem, client[2])
+        tg.load_prepared(path, path.stem, client[2])
 
     reads = []
     real = tg.pooled_features
@@ -139,7 +138,7 @@ def test_a_damaged_targets_file_is_never_loaded_and_is_rewritten(prepared, damag
     assert "is invalid" in caplog.text and str(path) in caplog.text
     assert reads == [1] and stats.hits == N  # prepared again from the (intact) feature cache
     assert torch.equal(again.prompt_reps, first.prompt_reps) and torch.equal(again.ndcr, first.ndcr)
-    loaded, _ = store.load_prepared(path, path.stem, client[2])  # rewritten, and it checks again
+    loaded, _ = tg.load_prepared(path, path.stem, client[2])  # rewritten, and it checks again
     assert torch.equal(loaded.ndcr, first.ndcr)
 
 
@@ -147,30 +146,30 @@ def test_the_targets_key_changes_with_everything_they_depend_on() -> None:
     cfg = make_config(**{"diffusion.projection": "random"})
     ids = np.arange(10, dtype=np.int64)
     basis = random_basis((5, 4, 3), (2, 2, 2), (1, 2, 3), seed=0)
-    base = store.targets_key(cfg, "a" * 64, ids, None, 10)
-    assert store.targets_key(cfg, "a" * 64, ids.copy(), None, 10) == base  # a pure function of its inputs
+    base = tg.targets_key(cfg, "a" * 64, ids, None, 10)
+    assert tg.targets_key(cfg, "a" * 64, ids.copy(), None, 10) == base  # a pure function of its inputs
     changed = {
-        "feature key (teacher weights, dtype, prompts, dataset)": store.targets_key(
+        "feature key (teacher weights, dtype, prompts, dataset)": tg.targets_key(
             cfg, "b" * 64, ids, None, 10
         ),
-        "ids": store.targets_key(cfg, "a" * 64, ids[:-1], None, 10),
-        "id order": store.targets_key(cfg, "a" * 64, ids[::-1].copy(), None, 10),
-        "server basis": store.targets_key(cfg, "a" * 64, ids, basis, 10),
-        "other server basis": store.targets_key(
+        "ids": tg.targets_key(cfg, "a" * 64, ids[:-1], None, 10),
+        "id order": tg.targets_key(cfg, "a" * 64, ids[::-1].copy(), None, 10),
+        "server basis": tg.targets_key(cfg, "a" * 64, ids, basis, 10),
+        "other server basis": tg.targets_key(
             cfg, "a" * 64, ids, random_basis((5, 4, 3), (2, 2, 2), (1, 2, 3), seed=1), 10
         ),
-        "TDCL prompts": store.targets_key(cfg, "a" * 64, ids, None, 9),
-        "projection": store.targets_key(
+        "TDCL prompts": tg.targets_key(cfg, "a" * 64, ids, None, 9),
+        "projection": tg.targets_key(
             make_config(**{"diffusion.projection": "local-pca"}), "a" * 64, ids, None, 10
         ),
-        "NDCR off": store.targets_key(
+        "NDCR off": tg.targets_key(
             make_config(**{"diffusion.projection": "local-pca", "loss.ndcr-weight": 0.0}),
             "a" * 64,
             ids,
             None,
             10,
         ),
-        "fused widths": store.targets_key(
+        "fused widths": tg.targets_key(
             make_config(**{"diffusion.projection": "random", "diffusion.channels": "128,128,256"}),
             "a" * 64,
             ids,
@@ -194,7 +193,7 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     assert len({p.name for p in files}) == 3 and files[0] == path
 
     # Over the byte budget the least recently used go; a read counts as a use.
-    store.PREPARED.items.clear()
+    tg.PREPARED.items.clear()
     os.utime(files[1], ns=(1, 1))  # the oldest now, but read next: kept
     _prepare(cache, fed, data, ids, prompts, k, basis)
     dead = subprocess.run(
@@ -206,8 +205,8 @@ def test_another_basis_is_another_file_and_old_files_go_beyond_the_budget(prepar
     live.write_bytes(b"half")
     # Room for two files: the one about to be rewritten and the most recently used other one.
     assert files[1].stat().st_mtime_ns > files[2].stat().st_mtime_ns
-    monkeypatch.setattr(store, "TARGETS_DISK_BUDGET", path.stat().st_size + files[1].stat().st_size)
-    store.PREPARED.items.clear()
+    monkeypatch.setattr(tg, "TARGETS_DISK_BUDGET", path.stat().st_size + files[1].stat().st_size)
+    tg.PREPARED.items.clear()
     path.unlink()
     _prepare(cache, *client)  # rewritten now: the newest; one of the other two must go
     left = {p.name for p in (cache / "targets").iterdir()}

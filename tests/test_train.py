@@ -31,7 +31,7 @@ from feddifrc_app.methods.feddifrc.node import FedDifRC
 from feddifrc_app.methods.feddifrc.probe import linear_probe
 from feddifrc_app.methods.feddifrc.projection import fuse
 from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, uses_diffusion
-from feddifrc_app.methods.feddifrc.store import TeacherTargets
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets
 from feddifrc_app.methods.feddifrc.teacher import featurizer, pooled_features, teacher_spec
 from feddifrc_app.model import build_model
 from feddifrc_app.train import train_local

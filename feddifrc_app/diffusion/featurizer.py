@@ -30,12 +30,16 @@ from torch import Tensor
 
 from feddifrc_app.diffusion.dit_features import Reader
 from feddifrc_app.diffusion.family import MID_BLOCK, Conditioning, check_layers, encode_image, layer_module
-from feddifrc_app.diffusion.pipeline import Teacher, text_encoders_on
+from feddifrc_app.diffusion.pipeline import (
+    Teacher,
+    release_text_encoders,
+    restore_text_encoders,
+    text_encoders_on,
+)
 from feddifrc_app.diffusion.sd import (
     encode_clip as encode_prompts,
 )  # SD's CLIP encoding (pretrain, benchmarks)
 from feddifrc_app.diffusion.speed import Shortcuts
-from feddifrc_app.diffusion.text_encoders import release_text_encoders, restore_text_encoders
 
 __all__ = ["Featurizer", "encode_prompts", "noise_seed", "to_unit_range"]
 
@@ -145,8 +149,8 @@ class Featurizer:
         return self.conditioning(prompts).tokens
 
     def conditioning(self, prompts: tuple[str, ...]) -> Conditioning:
-        """The family's encoding of ``prompts`` (tokens and extras), memoised per tuple; a new
-        tuple after ``encode_then_release`` loads the text encoders again (``text_encoders.py``)."""
+        """The family's encoding of ``prompts`` (tokens and extras), memoised per tuple; a new tuple
+        after ``encode_then_release`` loads the text encoders again (``restore_text_encoders``)."""
         key = tuple(str(p) for p in prompts)
         if not key:
             raise ValueError("at least one prompt is needed")

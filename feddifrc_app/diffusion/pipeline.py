@@ -5,9 +5,14 @@
 shipped in the package, ``"tiny"`` or a tiny random model of another family, ``"tiny-sdxl"``,
 ``"tiny-pixart"``, ``"tiny-sd3"``) with that family's own diffusers pipeline class, once per
 process, and keeps what feature extraction needs: the denoiser (UNet or transformer), the VAE
-*encoder*, the text encoders and tokenizers (until the prompts are encoded:
-``text_encoders.py``) and the noise schedule, all frozen. Nothing falls
+*encoder*, the text encoders and tokenizers and the noise schedule, all frozen. Nothing falls
 back silently: a missing or damaged model is a ``TeacherLoadError`` with one actionable line.
+
+The text encoders are freed, not parked (``release_text_encoders``, below): a run's prompts are
+fixed, so once they are encoded (``Featurizer.encode_then_release``; the encodings stay memoised
+there, so no feature changes) nothing of the teacher holds them: T5-XXL (PixArt, SD3; ~11.5 GB
+in float16) would otherwise sit in host RAM beside every actor's denoiser for the whole
+extraction. A new prompt list loads them again from the teacher's folder.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from feddifrc_app import log
 from feddifrc_app.diffusion.digests import (
     WEIGHT_EXTS,
     TeacherLoadError,
@@ -95,7 +101,7 @@ class Teacher:
     @property
     def text_encoders(self) -> tuple[Any, ...]:
         """Every text encoder the family's prompt encoding runs (``TEXT_PARTS``); () once released
-        (``text_encoders.release_text_encoders``)."""
+        (``release_text_encoders``)."""
         pipe = self.parts.get("pipe")
         if pipe is None:  # sd: no pipeline kept
             return () if self.text_encoder is None else (self.text_encoder,)
@@ -108,27 +114,6 @@ def placement(device: torch.device) -> dict[str, torch.device]:
     the denoiser's activations can use. They visit ``device`` for each encoding
     (``text_encoders_on``), so a new prompt list still encodes at GPU speed."""
     return {"denoiser": device, "vae": device, "text_encoders": torch.device("cpu")}
-
-
-@contextlib.contextmanager
-def text_encoders_on(teacher: Teacher) -> Iterator[None]:
-    """The text encoders on the teacher's device for one prompt encoding, then back home
-    (``placement``), with the GPU memory they held returned to the driver. Nests: only the
-    outermost call moves them."""
-    home = placement(teacher.device)["text_encoders"]
-    mods = teacher.text_encoders
-    if home == teacher.device or any(next(m.parameters()).device != home for m in mods):
-        yield  # nothing to move, or an outer call holds them on the device (and takes them home)
-        return
-    try:
-        for m in mods:
-            m.to(teacher.device)  # .to(device) keeps T5's float32 `wo` as loaded
-        yield
-    finally:
-        for m in mods:
-            m.to(home)
-        if teacher.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -431,3 +416,82 @@ def _load(model: str, cache_dir: Path, device: torch.device, dtype: torch.dtype)
 def _alphas(scheduler) -> torch.Tensor:
     a = getattr(scheduler, "alphas_cumprod", None)
     return torch.empty(0) if a is None else a.detach().to("cpu", torch.float32).clone()
+
+
+# --------------------------------------------------------------------------- text encoders
+
+
+def _names(teacher: Teacher) -> tuple[str, ...]:
+    """The pipeline attributes of the family's text encoders and their tokenizers
+    (``text_encoder_2`` -> ``tokenizer_2``)."""
+    parts = tuple(teacher.adapter.TEXT_PARTS)
+    return parts + tuple(p.replace("text_encoder", "tokenizer") for p in parts)
+
+
+def released(teacher: Teacher) -> bool:
+    """Whether the teacher's text encoders have been released (``release_text_encoders``)."""
+    return teacher.text_encoder is None
+
+
+def _hold(teacher: Teacher, found: dict[str, Any]) -> None:
+    """Point the teacher (and its kept pipeline) at ``found``'s text parts (None: at nothing)."""
+    pipe = teacher.parts.get("pipe")
+    if pipe is not None:
+        for name, part in found.items():
+            if hasattr(pipe, name):
+                setattr(pipe, name, part)
+    # Teacher is frozen (its weights never change): these two fields alone are swapped, here.
+    object.__setattr__(teacher, "text_encoder", found.get("text_encoder"))
+    object.__setattr__(teacher, "tokenizer", found.get("tokenizer"))
+
+
+def release_text_encoders(teacher: Teacher) -> None:
+    """Drop the teacher's text encoders and tokenizers (their host memory is freed once the
+    caller holds no other reference); ``restore_text_encoders`` loads them again."""
+    if released(teacher):
+        return
+    _hold(teacher, dict.fromkeys(_names(teacher)))
+    gc.collect()  # diffusers/transformers modules can sit in reference cycles: free them now
+
+
+def restore_text_encoders(teacher: Teacher) -> None:
+    """Load the released text encoders and tokenizers again from the teacher's folder, in the
+    dtype and place ``load_teacher`` gives them (the same files: the same encodings)."""
+    if not released(teacher):
+        return
+    if teacher.folder is None:
+        raise RuntimeError(
+            f"teacher {teacher.model_id} holds no text encoders (released once its prompts were encoded, "
+            "or built without them) and has no folder to load them from; encode every prompt list "
+            "before Featurizer.encode_then_release, or memoise stand-in encodings"
+        )
+    names, skip, dtype = _names(teacher), (teacher.adapter.DENOISER, "vae"), teacher.dtype
+    home = placement(teacher.device)["text_encoders"]
+    pipe = _from_pretrained(teacher.folder, teacher.model_id, teacher.family, dtype, dtype, skip)
+    found = {name: getattr(pipe, name, None) for name in names}
+    for name in teacher.adapter.TEXT_PARTS:
+        if found.get(name) is not None:
+            found[name].requires_grad_(False).eval().to(home)  # dtypes as loaded (T5's fp32 `wo` kept)
+    _hold(teacher, found)
+    log.info("teacher %s: text encoders loaded again for a new prompt list", teacher.model_id)
+
+
+@contextlib.contextmanager
+def text_encoders_on(teacher: Teacher) -> Iterator[None]:
+    """The text encoders on the teacher's device for one prompt encoding, then back home
+    (``placement``), with the GPU memory they held returned to the driver. Nests: only the
+    outermost call moves them."""
+    home = placement(teacher.device)["text_encoders"]
+    mods = teacher.text_encoders
+    if home == teacher.device or any(next(m.parameters()).device != home for m in mods):
+        yield  # nothing to move, or an outer call holds them on the device (and takes them home)
+        return
+    try:
+        for m in mods:
+            m.to(teacher.device)  # .to(device) keeps T5's float32 `wo` as loaded
+        yield
+    finally:
+        for m in mods:
+            m.to(home)
+        if teacher.device.type == "cuda":
+            torch.cuda.empty_cache()

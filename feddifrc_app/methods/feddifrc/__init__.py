@@ -2,9 +2,9 @@
 (TDCL + NDCR) and the federated basis, plugged in through the methods protocol (``methods``).
 
 - node half (``node.py``): the setup reply (teacher identity, PCA statistics), the train
-  message's half and its loss against the targets (``targets.py``: teacher spec -> features ->
-  basis -> fused targets, in numbered steps; ``store.py``: kept per process and on disk;
-  ``teacher.py``: the teacher's features; ``losses.py``: TDCL and NDCR);
+  message's half and its loss against the targets (``targets.py``: features -> basis -> fused
+  targets, in numbered steps, kept per process and on disk; ``teacher.py``: the teacher's
+  features; ``losses.py``: TDCL and NDCR);
 - server half (``server.py``): teacher checks, the federated basis (``projection.py``; for the
   TDCL-anchors control ``loss.tdcl-targets = "anchors"``, the class anchors too), records for
   every train message, its checkpointed state;

@@ -26,8 +26,7 @@ from feddifrc_app.halves import SETUP_WORK, Batch, Node, NodeHalf
 from feddifrc_app.methods.feddifrc import losses
 from feddifrc_app.methods.feddifrc.projection import ANCHORS, BASIS, STATS, Basis
 from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, self_supervised
-from feddifrc_app.methods.feddifrc.store import TeacherTargets
-from feddifrc_app.methods.feddifrc.targets import Plan, anchored, node_stats, node_targets, plan
+from feddifrc_app.methods.feddifrc.targets import Plan, TeacherTargets, node_stats, node_targets, plan
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ def setup_reply(msg: Message, node: Node, info: ConfigRecord) -> dict[str, Any]:
 def node_half(msg: Message, node: Node) -> FedDifRC:
     """The train message's half: its basis and, under ``loss.tdcl-targets = "anchors"``, the
     anchors, each refused here (before any teacher work) if the config needs it and the message
-    has none."""
+    has none; then the node's plan (the teacher spec resolved, kept for the process)."""
     from feddifrc_app.records import record_to_arrays
 
     basis = Basis.from_arrays(record_to_arrays(msg.content[BASIS])) if BASIS in msg.content else None
@@ -79,14 +78,15 @@ def node_half(msg: Message, node: Node) -> FedDifRC:
         anchors = torch.from_numpy(record_to_arrays(msg.content[ANCHORS])[ANCHORS])
     elif node.cfg.loss.tdcl_targets == "anchors":
         raise ValueError("loss.tdcl-targets = 'anchors' but the server sent no anchors")
-    return FedDifRC(node, basis=basis, anchors=anchors)
+    return FedDifRC(node, basis=basis, anchors=anchors, plan=node_plan(node))
 
 
 class FedDifRC(NodeHalf):
     """CE (unless self-supervised) + TDCL + NDCR against this node's teacher targets.
 
-    ``targets``: prepared ones (tests, benchmarks); else ``start`` prepares them under ``basis``
-    from the received model (``targets.node_targets``, its cost in the reply's metrics).
+    ``targets``: prepared ones (tests, benchmarks); else ``start`` prepares them by ``plan``
+    under ``basis`` from the received model (``targets.node_targets``, its cost in the reply's
+    metrics).
     ``anchors`` (K, D): the server's class anchors, which replace every image's TDCL targets."""
 
     def __init__(
@@ -95,8 +95,9 @@ class FedDifRC(NodeHalf):
         targets: TeacherTargets | None = None,
         basis: Basis | None = None,
         anchors: torch.Tensor | None = None,
+        plan: Plan | None = None,
     ) -> None:
-        self.node, self.targets, self.basis, self.anchors = node, targets, basis, anchors
+        self.node, self.targets, self.basis, self.anchors, self.plan = node, targets, basis, anchors, plan
         self.lc = node.cfg.loss
         self.supervised = not self_supervised(node.cfg)
         self.gen: torch.Generator | None = None
@@ -104,11 +105,15 @@ class FedDifRC(NodeHalf):
     def start(self, model: torch.nn.Module) -> dict[str, float]:
         n, cost = self.node, {}
         if self.targets is None:
-            self.targets, cost = node_targets(node_plan(n), self.basis, model, n.device)
+            if self.plan is None:
+                raise ValueError(
+                    "FedDifRC.start: no targets, and no plan to prepare them (node_half has one)"
+                )
+            self.targets, cost = node_targets(self.plan, self.basis, model, n.device)
             model.train()  # conditioning embeds in eval mode
         self.targets = self.targets.on(n.device, n.ids)
         if self.anchors is not None:  # after ``on``: the (K, D) anchors move, not n copies
-            self.targets = anchored(self.targets, self.anchors)
+            self.targets = self.targets.anchored(self.anchors)
         self.gen = torch.Generator().manual_seed(n.seed)  # negative sampling in TDCL
         return cost
 

@@ -1,6 +1,5 @@
-"""The frozen diffusion targets one client trains against, in numbered steps.
-
-Pipeline for a client's images ``ids`` (dataset indices)::
+"""The frozen diffusion targets one client trains against: what they are, how a node gets them
+(numbered steps) and where they are kept.
 
     pooled per-block teacher features  {block: (n, P, C_b)}   <- feature cache (extract on a miss)
     shared basis (federated PCA from the server / local PCA / random)
@@ -8,38 +7,61 @@ Pipeline for a client's images ``ids`` (dataset indices)::
     TDCL reps = fused[:, :K]           (n, K, D)    the image under each class prompt
     NDCR target = fused[:, -1]         (n, D)       the image under the NDCR prompt
 
-Prompts are ordered: the K class prompts in LABEL order, then the NDCR prompt
-(self-supervised: the positive prompt, the negatives, then the NDCR prompt).
-The pooled features come through ``teacher.py`` (the teacher is loaded lazily, only when the
-cache misses, so a warm cache means no Stable Diffusion load at all). FedDifRC's node half
-(``node.py``) makes one call here per train message, ``node_targets`` of its ``Plan``, which
-reads through ``store`` (this process's memory, the node's disk) before preparing anything.
-The per-batch comparison mode keeps pooled rows (the shards themselves): nothing is stored.
-Checks on the message (a federated basis present) are done once, at the edge: ``node.py``.
+Prompts: the K class prompts in LABEL order, then the NDCR prompt (self-supervised: the positive
+prompt, the negatives, then the NDCR prompt). The node resolves its ``Plan`` once, at the
+message's edge (``node.py``; kept for the process); ``node_targets`` then runs the steps:
+
+    1. the key: everything the targets depend on (``targets_key``);
+    2. this process's memory (``PREPARED``, least recently used first out);
+    3. the node's disk (none in the per-batch mode, which keeps pooled rows);
+    4. else prepared: pooled features (``teacher.py``: the teacher loads only on a feature-cache
+       miss) -> basis -> fusion, kept in memory and on disk;
+    5. ``diffusion.condition = "global-model"``: conditioned on the received model (every round).
+
+On disk, so that a new process (a deployment starts one per message) loads one small file
+instead of re-reading and re-fusing every shard: ``<cache_dir>/targets/<key>.npz``, a verified
+archive (``files.write_verified``, as the feature shards): ``header`` (format, version, key, n,
+``members`` {name: [dtype, shape]}, sha256 over every other member in name order), ``ids``
+(int64, in order), ``prompt_reps`` float32 (n, K, D) and/or ``ndcr`` float32 (n, D), and the
+basis (``basis.*``, ``Basis.to_arrays``). A file that fails any check is logged, never used, and
+rewritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.device import EXTRACTION_THREADS, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats
-from feddifrc_app.diffusion.featurizer import Featurizer
-from feddifrc_app.methods.feddifrc import store
+from feddifrc_app.files import (
+    ArchiveKind,
+    CorruptFile,
+    array_digest,
+    evict,
+    read_verified,
+    write_verified,
+)
 from feddifrc_app.methods.feddifrc.projection import (
     Basis,
     client_stats,
     clip_widths,
     fuse,
+    fuse_per_batch,
     fused_widths,
     local_pca_basis,
     prompt_sums,
@@ -47,7 +69,6 @@ from feddifrc_app.methods.feddifrc.projection import (
     stats_to_arrays,
 )
 from feddifrc_app.methods.feddifrc.rules import self_supervised
-from feddifrc_app.methods.feddifrc.store import TeacherTargets, target_rows
 from feddifrc_app.methods.feddifrc.teacher import (
     FeatureSet,
     TeacherSpec,
@@ -56,6 +77,87 @@ from feddifrc_app.methods.feddifrc.teacher import (
     pooled_features,
     teacher_prompts,
 )
+
+
+@dataclass
+class TeacherTargets:
+    """Frozen diffusion targets for one client's training images.
+
+    ``rows[i]`` is the row of dataset index ``i`` (-1 = not in this client's set).
+    Supervised: ``prompt_reps`` (n, K, D) = the image under each class prompt, ``ndcr`` (n, D).
+    Self-supervised: ``prompt_reps`` (n, 1 + K_neg, D) = positive prompt first, then negatives.
+    ``per_batch`` is the public code's behaviour: pooled per-block features are kept and the
+    PCA is refit on every batch by ``fuse_batch`` (comparison only).
+    """
+
+    rows: torch.Tensor  # int64 (max_index + 1,)
+    prompt_reps: torch.Tensor | None  # float32 (n, K, D)
+    ndcr: torch.Tensor | None  # float32 (n, D)
+    # per-batch mode: ({block: pooled (n, P, C_b)}, widths, K) -> PCA refit on each batch
+    per_batch: tuple[dict[int, np.ndarray], tuple[int, ...], int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.rows, self.prompt_reps, self.ndcr]
+        size = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return size + (sum(a.nbytes for a in self.per_batch[0].values()) if self.per_batch else 0)
+
+    def on(self, device: torch.device, ids: np.ndarray) -> TeacherTargets:
+        """These targets on ``device`` for training on dataset indices ``ids`` (moved once per round,
+        gathered there every step). Every id must have a row (KeyError otherwise): checked here, once,
+        so that ``take`` on a GPU gathers with device-resident indices and no host sync per step."""
+        self._require(torch.as_tensor(np.asarray(ids, dtype=np.int64)))
+        if self.per_batch is not None:  # fused on the CPU every batch: rows stay there
+            return self
+
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return TeacherTargets(move(self.rows), move(self.prompt_reps), move(self.ndcr), self.per_batch)
+
+    def _require(self, idx: torch.Tensor) -> None:
+        rows = self.rows.cpu()
+        if bool((idx >= len(rows)).any()) or bool((rows[idx.clamp(max=len(rows) - 1)] < 0).any()):
+            raise KeyError("a training image has no teacher target (targets built for other indices)")
+
+    def take(self, idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(TDCL representations (B, K, D), NDCR targets (B, D)) of dataset indices ``idx`` (B,),
+        on the targets' device. On the CPU ``idx`` is checked here (free); on a GPU it must be among
+        the ids given to ``on``, which checked them."""
+        if self.rows.device.type == "cpu":
+            self._require(idx.cpu())
+        r = self.rows[idx.to(self.rows.device, non_blocking=True)]
+        if self.per_batch is not None:
+            pooled, widths, k = self.per_batch
+            fused = torch.from_numpy(fuse_per_batch({b: x[r.numpy()] for b, x in pooled.items()}, widths))
+            return fused[:, :k], fused[:, -1]
+        reps = None if self.prompt_reps is None else self.prompt_reps[r]
+        ndcr = None if self.ndcr is None else self.ndcr[r]
+        return reps, ndcr
+
+    def anchored(self, anchors: torch.Tensor) -> TeacherTargets:
+        """These targets with every image's TDCL representations replaced by the ``(K, D)``
+        anchors (a broadcast view: no per-image copy); the NDCR target stays the image's own."""
+        reps = self.prompt_reps
+        if reps is None or self.per_batch is not None:
+            raise ValueError("loss.tdcl-targets = 'anchors' needs static TDCL targets under a shared basis")
+        if anchors.shape != reps.shape[1:]:
+            raise ValueError(
+                f"the server's anchors have shape {tuple(anchors.shape)}, this node's TDCL targets "
+                f"(K, D) = {tuple(reps.shape[1:])}: the nodes run different prompts or widths"
+            )
+        view = anchors.to(reps.device, reps.dtype).expand(reps.shape[0], -1, -1)
+        return TeacherTargets(rows=self.rows, prompt_reps=view, ndcr=self.ndcr)
+
+
+def target_rows(ids: np.ndarray) -> torch.Tensor:
+    """``TeacherTargets.rows``: dataset index -> row in the client's arrays (-1: not this client's)."""
+    rows = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+    rows[torch.as_tensor(ids)] = torch.arange(len(ids))
+    return rows
+
+
+# --------------------------------------------------------------------------- the plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +197,9 @@ def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) ->
     return len(prompts) - 1 if self_supervised(cfg) else num_classes
 
 
+# --------------------------------------------------------------------------- the steps
+
+
 def node_targets(
     p: Plan, server_basis: Basis | None, model: torch.nn.Module, device: torch.device
 ) -> tuple[TeacherTargets, dict[str, float]]:
@@ -112,26 +217,29 @@ def node_targets(
 
 
 def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
-    """A client's static targets, the basis they were fused with and their feature-cache cost:
-
-    1. the key: everything the targets depend on (``store.targets_key``);
-    2. read through the store: this process's memory, else the node's disk (none in the
-       per-batch mode), else
-    3. ``prepare`` them (pooled features, basis, fusion), kept in both.
-    """
-    key = store.targets_key(p.cfg, p.features.key, p.ids, server_basis, p.num_prompts_tdcl)
+    """A client's static targets, the basis they were fused with and their feature-cache cost
+    (every image a hit unless prepared here): steps 1 to 4 of the module's list."""
+    # 1. the key
+    key = targets_key(p.cfg, p.features.key, p.ids, server_basis, p.num_prompts_tdcl)
     kept = p.cfg.diffusion.projection != "per-batch"  # per-batch: pooled rows, fused every batch
     path = p.features.spec.cache_dir / "targets" / f"{key}.npz" if kept else None
-    return store.read_through(key, path, p.ids, lambda: prepare(p, server_basis))
-
-
-def prepare(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
-    """A client's static targets from the feature cache (the teacher only on a miss): its pooled
-    features, the basis it projects with, the fused targets; with the feature-cache cost."""
+    hits = CacheStats(hits=int(np.unique(p.ids).size))
+    # 2. this process's memory
+    if (hit := PREPARED.get(key)) is not None:
+        return *hit, hits
+    # 3. the node's disk
+    if path is not None and (stored := load_stored(path, key, p.ids)) is not None:
+        PREPARED.put(key, stored)
+        return *stored, hits
+    # 4. prepared from the feature cache (the teacher only on a miss), kept in both
     pooled, stats = pooled_features(p.features, p.ids)
     with torch_threads(EXTRACTION_THREADS):  # stored targets serve runs of any train.threads
         basis = client_basis(p.cfg, pooled, server_basis)
-        return build_targets(p, pooled, basis), basis, stats
+        targets = build_targets(p, pooled, basis)
+    PREPARED.put(key, (targets, basis))
+    if path is not None and basis is not None:
+        keep(path, key, p.ids, targets, basis)
+    return targets, basis, stats
 
 
 def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
@@ -178,36 +286,141 @@ def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:
     return arrays, stats
 
 
-def anchored(targets: TeacherTargets, anchors: torch.Tensor) -> TeacherTargets:
-    """``targets`` with every image's TDCL representations replaced by the ``(K, D)`` anchors
-    (a broadcast view: no per-image copy); the NDCR target stays the image's own."""
-    reps = targets.prompt_reps
-    if reps is None or targets.per_batch is not None:
-        raise ValueError("loss.tdcl-targets = 'anchors' needs static TDCL targets under a shared basis")
-    if anchors.shape != reps.shape[1:]:
-        raise ValueError(
-            f"the server's anchors have shape {tuple(anchors.shape)}, this node's TDCL targets "
-            f"(K, D) = {tuple(reps.shape[1:])}: the nodes run different prompts or widths"
+def targets_key(
+    cfg: Config, feature_key: str, ids: np.ndarray, server_basis: Basis | None, num_prompts_tdcl: int
+) -> str:
+    """sha256 of everything a client's prepared targets depend on: the feature key (teacher weights,
+    dtype, prompts, dataset, ...), the basis (the server's by fingerprint, else how it is derived),
+    the client's ids in order, the terms that are kept, the fused widths and the stored format."""
+    d, loss = cfg.diffusion, cfg.loss
+    h = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes())
+    basis_id = server_basis.fingerprint() if server_basis is not None else f"{d.projection}|{cfg.seed}"
+    h.update(
+        f"|{feature_key}|{basis_id}|{num_prompts_tdcl}|{loss.tdcl_weight > 0}|{loss.ndcr_weight > 0}".encode()
+    )
+    h.update(f"|{d.channels}|{cfg.embedding_dim}|{TARGETS_FORMAT}-v{TARGETS_VERSION}|float32".encode())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- memory and disk
+
+
+class _Prepared:
+    """A client's static targets, kept per process and keyed by everything they are computed from.
+
+    A simulation actor serves the same partitions round after round; without this it re-read
+    the client's cached features (at CIFAR-10 scale ~2.5 GB of shards) and fused them every
+    round. Least recently used entries go first once ``budget`` bytes are held. A new process
+    finds them on disk instead (``client_targets``, step 3).
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.items = budget, OrderedDict[str, tuple[TeacherTargets, Basis | None]]()
+
+    def get(self, key: str) -> tuple[TeacherTargets, Basis | None] | None:
+        if key in self.items:
+            self.items.move_to_end(key)
+        return self.items.get(key)
+
+    def put(self, key: str, value: tuple[TeacherTargets, Basis | None]) -> None:
+        self.items[key] = value
+        while len(self.items) > 1 and sum(t.nbytes for t, _ in self.items.values()) > self.budget:
+            self.items.popitem(last=False)
+
+
+PREPARED = _Prepared(budget=2 << 30)
+
+TARGETS_FORMAT = "feddifrc-targets"
+TARGETS_VERSION = 1  # bump when fusion or this layout changes: old files then stop matching any key
+# Bytes of prepared-target files kept per cache folder (a paper-scale CIFAR-10 client: ~110 MB);
+# the least recently used go first, the one just written always stays.
+TARGETS_DISK_BUDGET = 4 << 30
+
+
+def _members(targets: TeacherTargets, ids: np.ndarray, basis: Basis) -> dict[str, np.ndarray]:
+    out = {"ids": ids, **basis.to_arrays()}
+    if targets.prompt_reps is not None:
+        out["prompt_reps"] = targets.prompt_reps.numpy()
+    if targets.ndcr is not None:
+        out["ndcr"] = targets.ndcr.numpy()
+    return out
+
+
+def _digest(members: Mapping[str, np.ndarray]) -> str:
+    return array_digest((f"|{k}|", members[k]) for k in sorted(members))
+
+
+# the header lists every member as {name: [dtype str, shape]}
+TARGETS = ArchiveKind(TARGETS_FORMAT, TARGETS_VERSION, members=itemgetter("members"), digest=_digest)
+
+
+def save_prepared(path: Path, key: str, ids: np.ndarray, targets: TeacherTargets, basis: Basis) -> None:
+    """Write a client's prepared targets to ``path`` atomically (readers see the old file or this one)."""
+    members = _members(targets, ids, basis)
+    listed = {k: [a.dtype.str, list(a.shape)] for k, a in sorted(members.items())}
+    write_verified(path, TARGETS, key, members, {"n": int(len(ids)), "members": listed})
+
+
+def load_prepared(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis]:
+    """The targets ``save_prepared`` wrote for ``key`` and ``ids``; ``CorruptFile`` (the reason)
+    unless every check holds, ``FileNotFoundError`` if there is none."""
+    rows = target_rows(ids)
+    header, members = read_verified(path, TARGETS, key)
+    n = len(ids)
+    if header.get("n") != n or not np.array_equal(members.get("ids"), ids):
+        raise CorruptFile(f"prepared for other images (n = {header.get('n')}, this client has {n})")
+    reps, ndcr = members.get("prompt_reps"), members.get("ndcr")
+    if (reps is None and ndcr is None) or any(a is not None and a.shape[0] != n for a in (reps, ndcr)):
+        raise CorruptFile("no targets, or not one row per image")
+    try:
+        basis = Basis.from_arrays(members)
+    except ValueError as e:
+        raise CorruptFile(f"basis: {e}") from None
+    reps, ndcr = (None if a is None else torch.from_numpy(a) for a in (reps, ndcr))
+    return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr), basis
+
+
+def keep(path: Path, key: str, ids: np.ndarray, targets: TeacherTargets, basis: Basis) -> None:
+    """Step 4's disk copy: written, then the folder held to its budget; a failure is logged (the
+    run does not need the file: the next process prepares them again)."""
+    try:
+        save_prepared(path, key, ids, targets, basis)
+        evict(path.parent, path, TARGETS_DISK_BUDGET, "prepared targets")
+    except OSError as e:
+        log.warning(
+            "prepared targets: could not write %s (%s); a new process will prepare them again", path, e
         )
-    view = anchors.to(reps.device, reps.dtype).expand(reps.shape[0], -1, -1)
-    return TeacherTargets(rows=targets.rows, prompt_reps=view, ndcr=targets.ndcr)
+
+
+def load_stored(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, Basis] | None:
+    """This client's targets from disk, or None when there are none or they do not check (logged)."""
+    try:
+        t0 = time.perf_counter()
+        out = load_prepared(path, key, ids)
+    except FileNotFoundError:
+        return None
+    except CorruptFile as e:
+        log.warning(
+            "prepared targets: %s is invalid (%s); preparing them again from the feature cache", path, e
+        )
+        return None
+    with contextlib.suppress(OSError):  # a read-only cache: eviction may then pick it sooner, no more
+        os.utime(path)  # recently used: eviction keeps it
+    log.info(
+        "prepared targets: loaded %s (%d images) in %.2fs", path.name, len(ids), time.perf_counter() - t0
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- conditioning
 
 
 # What a VAE latent depends on -> {image id: latent (C, h, w)}: ~12 KB per image at 224 px.
 _LATENTS: dict[tuple, dict[int, torch.Tensor]] = {}
 
 
-def _latent_key(feat: Featurizer, data: ImageData) -> tuple:
-    t = feat.teacher
-    return (t.weights_hash, str(t.device), str(t.dtype), feat.resolution, data.fingerprint)
-
-
-def _offset_map(feat: Featurizer, spec: TeacherSpec, dim: int, class_prompts: tuple[str, ...]):
-    """(the FIXED seeded Gaussian projection (D, D_text), the mean norm of the prompt tokens)."""
-    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
-    proj = torch.randn(dim, feat.teacher.text_width, generator=gen) / dim**0.5  # (D, D_text)
-    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
-    return proj, token_norm
+def _latent_key(spec: TeacherSpec, data: ImageData) -> tuple:
+    return (spec.identity.weights_hash, str(spec.device), str(spec.dtype), spec.resolution, data.fingerprint)
 
 
 def conditioned_targets(
@@ -224,19 +437,22 @@ def conditioned_targets(
     """
     t0 = time.perf_counter()
     spec, data, ids = p.features.spec, p.features.data, p.ids
+    # The images are the same every round: their VAE latents are encoded once per process.
+    memo = _LATENTS.setdefault(_latent_key(spec, data), {})
     feat = featurizer(spec)
     k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0
     if k == 0:
         return targets, 0.0
     class_prompts = p.features.prompts[:k]
     feat.encode_then_release(class_prompts)  # the rounds need no text encoder after this
-    # D: the fused width is the student's embedding width
-    proj, token_norm = _offset_map(feat, spec, int(targets.prompt_reps.shape[-1]), class_prompts)
+    # The FIXED seeded Gaussian projection (D, D_text), D the fused (student embedding) width
+    dim = int(targets.prompt_reps.shape[-1])
+    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
+    proj = torch.randn(dim, feat.teacher.text_width, generator=gen) / dim**0.5
+    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
     model.to(device).eval()
     reps = []
     tf = eval_transform(data)
-    # The images are the same every round: their VAE latents are encoded once per process.
-    memo = _LATENTS.setdefault(_latent_key(feat, data), {})
     for s in range(0, len(ids), spec.batch_size):
         chunk = np.asarray(ids[s : s + spec.batch_size])
         imgs = data.images[torch.as_tensor(chunk)]

@@ -20,11 +20,10 @@ needs it every round (``TeacherSpec.resident``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +218,7 @@ _FEATURIZERS: dict[TeacherSpec, Featurizer] = {}
 
 
 def _featurizer(spec: TeacherSpec) -> Featurizer:
+    trained_at = teacher_resolution(spec.model, spec.cache_dir)  # from the folder's marker
     t0 = time.perf_counter()
     teacher = load_teacher(spec.model, spec.cache_dir, spec.device, spec.dtype)
     log.info(
@@ -228,7 +228,6 @@ def _featurizer(spec: TeacherSpec) -> Featurizer:
         time.perf_counter() - t0,
         " (RANDOM weights)" if teacher.random_weights else "",
     )
-    trained_at = teacher_resolution(spec.model, spec.cache_dir)
     if trained_at is not None and trained_at != spec.resolution:
         log.warning(
             "diffusion teacher %s was trained at %d px but diffusion.resolution = %d: its features at "
@@ -280,7 +279,7 @@ _BUILT = [0]
 
 
 def _one_per_teacher(spec: TeacherSpec) -> TeacherSpec:
-    return dataclasses.replace(spec, batch_size=0, resident=False)
+    return replace(spec, batch_size=0, resident=False)
 
 
 def pooled_features(
@@ -298,14 +297,14 @@ def pooled_features(
     node this process serves) loads it again. ``keep=False`` only fills the cache (``feddifrc extract``).
     """
     spec, data = features.spec, features.data
-    store = FeatureStore(spec.cache_dir / "features")
-    store.describe(features.key, features.fields)
 
     def make():
         f = featurizer(spec)
-        f.encode_then_release(features.prompts)  # fixed prompts: the text encoders go (text_encoders.py)
+        f.encode_then_release(features.prompts)  # fixed prompts: the text encoders go (pipeline.py)
         return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
 
+    store = FeatureStore(spec.cache_dir / "features")
+    store.describe(features.key, features.fields)
     extractor = LazyExtractor(
         make, lambda sub: data.images[torch.as_tensor(sub)], features.prompts, spec.batch_size
     )
