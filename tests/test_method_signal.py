@@ -32,7 +32,8 @@ from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.halves import Node
 from feddifrc_app.methods.feddifrc.node import FedDifRC
-from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, client_basis, plan
+from feddifrc_app.methods.feddifrc.projection import client_basis
+from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, plan
 from feddifrc_app.methods.feddifrc.teacher import pooled_features, teacher_prompts, teacher_spec
 from feddifrc_app.model import build_model
 from feddifrc_app.tools.pretrain import PretrainRecipe, pretrain_teacher

@@ -29,7 +29,7 @@ from feddifrc_app.methods import fedprox
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc.node import FedDifRC
 from feddifrc_app.methods.feddifrc.probe import linear_probe
-from feddifrc_app.methods.feddifrc.projection import fuse
+from feddifrc_app.methods.feddifrc.projection import client_basis, fuse
 from feddifrc_app.methods.feddifrc.rules import resolve_cache_dir, uses_diffusion
 from feddifrc_app.methods.feddifrc.targets import TeacherTargets
 from feddifrc_app.methods.feddifrc.teacher import featurizer, pooled_features, teacher_spec
@@ -85,7 +85,7 @@ def ssl(teacher_cache: Path) -> Client:
 
 def targets_for(c: Client, cfg: Config | None = None) -> TeacherTargets:
     cfg = cfg or c.cfg
-    basis = tg.client_basis(cfg, c.pooled, None)
+    basis = client_basis(cfg, c.pooled, None)
     p = tg.plan(cfg, teacher_spec(cfg, Path(cfg.diffusion.cache_dir)), c.data, c.ids)
     assert p.num_prompts_tdcl == (c.data.num_classes if cfg.method == "feddifrc" else len(c.prompts) - 1)
     return tg.build_targets(p, c.pooled, basis)
@@ -412,7 +412,7 @@ def test_teacher_targets_take_maps_rows_and_rejects_foreign_indices(sup: Client)
         sup.cfg.diffusion.prompt_template.format(c) for c in sup.data.class_names
     )
     assert torch.equal(t.rows[torch.as_tensor(sup.ids)], torch.arange(len(sup.ids)))
-    fused = fuse(sup.pooled, tg.client_basis(sup.cfg, sup.pooled, None))  # (10, 11, 512)
+    fused = fuse(sup.pooled, client_basis(sup.cfg, sup.pooled, None))  # (10, 11, 512)
     assert np.array_equal(t.prompt_reps.numpy(), fused[:, :10]) and np.array_equal(
         t.ndcr.numpy(), fused[:, 10]
     )

@@ -17,6 +17,8 @@ Bases (``diffusion.projection``):
 - ``per-batch``: :func:`fuse_per_batch`, the FedDifRC public code's PCA refit on every
   batch (features of different batches land in different coordinates), on pooled rows.
 
+A client picks its basis by the run config: :func:`client_basis`.
+
 The class anchors of the TDCL-anchors control (``loss.tdcl-targets = "anchors"``) are fused
 means under the federated basis: :func:`prompt_sums` (a node's share), :func:`class_anchors`.
 
@@ -28,9 +30,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from feddifrc_app.config import Config
 
 # What travels in FedDifRC's messages (record names)
 STATS = "pca-stats"  # node -> server, setup reply: stats_to_arrays (+ prompt_sums with the anchors)
@@ -365,6 +371,21 @@ def random_basis(
         means.append(np.zeros(c, dtype=np.float32))
         comps.append(np.ascontiguousarray(q * d, dtype=np.float32))
     return Basis(mode="random", blocks=blocks, means=tuple(means), components=tuple(comps))
+
+
+def client_basis(cfg: Config, pooled: Mapping[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
+    """The basis a client projects with under ``diffusion.projection`` (the server's under
+    ``federated-pca``, which the node half requires of the message); None for ``per-batch``."""
+    d = cfg.diffusion
+    chans = [pooled[b].shape[-1] for b in d.blocks]
+    widths = fused_widths(d.channels, chans, cfg.embedding_dim)
+    if d.projection == "federated-pca":
+        return server_basis
+    if d.projection == "local-pca":
+        return local_pca_basis(pooled, widths, d.blocks)
+    if d.projection == "random":
+        return random_basis(chans, widths, d.blocks, seed=cfg.seed)
+    return None  # per-batch
 
 
 # --------------------------------------------------------------------------- fusion

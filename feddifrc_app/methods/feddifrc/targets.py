@@ -58,14 +58,12 @@ from feddifrc_app.files import (
 )
 from feddifrc_app.methods.feddifrc.projection import (
     Basis,
+    client_basis,
     client_stats,
     clip_widths,
     fuse,
     fuse_per_batch,
-    fused_widths,
-    local_pca_basis,
     prompt_sums,
-    random_basis,
     stats_to_arrays,
 )
 from feddifrc_app.methods.feddifrc.rules import self_supervised
@@ -240,21 +238,6 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
     if path is not None and basis is not None:
         keep(path, key, p.ids, targets, basis)
     return targets, basis, stats
-
-
-def client_basis(cfg: Config, pooled: dict[int, np.ndarray], server_basis: Basis | None) -> Basis | None:
-    """The basis this client projects with (the server's under ``federated-pca``, which the node
-    half requires of the message); None for the public code's per-batch refit."""
-    d = cfg.diffusion
-    chans = [pooled[b].shape[-1] for b in d.blocks]
-    widths = fused_widths(d.channels, chans, cfg.embedding_dim)
-    if d.projection == "federated-pca":
-        return server_basis
-    if d.projection == "local-pca":
-        return local_pca_basis(pooled, widths, d.blocks)
-    if d.projection == "random":
-        return random_basis(chans, widths, d.blocks, seed=cfg.seed)
-    return None  # per-batch
 
 
 def build_targets(p: Plan, pooled: dict[int, np.ndarray], basis: Basis | None) -> TeacherTargets:
