@@ -5,9 +5,11 @@ Setup query: the node names its teacher (the server checks that every node runs 
 weights) and, when the query asks for the setup work (``halves.SETUP_WORK``), sends the
 sufficient statistics of its pooled teacher features for the federated basis (and, for
 ``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``projection.prompt_sums``). Train
-message: the message is checked here, once (``node_half``); ``FedDifRC.start`` prepares the
-node's targets under the message's basis with one call (``targets.node_targets``), then every
-step's loss is CE (none when self-supervised) + TDCL + NDCR against them.
+message: the message is checked here, once, and the node's plan resolved (``node_half``: the
+teacher spec, prompts and feature-cache key, kept for the process); ``FedDifRC.start`` prepares
+the node's targets by that plan under the message's basis with one call
+(``targets.node_targets``), then every step's loss is CE (none when self-supervised) + TDCL +
+NDCR against them.
 
 Flower-free at import, as ``train.py``: a tool or benchmark runs ``FedDifRC`` without Flower
 installed (``benchmarks/gpu_check.py``); the message side imports Flower's records when it runs.
