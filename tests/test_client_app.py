@@ -414,7 +414,7 @@ def test_conditioned_targets_depend_on_the_global_model(teacher_cache: Path, bas
     p = tg.plan(cfg, teacher_spec(cfg, teacher_cache), data, ids)
     features = p.features
     pooled, _ = pooled_features(features, ids)
-    static = tg.build_targets(p, pooled, basis)
+    static, _ = tg.build_targets(p, pooled, basis)
     out = {}
     for seed in (0, 1):
         model = build_model("resnet10", 10)

@@ -32,7 +32,6 @@ from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.registry import load_dataset
 from feddifrc_app.halves import Node
 from feddifrc_app.methods.feddifrc.node import FedDifRC
-from feddifrc_app.methods.feddifrc.projection import client_basis
 from feddifrc_app.methods.feddifrc.targets import TeacherTargets, build_targets, plan
 from feddifrc_app.methods.feddifrc.teacher import pooled_features, teacher_prompts, teacher_spec
 from feddifrc_app.model import build_model
@@ -58,7 +57,7 @@ def _last_epoch_tdcl(cfg, data, ids: np.ndarray, targets: TeacherTargets) -> flo
 def _targets(cfg, cache: Path, data, ids: np.ndarray) -> TeacherTargets:
     p = plan(cfg, teacher_spec(cfg, cache), data, ids)
     pooled, _ = pooled_features(p.features, ids)
-    return build_targets(p, pooled, client_basis(cfg, pooled, None))
+    return build_targets(p, pooled, None)[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,13 @@ from conftest import PLUMBING, ROOT, make_config
 from feddifrc_app.diffusion.family import (
     MID_BLOCK,
     FamilyError,
-    check_layers,
+    family_module,
     layer_module,
     map_sides,
     pool_map,
     pool_tokens,
 )
+from feddifrc_app.diffusion.featurizer import check_layers
 from feddifrc_app.methods.feddifrc.teacher import teacher_spec
 
 # --------------------------------------------------------------------------- grids by hand
@@ -60,7 +61,7 @@ def test_dit_tokens_are_pooled_on_their_patch_grid() -> None:
 @pytest.mark.parametrize("family", ["pixart", "sd3"])
 def test_a_dit_has_no_mid_block(family: str, teacher_cache: Path) -> None:
     with pytest.raises(FamilyError, match=r"it has no mid-block \(-1\)"):
-        check_layers((MID_BLOCK, 1), 8, family, mid=False)
+        check_layers((MID_BLOCK, 1), 8, family, family_module(family), mid=False)
     cfg = make_config(
         **{"diffusion.model": f"tiny-{family}", "diffusion.blocks": "-1,1,2", "diffusion.device": "cpu"}
     )
@@ -72,10 +73,10 @@ def test_unet_families_accept_the_mid_block(teacher_cache: Path) -> None:
     for model, blocks in (("tiny", "-1,1,2"), ("tiny-sdxl", "-1,0,1")):
         cfg = make_config(**{"diffusion.model": model, "diffusion.blocks": blocks, "diffusion.device": "cpu"})
         assert teacher_spec(cfg, teacher_cache).blocks[0] == MID_BLOCK
-    assert check_layers((MID_BLOCK, 3), 4, "sd", mid=True) == (-1, 3)
+    assert check_layers((MID_BLOCK, 3), 4, "sd", family_module("sd"), mid=True) == (-1, 3)
     mid_range = r"unet.up_blocks indices in 0..3 for this sd teacher \(it has 4; -1 is its mid-block\)"
     with pytest.raises(FamilyError, match=mid_range):
-        check_layers((MID_BLOCK, 4), 4, "sd", mid=True)
+        check_layers((MID_BLOCK, 4), 4, "sd", family_module("sd"), mid=True)
 
 
 # --------------------------------------------------------------------------- map sizes, before any work

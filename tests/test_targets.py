@@ -49,7 +49,7 @@ def _client(cache: Path, **over):
 def _prepare(cache: Path, cfg, data, ids, prompts, k, basis=None):
     p = tg.plan(cfg, teacher_spec(cfg, cache), data, ids)
     assert (p.features.prompts, p.num_prompts_tdcl) == (prompts, k)
-    return tg.client_targets(p, basis)
+    return tg.client_targets(p, p.key(basis), basis)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +242,8 @@ def test_node_targets_are_client_targets_plus_their_cost(prepared) -> None:
     cache, client, first, basis, _ = prepared
     cfg, data, ids, _, _ = client
     model, cpu = torch.nn.Linear(1, 1), torch.device("cpu")  # no model-conditioned targets here
-    targets, metrics = tg.node_targets(tg.plan(cfg, teacher_spec(cfg, cache), data, ids), None, model, cpu)
+    p = tg.plan(cfg, teacher_spec(cfg, cache), data, ids)
+    targets, metrics = tg.node_targets(p, p.key(None), None, None, model, cpu)
     assert torch.equal(targets.prompt_reps, first.prompt_reps) and torch.equal(targets.ndcr, first.ndcr)
     assert set(metrics) == {"teacher-seconds", "teacher-cache-misses"}
     assert metrics["teacher-cache-misses"] == 0

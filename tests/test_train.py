@@ -85,10 +85,9 @@ def ssl(teacher_cache: Path) -> Client:
 
 def targets_for(c: Client, cfg: Config | None = None) -> TeacherTargets:
     cfg = cfg or c.cfg
-    basis = client_basis(cfg, c.pooled, None)
     p = tg.plan(cfg, teacher_spec(cfg, Path(cfg.diffusion.cache_dir)), c.data, c.ids)
     assert p.num_prompts_tdcl == (c.data.num_classes if cfg.method == "feddifrc" else len(c.prompts) - 1)
-    return tg.build_targets(p, c.pooled, basis)
+    return tg.build_targets(p, c.pooled, None)[0]
 
 
 def fresh_model(seed: int = 0) -> torch.nn.Module:

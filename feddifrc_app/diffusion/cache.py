@@ -153,7 +153,7 @@ def cached_pooled_features(
         raise ValueError("chunk must be >= 1")
     stats, corrupt0 = CacheStats(), store.corrupt_seen
     uniq = np.unique(ids)
-    found, missing = store.load(key, uniq) if keep else (None, store.missing(key, uniq))
+    found, missing = store.load(key, uniq, rows=keep)
     stats.hits = int(uniq.size - missing.size)
     job = _Job(
         store=store,
@@ -182,7 +182,7 @@ def cached_pooled_features(
 def _read_meanwhile(job: _Job, missing: np.ndarray) -> np.ndarray:
     """The ids still missing once the claim is ours; rows another process stored are read."""
     store, key = job.store, job.key
-    again, still = store.load(key, missing) if job.keep else (None, store.missing(key, missing))
+    again, still = store.load(key, missing, rows=job.keep)
     done = np.setdiff1d(missing, still)
     if done.size:
         log.info("%s: %d images were extracted by another process meanwhile; read", job.desc, done.size)

@@ -221,24 +221,6 @@ def check_maps(folder: Path, family: str, blocks: tuple[int, ...], resolution: i
         )
 
 
-def check_layers(layers: tuple[int, ...], n: int, family: str, mid: bool = False) -> tuple[int, ...]:
-    """``layers`` if they are distinct indices of the model's ``n`` layers (or ``MID_BLOCK`` when
-    ``mid``: the model has a mid-block), else a FamilyError that names the valid range and the
-    family's default."""
-    mod = family_module(family)
-    layers = tuple(int(b) for b in layers)
-    ok = lambda b: 0 <= b < n or (b == MID_BLOCK and mid)  # noqa: E731
-    if not layers or len(set(layers)) != len(layers) or not all(ok(b) for b in layers):
-        default = ",".join(map(str, mod.default_layers(n)))
-        has = f"{n}; {MID_BLOCK} is its mid-block" if mid else str(n)
-        none = f"; it has no mid-block ({MID_BLOCK})" if MID_BLOCK in layers and not mid else ""
-        raise FamilyError(
-            f"diffusion.blocks {layers} must be distinct {mod.LAYER_NAME} indices in 0..{n - 1} for this "
-            f"{family} teacher (it has {has}); its default is '{default}'{none}"
-        )
-    return layers
-
-
 def layer_module(denoiser, mod: ModuleType, b: int):
     """The module whose output is layer ``b``'s feature: ``LAYER_ATTR[b]``, or the mid-block."""
     return getattr(denoiser, mod.MID_ATTR) if b == MID_BLOCK else getattr(denoiser, mod.LAYER_ATTR)[b]

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from feddifrc_app.diffusion.dit_features import Reader
-from feddifrc_app.diffusion.family import MID_BLOCK, Conditioning, check_layers, encode_image, layer_module
+from feddifrc_app.diffusion.family import MID_BLOCK, Conditioning, FamilyError, encode_image, layer_module
 from feddifrc_app.diffusion.pipeline import (
     Teacher,
     release_text_encoders,
@@ -41,7 +42,7 @@ from feddifrc_app.diffusion.sd import (
 )  # SD's CLIP encoding (pretrain, benchmarks)
 from feddifrc_app.diffusion.speed import Shortcuts
 
-__all__ = ["Featurizer", "encode_prompts", "noise_seed", "to_unit_range"]
+__all__ = ["Featurizer", "check_layers", "encode_prompts", "noise_seed", "to_unit_range"]
 
 _PROMPT_MEMO = 64  # prompt tuples kept per Featurizer
 
@@ -73,6 +74,26 @@ def noise_seed(seed: int, image_id: int, draw: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def check_layers(
+    layers: tuple[int, ...], n: int, family: str, adapter: ModuleType, mid: bool = False
+) -> tuple[int, ...]:
+    """``layers`` if they are distinct indices of the model's ``n`` layers (or ``MID_BLOCK`` when
+    ``mid``: the model has a mid-block), else a FamilyError that names the valid range and the
+    family's default (``adapter``: the family's module, ``family.family_module``). The featurizer
+    hooks them; ``teacher.check_folder`` checks a run's before any network is built."""
+    layers = tuple(int(b) for b in layers)
+    ok = lambda b: 0 <= b < n or (b == MID_BLOCK and mid)  # noqa: E731
+    if not layers or len(set(layers)) != len(layers) or not all(ok(b) for b in layers):
+        default = ",".join(map(str, adapter.default_layers(n)))
+        has = f"{n}; {MID_BLOCK} is its mid-block" if mid else str(n)
+        none = f"; it has no mid-block ({MID_BLOCK})" if MID_BLOCK in layers and not mid else ""
+        raise FamilyError(
+            f"diffusion.blocks {layers} must be distinct {adapter.LAYER_NAME} indices in 0..{n - 1} for "
+            f"this {family} teacher (it has {has}); its default is '{default}'{none}"
+        )
+    return layers
+
+
 class _StopUNet(Exception):
     """Raised by the last needed hook to skip the rest of the UNet."""
 
@@ -100,7 +121,7 @@ class Featurizer:
         adapter = teacher.adapter
         n, mid = len(getattr(teacher.unet, adapter.LAYER_ATTR)), getattr(adapter, "MID_ATTR", None)
         blocks = check_layers(
-            blocks, n, teacher.family, mid=getattr(teacher.unet, mid or "", None) is not None
+            blocks, n, teacher.family, adapter, mid=getattr(teacher.unet, mid or "", None) is not None
         )
         if int(pool_grid) < 0:
             raise ValueError(f"pool_grid {pool_grid} must be >= 0 (0 = the mean over the map)")

@@ -246,71 +246,54 @@ class FeatureStore:
             log.warning("feature cache: %s is invalid (%s); its entries will be recomputed", path, e)
             return None
 
-    def load(self, key: str, ids: Any) -> tuple[dict[int, np.ndarray] | None, np.ndarray]:
+    def load(
+        self, key: str, ids: Any, *, rows: bool = True
+    ) -> tuple[dict[int, np.ndarray] | None, np.ndarray]:
         """Cached features of ``ids``: ``(feats, missing)``.
 
         ``feats`` = ``{block: float16 (m, P, C_b)}`` for the ids that were found,
         in the order they appear in ``ids`` (i.e. ``ids[~np.isin(ids,
-        missing)]``), or None when none was found. ``missing`` = the sorted
-        unique ids without a valid entry. Invalid shards are logged and count
-        as missing; load never modifies the store.
+        missing)]``), or None when none was found (always None for ``rows=False``: only
+        ``missing`` is wanted). ``missing`` = the sorted unique ids without a valid entry.
+        Invalid shards are logged and count as missing; load never modifies the store.
         """
         ids = as_indices(ids, "ids")
         uniq = np.unique(ids)
-        if uniq.size == 0:
-            return None, uniq
         found_rows: dict[int, list[np.ndarray]] = {}
         found_ids: list[np.ndarray] = []
         ref: dict[int, tuple[int, ...]] | None = None
         shard_of = uniq // self.shard_size
         for sh in np.unique(shard_of):
-            want = uniq[shard_of == sh]
-            s = self._read(key, int(sh))
-            if s is None:
-                continue
-            shapes = {b: a.shape[1:] for b, a in s.blocks.items()}
-            if ref is None:
-                ref = shapes
-            elif shapes != ref:
-                self.corrupt_seen += 1
-                log.warning(
-                    "feature cache: %s holds blocks/shapes %s unlike the other shards %s; ignored",
-                    self.shard_path(key, int(sh)),
-                    shapes,
-                    ref,
-                )
-                continue
-            pos = np.searchsorted(s.ids, want)
-            pos_c = np.minimum(pos, len(s.ids) - 1)
-            hit = s.ids[pos_c] == want
-            if not hit.any():
-                continue
-            found_ids.append(want[hit])
-            for b, a in s.blocks.items():
-                found_rows.setdefault(b, []).append(a[pos_c[hit]])
-        if not found_ids:
-            return None, uniq
-        fid = np.concatenate(found_ids)  # sorted (shards ascending, ids ascending within)
-        missing = np.setdiff1d(uniq, fid, assume_unique=True)
-        order = np.searchsorted(fid, ids[np.isin(ids, fid)])
-        feats = {b: np.concatenate(rows)[order] for b, rows in sorted(found_rows.items())}
-        return feats, missing
-
-    def missing(self, key: str, ids: Any) -> np.ndarray:
-        """Sorted unique ``ids`` without a valid entry (verifies the shards, keeps no features)."""
-        uniq = np.unique(as_indices(ids, "ids"))
-        have: list[np.ndarray] = []
-        ref = None
-        shard_of = uniq // self.shard_size
-        for sh in np.unique(shard_of):
-            s = self._read(key, int(sh))
+            want, s = uniq[shard_of == sh], self._read(key, int(sh))
             if s is None:
                 continue
             shapes = {b: a.shape[1:] for b, a in s.blocks.items()}
             ref = shapes if ref is None else ref
-            if shapes == ref:
-                have.append(s.ids)
-        return np.setdiff1d(uniq, np.concatenate(have)) if have else uniq
+            if shapes != ref:
+                if rows:  # ``missing`` passes over such a shard without a word
+                    self.corrupt_seen += 1
+                    log.warning(
+                        "feature cache: %s holds blocks/shapes %s unlike the other shards %s; ignored",
+                        self.shard_path(key, int(sh)),
+                        shapes,
+                        ref,
+                    )
+                continue
+            pos_c = np.minimum(np.searchsorted(s.ids, want), len(s.ids) - 1)
+            hit = s.ids[pos_c] == want
+            found_ids.append(want[hit])
+            for b, a in s.blocks.items() if rows else ():
+                found_rows.setdefault(b, []).append(a[pos_c[hit]])
+        fid = np.concatenate(found_ids) if found_ids else uniq[:0]  # sorted: shards, then ids ascending
+        missing = np.setdiff1d(uniq, fid, assume_unique=True)
+        if not rows or not fid.size:
+            return None, missing
+        order = np.searchsorted(fid, ids[np.isin(ids, fid)])
+        return {b: np.concatenate(r)[order] for b, r in sorted(found_rows.items())}, missing
+
+    def missing(self, key: str, ids: Any) -> np.ndarray:
+        """Sorted unique ``ids`` without a valid entry (verifies the shards, keeps no features)."""
+        return self.load(key, ids, rows=False)[1]
 
     # ---- writing
 

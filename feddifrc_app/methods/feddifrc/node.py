@@ -6,10 +6,10 @@ weights) and, when the query asks for the setup work (``halves.SETUP_WORK``), se
 sufficient statistics of its pooled teacher features for the federated basis (and, for
 ``loss.tdcl-targets = "anchors"``, its per-prompt sums: ``projection.prompt_sums``). Train
 message: the message is checked here, once, and the node's plan resolved (``node_half``: the
-teacher spec, prompts and feature-cache key, kept for the process); ``FedDifRC.start`` prepares
-the node's targets by that plan under the message's basis with one call
-(``targets.node_targets``), then every step's loss is CE (none when self-supervised) + TDCL +
-NDCR against them.
+teacher spec, prompts and feature-cache key, kept for the process) and, with the message's
+basis, the targets' key (``FedDifRC``); ``FedDifRC.start`` prepares the node's targets by that
+plan under the message's basis and anchors with one call (``targets.node_targets``), then every
+step's loss is CE (none when self-supervised) + TDCL + NDCR against them.
 
 Flower-free at import, as ``train.py``: a tool or benchmark runs ``FedDifRC`` without Flower
 installed (``benchmarks/gpu_check.py``); the message side imports Flower's records when it runs.
@@ -87,9 +87,10 @@ class FedDifRC(NodeHalf):
     """CE (unless self-supervised) + TDCL + NDCR against this node's teacher targets.
 
     ``targets``: prepared ones (tests, benchmarks); else ``start`` prepares them by ``plan``
-    under ``basis`` from the received model (``targets.node_targets``, its cost in the reply's
-    metrics).
-    ``anchors`` (K, D): the server's class anchors, which replace every image's TDCL targets."""
+    under ``basis`` and ``anchors`` from the received model (``targets.node_targets``, its cost in
+    the reply's metrics).
+    ``anchors`` (K, D): the server's class anchors, which replace every image's TDCL targets (of
+    a plan's targets: prepared ones are taken as they are given)."""
 
     def __init__(
         self,
@@ -99,7 +100,11 @@ class FedDifRC(NodeHalf):
         anchors: torch.Tensor | None = None,
         plan: Plan | None = None,
     ) -> None:
+        if anchors is not None and plan is None:
+            raise ValueError("FedDifRC: anchors replace the targets of a plan (node_half gives one)")
         self.node, self.targets, self.basis, self.anchors, self.plan = node, targets, basis, anchors, plan
+        # The targets' key, resolved with the message (the basis fingerprinted once, here).
+        self.key = None if plan is None else plan.key(basis)
         self.lc = node.cfg.loss
         self.supervised = not self_supervised(node.cfg)
         self.gen: torch.Generator | None = None
@@ -111,11 +116,9 @@ class FedDifRC(NodeHalf):
                 raise ValueError(
                     "FedDifRC.start: no targets, and no plan to prepare them (node_half has one)"
                 )
-            self.targets, cost = node_targets(self.plan, self.basis, model, n.device)
+            self.targets, cost = node_targets(self.plan, self.key, self.basis, self.anchors, model, n.device)
             model.train()  # conditioning embeds in eval mode
-        self.targets = self.targets.on(n.device, n.ids)
-        if self.anchors is not None:  # after ``on``: the (K, D) anchors move, not n copies
-            self.targets = self.targets.anchored(self.anchors)
+        self.targets = self.targets.on(n.device, n.ids)  # anchored: the (K, D) anchors move, not n copies
         self.gen = torch.Generator().manual_seed(n.seed)  # negative sampling in TDCL
         return cost
 

@@ -9,14 +9,17 @@
 
 Prompts: the K class prompts in LABEL order, then the NDCR prompt (self-supervised: the positive
 prompt, the negatives, then the NDCR prompt). The node resolves its ``Plan`` once, at the
-message's edge (``node.py``; kept for the process); ``node_targets`` then runs the steps:
+message's edge (``node.py``; kept for the process), and there, with the message's basis, the
+targets' key; ``node_targets`` then runs the steps:
 
-    1. the key: everything the targets depend on (``targets_key``);
+    1. the key: everything the targets depend on (``targets_key``, resolved at the edge);
     2. this process's memory (``PREPARED``, least recently used first out);
     3. the node's disk (none in the per-batch mode, which keeps pooled rows);
     4. else prepared: pooled features (``teacher.py``: the teacher loads only on a feature-cache
        miss) -> basis -> fusion, kept in memory and on disk;
-    5. ``diffusion.condition = "global-model"``: conditioned on the received model (every round).
+    5. the message's own: the server's anchors (``loss.tdcl-targets = "anchors"``) in place of the
+       TDCL targets, or (``diffusion.condition = "global-model"``) conditioned on the received
+       model, every round.
 
 On disk, so that a new process (a deployment starts one per message) loads one small file
 instead of re-reading and re-fusing every shard: ``<cache_dir>/targets/<key>.npz``, a verified
@@ -109,6 +112,8 @@ class TeacherTargets:
             return self
 
         def move(t):
+            if t is not None and t.dim() == 3 and t.stride(0) == 0:  # anchored: one (K, D) block moves
+                return t[0].to(device).expand_as(t)
             return None if t is None else t.to(device)
 
         return TeacherTargets(move(self.rows), move(self.prompt_reps), move(self.ndcr), self.per_batch)
@@ -169,6 +174,10 @@ class Plan:
     ids: np.ndarray  # int64 dataset indices
     num_prompts_tdcl: int
 
+    def key(self, server_basis: Basis | None) -> str:
+        """The key of this node's targets under ``server_basis`` (``targets_key``)."""
+        return targets_key(self.cfg, self.features.key, self.ids, server_basis, self.num_prompts_tdcl)
+
 
 # A simulation actor serves many nodes' messages of one run: each node's plan is resolved once.
 _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
@@ -199,14 +208,23 @@ def num_prompts_tdcl(cfg: Config, num_classes: int, prompts: tuple[str, ...]) ->
 
 
 def node_targets(
-    p: Plan, server_basis: Basis | None, model: torch.nn.Module, device: torch.device
+    p: Plan,
+    key: str,
+    server_basis: Basis | None,
+    anchors: torch.Tensor | None,
+    model: torch.nn.Module,
+    device: torch.device,
 ) -> tuple[TeacherTargets, dict[str, float]]:
-    """This node's targets in a train message (``client_targets``, then conditioned on the received
-    ``model`` when ``diffusion.condition = "global-model"``: every round, never stored), and their
-    cost as reply metrics (``teacher-seconds``, ``teacher-cache-misses``, ``condition-seconds``)."""
+    """This node's targets under ``key`` (``targets_key``) in a train message (``client_targets``),
+    then step 5, this message's own (never stored): with the server's ``anchors`` in place of the
+    TDCL targets (``TeacherTargets.anchored``), or conditioned on the received ``model`` when
+    ``diffusion.condition = "global-model"`` (the rules allow one of them at most); and their cost
+    as reply metrics (``teacher-seconds``, ``teacher-cache-misses``, ``condition-seconds``)."""
     t0 = time.perf_counter()
-    targets, basis, stats = client_targets(p, server_basis)
+    targets, basis, stats = client_targets(p, key, server_basis)
     metrics: dict[str, float] = {}
+    if anchors is not None:
+        targets = targets.anchored(anchors)
     if p.cfg.diffusion.condition == "global-model":
         targets, metrics["condition-seconds"] = conditioned_targets(p, targets, basis, model, device)
     metrics["teacher-seconds"] = time.perf_counter() - t0
@@ -214,11 +232,11 @@ def node_targets(
     return targets, metrics
 
 
-def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets, Basis | None, CacheStats]:
-    """A client's static targets, the basis they were fused with and their feature-cache cost
-    (every image a hit unless prepared here): steps 1 to 4 of the module's list."""
-    # 1. the key
-    key = targets_key(p.cfg, p.features.key, p.ids, server_basis, p.num_prompts_tdcl)
+def client_targets(
+    p: Plan, key: str, server_basis: Basis | None
+) -> tuple[TeacherTargets, Basis | None, CacheStats]:
+    """A client's static targets under ``key`` (step 1, ``targets_key``), the basis they were
+    fused with and their feature-cache cost (every image a hit unless prepared here): steps 2 to 4."""
     kept = p.cfg.diffusion.projection != "per-batch"  # per-batch: pooled rows, fused every batch
     path = p.features.spec.cache_dir / "targets" / f"{key}.npz" if kept else None
     hits = CacheStats(hits=int(np.unique(p.ids).size))
@@ -232,30 +250,29 @@ def client_targets(p: Plan, server_basis: Basis | None) -> tuple[TeacherTargets,
     # 4. prepared from the feature cache (the teacher only on a miss), kept in both
     pooled, stats = pooled_features(p.features, p.ids)
     with torch_threads(EXTRACTION_THREADS):  # stored targets serve runs of any train.threads
-        basis = client_basis(p.cfg, pooled, server_basis)
-        targets = build_targets(p, pooled, basis)
+        targets, basis = build_targets(p, pooled, server_basis)
     PREPARED.put(key, (targets, basis))
     if path is not None and basis is not None:
         keep(path, key, p.ids, targets, basis)
     return targets, basis, stats
 
 
-def build_targets(p: Plan, pooled: dict[int, np.ndarray], basis: Basis | None) -> TeacherTargets:
-    """Fuse once with the shared basis (or keep pooled rows for the per-batch comparison mode)."""
+def build_targets(
+    p: Plan, pooled: dict[int, np.ndarray], server_basis: Basis | None
+) -> tuple[TeacherTargets, Basis | None]:
+    """The client's basis (``projection.client_basis``) and its targets fused once with it (or
+    pooled rows kept for the per-batch comparison mode, which has no basis)."""
     cfg, k = p.cfg, p.num_prompts_tdcl
     rows = target_rows(p.ids)
+    basis = client_basis(cfg, pooled, server_basis)
     if cfg.diffusion.projection == "per-batch":
         widths = clip_widths(cfg.diffusion.channels, [pooled[b].shape[-1] for b in cfg.diffusion.blocks])
-        return TeacherTargets(
-            rows=rows,
-            prompt_reps=None,
-            ndcr=None,
-            per_batch=({b: pooled[b] for b in cfg.diffusion.blocks}, widths, k),
-        )
+        per_batch = ({b: pooled[b] for b in cfg.diffusion.blocks}, widths, k)
+        return TeacherTargets(rows=rows, prompt_reps=None, ndcr=None, per_batch=per_batch), basis
     fused = torch.from_numpy(fuse(pooled, basis))  # (n, P, D)
     reps = fused[:, :k].contiguous() if cfg.loss.tdcl_weight > 0 else None
     ndcr = fused[:, -1].contiguous() if cfg.loss.ndcr_weight > 0 else None
-    return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr)
+    return TeacherTargets(rows=rows, prompt_reps=reps, ndcr=ndcr), basis
 
 
 def node_stats(p: Plan) -> tuple[dict[str, np.ndarray], CacheStats]:

@@ -20,9 +20,10 @@ needs it every round (``TeacherSpec.resident``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,13 @@ from feddifrc_app.device import EXTRACTION_THREADS, resolve_device, resolve_dtyp
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
 from feddifrc_app.diffusion.dit_features import check_mode
 from feddifrc_app.diffusion.family import (
-    check_layers,
     check_maps,
     family_module,
     has_mid_block,
     layer_count,
     vae_dtype,
 )
-from feddifrc_app.diffusion.featurizer import Featurizer
+from feddifrc_app.diffusion.featurizer import Featurizer, check_layers
 from feddifrc_app.diffusion.pipeline import (
     TeacherIdentity,
     load_teacher,
@@ -142,7 +142,8 @@ def check_folder(d: DiffusionConfig, identity: TeacherIdentity) -> None:
     the input size and grid (``diffusion.resolution``, ``diffusion.pool-grid``): a FamilyError
     naming the key. ``teacher_spec`` and ``feddifrc fetch`` run it."""
     folder, family = identity.folder, identity.family
-    check_layers(d.blocks, layer_count(folder, family), family, mid=has_mid_block(folder, family))
+    mid = has_mid_block(folder, family)
+    check_layers(d.blocks, layer_count(folder, family), family, family_module(family), mid=mid)
     check_mode(d.dit_features, family, family_module(family))
     check_maps(folder, family, d.blocks, d.resolution, d.pool_grid if d.pooling == "grid" else 0)
 
@@ -282,6 +283,30 @@ def _one_per_teacher(spec: TeacherSpec) -> TeacherSpec:
     return replace(spec, batch_size=0, resident=False)
 
 
+@contextlib.contextmanager
+def _lent(features: FeatureSet) -> Iterator[Callable[[], Callable[..., Any]]]:
+    """The teacher for one extraction, whole: ``make()`` builds it on the first miss (its text
+    encoders go once the fixed prompts are encoded, ``pipeline.py``); after a cold extraction it is
+    released (as ``release``) unless ``spec.resident``, and torch's allocator cache emptied."""
+    spec, made = features.spec, []
+
+    def make():
+        f = featurizer(spec)
+        f.encode_then_release(features.prompts)
+        made.append(f)
+        return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
+
+    yield make
+    cold = bool(made)
+    made.clear()  # the memo must be the featurizer's only holder when it is released
+    if cold and not spec.resident:  # the rounds read the cache; only global-model conditioning needs it
+        _FEATURIZERS.pop(replace(spec, batch_size=0, resident=False), None)
+        release_teacher(spec.model, spec.cache_dir, spec.device, spec.dtype)
+    if cold and torch.cuda.is_available():
+        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache otherwise.
+        torch.cuda.empty_cache()
+
+
 def pooled_features(
     features: FeatureSet,
     ids: np.ndarray,
@@ -293,39 +318,29 @@ def pooled_features(
     """Pooled per-block features ``{block: (len(ids), P, C_b)}`` from the cache, extracting on a miss.
 
     The teacher is built only when some id misses (``LazyExtractor``): a warm cache never loads SD.
-    After such a cold extraction it is released unless ``spec.resident``: a later miss (another
-    node this process serves) loads it again. ``keep=False`` only fills the cache (``feddifrc extract``).
+    After such a cold extraction it is released unless ``spec.resident`` (``_lent``): a later miss
+    (another node this process serves) loads it again. ``keep=False`` only fills the cache
+    (``feddifrc extract``).
     """
     spec, data = features.spec, features.data
-
-    def make():
-        f = featurizer(spec)
-        f.encode_then_release(features.prompts)  # fixed prompts: the text encoders go (pipeline.py)
-        return lambda images, sub, p: f(images, torch.as_tensor(sub, dtype=torch.int64), p)
-
-    store = FeatureStore(spec.cache_dir / "features")
-    store.describe(features.key, features.fields)
-    extractor = LazyExtractor(
-        make, lambda sub: data.images[torch.as_tensor(sub)], features.prompts, spec.batch_size
-    )
-    # At a fixed thread count, whatever the process's: a cache filled by any run (or `feddifrc
-    # extract`) holds the bits a cold run of any layout computes and trains on.
-    with torch_threads(EXTRACTION_THREADS):
-        out = cached_pooled_features(
-            store,
-            features.key,
-            np.asarray(ids),
-            extractor,
-            keep=keep,
-            progress=progress,
-            chunk=chunk,
-            desc=f"{data.name}/{data.split} teacher features",
+    with _lent(features) as make:
+        store = FeatureStore(spec.cache_dir / "features")
+        store.describe(features.key, features.fields)
+        extractor = LazyExtractor(
+            make, lambda sub: data.images[torch.as_tensor(sub)], features.prompts, spec.batch_size
         )
-    cold = extractor.loaded
-    del extractor  # it holds the featurizer: the memo must be its only holder when released
-    if cold and not spec.resident:  # the rounds read the cache; only global-model conditioning needs it
-        release(spec)
-    if cold and torch.cuda.is_available():
-        # The extraction's activations (B x P UNet rows at 224 px) stay in torch's allocator cache otherwise.
-        torch.cuda.empty_cache()
+        # At a fixed thread count, whatever the process's: a cache filled by any run (or `feddifrc
+        # extract`) holds the bits a cold run of any layout computes and trains on.
+        with torch_threads(EXTRACTION_THREADS):
+            out = cached_pooled_features(
+                store,
+                features.key,
+                np.asarray(ids),
+                extractor,
+                keep=keep,
+                progress=progress,
+                chunk=chunk,
+                desc=f"{data.name}/{data.split} teacher features",
+            )
+        del extractor  # it holds the featurizer too
     return out
