@@ -19,7 +19,7 @@ targets' key; ``node_targets`` then runs the steps:
        miss) -> basis -> fusion, kept in memory and on disk;
     5. the message's own: the server's anchors (``loss.tdcl-targets = "anchors"``) in place of the
        TDCL targets, or (``diffusion.condition = "global-model"``) conditioned on the received
-       model, every round.
+       model, every round (``teacher.conditioned_reps``).
 
 On disk, so that a new process (a deployment starts one per message) loads one small file
 instead of re-reading and re-fusing every shard: ``<cache_dir>/targets/<key>.npz``, a verified
@@ -48,7 +48,6 @@ import torch
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
-from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.device import EXTRACTION_THREADS, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats
 from feddifrc_app.files import (
@@ -73,8 +72,8 @@ from feddifrc_app.methods.feddifrc.rules import self_supervised
 from feddifrc_app.methods.feddifrc.teacher import (
     FeatureSet,
     TeacherSpec,
+    conditioned_reps,
     feature_set,
-    featurizer,
     pooled_features,
     teacher_prompts,
 )
@@ -225,8 +224,11 @@ def node_targets(
     metrics: dict[str, float] = {}
     if anchors is not None:
         targets = targets.anchored(anchors)
-    if p.cfg.diffusion.condition == "global-model":
-        targets, metrics["condition-seconds"] = conditioned_targets(p, targets, basis, model, device)
+    if p.cfg.diffusion.condition == "global-model" and targets.prompt_reps is not None:
+        t1 = time.perf_counter()  # not cacheable: it changes every round
+        reps = conditioned_reps(p.features, p.ids, targets.prompt_reps, basis, model, device)
+        targets = TeacherTargets(rows=targets.rows, prompt_reps=reps, ndcr=targets.ndcr)
+        metrics["condition-seconds"] = time.perf_counter() - t1
     metrics["teacher-seconds"] = time.perf_counter() - t0
     metrics["teacher-cache-misses"] = float(stats.misses)
     return targets, metrics
@@ -416,58 +418,3 @@ def load_stored(path: Path, key: str, ids: np.ndarray) -> tuple[TeacherTargets, 
 
 
 # What a VAE latent depends on -> {image id: latent (C, h, w)}: ~12 KB per image at 224 px.
-_LATENTS: dict[tuple, dict[int, torch.Tensor]] = {}
-
-
-def _latent_key(spec: TeacherSpec, data: ImageData) -> tuple:
-    return (spec.identity.weights_hash, str(spec.device), str(spec.dtype), spec.resolution, data.fingerprint)
-
-
-def conditioned_targets(
-    p: Plan, targets: TeacherTargets, basis: Basis | None, model: torch.nn.Module, device: torch.device
-) -> tuple[TeacherTargets, float]:
-    """``diffusion.condition = "global-model"``: our reading of FedDifRC's model-conditioned c_i = h(x_i).
-
-    Once per round, embed the client's (un-augmented) images with the received global model,
-    map each D-d embedding to the text width with a FIXED seeded Gaussian projection,
-    rescale it to the mean norm of the prompt token embeddings, add it to every prompt token
-    of that image's rows and recompute the TDCL representations (class prompts only; the NDCR
-    target stays the static one). Not cacheable: it changes every round. Returns the new
-    targets and the seconds it cost.
-    """
-    t0 = time.perf_counter()
-    spec, data, ids = p.features.spec, p.features.data, p.ids
-    # The images are the same every round: their VAE latents are encoded once per process.
-    memo = _LATENTS.setdefault(_latent_key(spec, data), {})
-    feat = featurizer(spec)
-    k = targets.prompt_reps.shape[1] if targets.prompt_reps is not None else 0
-    if k == 0:
-        return targets, 0.0
-    class_prompts = p.features.prompts[:k]
-    feat.encode_then_release(class_prompts)  # the rounds need no text encoder after this
-    # The FIXED seeded Gaussian projection (D, D_text), D the fused (student embedding) width
-    dim = int(targets.prompt_reps.shape[-1])
-    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
-    proj = torch.randn(dim, feat.teacher.text_width, generator=gen) / dim**0.5
-    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
-    model.to(device).eval()
-    reps = []
-    tf = eval_transform(data)
-    for s in range(0, len(ids), spec.batch_size):
-        chunk = np.asarray(ids[s : s + spec.batch_size])
-        imgs = data.images[torch.as_tensor(chunk)]
-        with torch.no_grad():
-            z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))
-        off = z.float().cpu() @ proj  # (B, D_text)
-        off = off / off.norm(dim=-1, keepdim=True).clamp_min(1e-8) * token_norm
-        if any(int(i) not in memo for i in chunk):
-            memo.update(zip(map(int, chunk), feat.encode(imgs), strict=True))
-        latents = torch.stack([memo[int(i)] for i in chunk])
-        out = feat(
-            imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off, latents=latents
-        )
-        reps.append(fuse({b: v.numpy() for b, v in out.items()}, basis))
-    new = TeacherTargets(
-        rows=targets.rows, prompt_reps=torch.from_numpy(np.concatenate(reps)), ndcr=targets.ndcr
-    )
-    return new, time.perf_counter() - t0

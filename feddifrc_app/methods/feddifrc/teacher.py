@@ -9,13 +9,14 @@ feature depends on. Everything below takes the spec, never the run config::
     prompts = teacher_prompts(cfg, class_names)    # their order is part of the feature-cache key
     features = feature_set(spec, data, prompts)    # FeatureSet: + the feature-cache key
     pooled, stats = pooled_features(features, ids) # {block: (n, P, C_b)} from the cache
+    reps = conditioned_reps(features, ids, ...)    # (n, k, D): TDCL's, with the received model
 
 The teacher itself is built only when some id misses the cache (``featurizer(spec)``, once
 per process per spec): a warm cache never loads Stable Diffusion. Its text encoders are
 released as soon as the prompt list is encoded (``Featurizer.encode_then_release``): only the
 denoiser and the VAE stay resident during the extraction. After a cold extraction the teacher
 is released (its GPU memory returned) unless ``diffusion.condition = "global-model"``, which
-needs it every round (``TeacherSpec.resident``).
+needs it every round (``TeacherSpec.resident``, ``conditioned_reps``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from feddifrc_app import log
 from feddifrc_app.config import Config
 from feddifrc_app.data.images import ImageData
+from feddifrc_app.data.transforms import eval_transform
 from feddifrc_app.device import EXTRACTION_THREADS, resolve_device, resolve_dtype, torch_threads
 from feddifrc_app.diffusion.cache import CacheStats, LazyExtractor, cached_pooled_features
 from feddifrc_app.diffusion.dit_features import check_mode
@@ -53,6 +55,7 @@ from feddifrc_app.diffusion.pipeline import (
     teacher_resolution,
 )
 from feddifrc_app.diffusion.shards import FeatureStore, key_fields, key_from_fields
+from feddifrc_app.methods.feddifrc.projection import Basis, fuse
 from feddifrc_app.methods.feddifrc.rules import DiffusionConfig, self_supervised
 
 
@@ -344,3 +347,56 @@ def pooled_features(
             )
         del extractor  # it holds the featurizer too
     return out
+
+
+# --------------------------------------------------------------------------- conditioned on the model
+
+# The images are the same every round: their VAE latents are encoded once per process.
+_LATENTS: dict[tuple, dict[int, torch.Tensor]] = {}
+
+
+def _latent_key(spec: TeacherSpec, data: ImageData) -> tuple:
+    return (spec.identity.weights_hash, str(spec.device), str(spec.dtype), spec.resolution, data.fingerprint)
+
+
+def conditioned_reps(
+    features: FeatureSet,
+    ids: np.ndarray,
+    prompt_reps: torch.Tensor,
+    basis: Basis | None,
+    model: torch.nn.Module,
+    device: torch.device,
+) -> torch.Tensor:
+    """``diffusion.condition = "global-model"``: our reading of FedDifRC's model-conditioned
+    c_i = h(x_i). The TDCL representations ``prompt_reps`` (n, k, D) of the images ``ids``,
+    recomputed with the received ``model``: each image's (un-augmented) embedding, mapped to the
+    text width by a FIXED seeded Gaussian projection and rescaled to the mean norm of the prompt
+    token embeddings, is added to every token of its k class prompts; fused with ``basis``.
+    """
+    k, dim = int(prompt_reps.shape[1]), int(prompt_reps.shape[-1])
+    if k == 0:
+        return prompt_reps
+    spec, data = features.spec, features.data
+    memo = _LATENTS.setdefault(_latent_key(spec, data), {})
+    feat, class_prompts = featurizer(spec), features.prompts[:k]
+    feat.encode_then_release(class_prompts)  # the rounds need no text encoder after this
+    gen = torch.Generator().manual_seed(spec.seed + 0xC0D1)
+    proj = torch.randn(dim, feat.teacher.text_width, generator=gen) / dim**0.5  # (D, D_text)
+    token_norm = float(feat.prompt_embeddings(class_prompts).float().norm(dim=-1).mean())
+    model.to(device).eval()
+    reps, tf = [], eval_transform(data)
+    for s in range(0, len(ids), spec.batch_size):
+        chunk = np.asarray(ids[s : s + spec.batch_size])
+        imgs = data.images[torch.as_tensor(chunk)]
+        with torch.no_grad():
+            z, _ = model(torch.stack([tf(im) for im in imgs]).to(device))
+        off = z.float().cpu() @ proj  # (B, D_text)
+        off = off / off.norm(dim=-1, keepdim=True).clamp_min(1e-8) * token_norm
+        if any(int(i) not in memo for i in chunk):
+            memo.update(zip(map(int, chunk), feat.encode(imgs), strict=True))
+        latents = torch.stack([memo[int(i)] for i in chunk])
+        out = feat(
+            imgs, torch.as_tensor(chunk, dtype=torch.int64), class_prompts, token_offsets=off, latents=latents
+        )
+        reps.append(fuse({b: v.numpy() for b, v in out.items()}, basis))
+    return torch.from_numpy(np.concatenate(reps))
