@@ -224,10 +224,11 @@ def node_targets(
     metrics: dict[str, float] = {}
     if anchors is not None:
         targets = targets.anchored(anchors)
-    if p.cfg.diffusion.condition == "global-model" and targets.prompt_reps is not None:
+    if p.cfg.diffusion.condition == "global-model":
         t1 = time.perf_counter()  # not cacheable: it changes every round
-        reps = conditioned_reps(p.features, p.ids, targets.prompt_reps, basis, model, device)
-        targets = TeacherTargets(rows=targets.rows, prompt_reps=reps, ndcr=targets.ndcr)
+        if targets.prompt_reps is not None:
+            reps = conditioned_reps(p.features, p.ids, targets.prompt_reps, basis, model, device)
+            targets = TeacherTargets(rows=targets.rows, prompt_reps=reps, ndcr=targets.ndcr)
         metrics["condition-seconds"] = time.perf_counter() - t1
     metrics["teacher-seconds"] = time.perf_counter() - t0
     metrics["teacher-cache-misses"] = float(stats.misses)
