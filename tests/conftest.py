@@ -16,32 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # The Flower process fixtures (flower_procs, flower_procs_own_ray, ray_cluster) for every test file.
 pytest_plugins = ("flower_procs",)
 
-# The files of the suite's longest tests, longest first (each 2 to 10 minutes on 2 cores). xdist
-# hands out whole files in collection order (--dist loadfile --no-loadscope-reorder): started
-# first, they run beside each other while the short files fill the gaps, instead of one of them
-# starting last and running alone at the end (longest-processing-time-first scheduling).
-LONGEST_FIRST = (
-    "test_deployment.py",
-    "test_gpu_check.py",
-    "test_ray_cluster.py",
-    "test_sweep.py",
-    "test_client_app.py",
-    "test_simulation.py",
-    "test_simulation_resume.py",
-    "test_featurizer.py",
-    "test_simulation_variants.py",
-    "test_simulation_strategies.py",
-    "test_method_signal.py",
-    "test_teacher_probe.py",
-    "test_simulation_teachers.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """``LONGEST_FIRST``'s files first, in its order; every other file after them, as collected."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 # Most unit tests exercise the plumbing on sklearn's digits with the embedded RANDOM tiny
 # teacher at the paper's 512-d width: small and independent of the packaged weights. Tests

@@ -75,31 +75,3 @@ def test_no_test_file_imports_another():
                 continue
             found += [f"{path.name}:{node.lineno} {n}" for n in names if ".test_" in f".{n}"]
     assert not found, f"test files imported as modules (move the helper to a helper module): {found}"
-
-
-def test_the_longest_files_are_named_once_each_and_exist():
-    """conftest.LONGEST_FIRST names real test files: a renamed one would silently lose its place."""
-    from conftest import LONGEST_FIRST
-
-    tests = Path(__file__).resolve().parent
-    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
-    assert [n for n in LONGEST_FIRST if not (tests / n).is_file()] == []
-
-
-def test_the_collection_order_puts_the_longest_files_first():
-    from conftest import LONGEST_FIRST, pytest_collection_modifyitems
-
-    class Item:  # what the hook reads of a pytest.Item
-        def __init__(self, name):
-            self.path = Path("tests") / name
-
-    names = ["test_a.py", LONGEST_FIRST[1], "test_b.py", LONGEST_FIRST[0], LONGEST_FIRST[1]]
-    items = [Item(n) for n in names]
-    pytest_collection_modifyitems(items)
-    assert [i.path.name for i in items] == [
-        LONGEST_FIRST[0],
-        LONGEST_FIRST[1],
-        LONGEST_FIRST[1],
-        "test_a.py",
-        "test_b.py",
-    ]
