@@ -526,3 +526,33 @@ def test_a_deployed_federation_is_reached_through_the_users_flower_config(tmp_pa
     ans = lab.json("ls", "lab", timeout=600)  # a hang guard only
     assert ans["success"] is False
     assert "unavailable" in ans["error-message"] and "not found" not in ans["error-message"]
+
+
+def test_a_local_superlink_that_did_not_start_in_time_is_asked_for_again_then_the_cell_fails(
+    tmp_path, monkeypatch, capsys
+):
+    """`flwr run` gives the local SuperLink it starts 15 s; on a loaded machine that can pass with no
+    run submitted, so the sweep asks again (LOCAL_START_TRIES in all) before failing the cell. Any
+    other refusal fails the cell at once."""
+    from feddifrc_app.tools import sweep as sw
+
+    late = {"success": False, "error-message": "Failed to start local SuperLink within 15s. See logs"}
+    answers = [late, late, {"success": False, "error-message": "run config refused"}]
+    flower = Flower(ROOT, tmp_path / "home", "local", "")
+    asked = []
+
+    def json_of(*args, timeout=300):
+        asked.append(args[0])
+        return answers.pop(0)
+
+    monkeypatch.setattr(flower, "json", json_of)
+    status, why = flower.run(tmp_path / "cell.toml", timeout=60)
+    assert (status, asked) == ("submit-failed", ["run"] * 3) and "run config refused" in why
+    assert capsys.readouterr().out.count("did not start within flwr's 15 s; trying again") == 2
+    answers[:] = [late] * sw.LOCAL_START_TRIES + [{"success": True, "run-id": 1}]
+    asked.clear()
+    status, why = flower.run(tmp_path / "cell.toml", timeout=60)
+    assert status == "submit-failed" and asked == ["run"] * sw.LOCAL_START_TRIES and "within 15s" in why
+    answers[:] = [{"success": False, "error-message": "no such federation"}]
+    asked.clear()
+    assert flower.run(tmp_path / "cell.toml", timeout=60)[0] == "submit-failed" and asked == ["run"]

@@ -141,6 +141,9 @@ def validate_cells(
     return configs
 
 
+LOCAL_START_TRIES = 3  # `flwr run` starts of the local SuperLink before a cell is failed
+
+
 class Flower:
     """`flwr` against ``federation``. The local simulation gets a FLWR_HOME of its own (``home``)
     and stops the SuperLink it started; any other connection (a deployed SuperLink) is the
@@ -196,6 +199,13 @@ class Flower:
         if self.federation_config:
             args += ["--federation-config", self.federation_config]
         ans = self.json(*args)
+        for _ in range(LOCAL_START_TRIES - 1):
+            # `flwr` gives the local SuperLink it starts 15 s (and its health probe 0.4 s), which a
+            # loaded machine can overrun; no run was submitted, so asking again is safe.
+            if ans.get("success") or "Failed to start local SuperLink" not in str(ans.get("error-message")):
+                break
+            print("the local SuperLink did not start within flwr's 15 s; trying again", flush=True)
+            ans = self.json(*args)
         if not ans.get("success"):
             return "submit-failed", json.dumps(ans)[-1500:]
         run_id = str(ans["run-id"])
