@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import platform_refs
 from conftest import ROOT
 
 # Two nodes, one Ray actor (2 CPUs each, of the 2 a cluster here has): the actor serves both nodes
@@ -47,34 +48,22 @@ def numbers(r: dict) -> dict:
     return {"basis": r["basis"], "summary": r["summary"], "rounds": [row(x) for x in r["rounds"]]}
 
 
-def _platform() -> dict:
-    """What the guarantee is conditional on (docs/results.md): torch and the CPU's kernels."""
-    import platform
-
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
-    }
-
-
 def assert_reference(r: dict) -> None:
-    """``r`` (a run of QUICK) has the reference's numbers, bit for bit. The reference holds where it
-    was written (torch version, CPU kernels): elsewhere the test is skipped, saying why.
-    FEDDIFRC_WRITE_REFERENCE=1 (re)writes it from ``r``, for a change meant to move the numbers."""
+    """``r`` (a run of QUICK) has the reference's numbers for this platform (torch version, CPU
+    kernels), bit for bit; on a platform the file has no entry for, the test is skipped, saying
+    which it has. FEDDIFRC_WRITE_REFERENCE=1 (re)writes this platform's entry from ``r``, for a
+    change meant to move the numbers (rewrite every platform's, or drop the others)."""
     import os
 
     import pytest
 
+    here = platform_refs.platform()
     if os.environ.get("FEDDIFRC_WRITE_REFERENCE") == "1":
-        REFERENCE.parent.mkdir(exist_ok=True)
-        REFERENCE.write_text(json.dumps({"platform": _platform(), **numbers(r)}, indent=1) + "\n")
-    ref = json.loads(REFERENCE.read_text())
-    if (where := ref.pop("platform")) != _platform():
-        pytest.skip(f"{REFERENCE.name} was written on {where}, this is {_platform()}")
+        platform_refs.store(REFERENCE, here, numbers(r))
+    ref = platform_refs.entry(REFERENCE, here)
+    if ref is None:
+        pytest.skip(f"{REFERENCE.name} has numbers for {platform_refs.platforms(REFERENCE)}, this is {here}")
     assert numbers(r) == ref, (
-        f"the numbers differ from {REFERENCE.name}; if a change is meant to move them, rerun with "
-        "FEDDIFRC_WRITE_REFERENCE=1 (and say why in the commit)"
+        f"the numbers differ from {REFERENCE.name}'s for {here}; if a change is meant to move them, "
+        "rerun with FEDDIFRC_WRITE_REFERENCE=1 (and say why in the commit)"
     )
