@@ -2,14 +2,15 @@
 default local simulation (2 nodes of 2 CPUs; Ray gives each actor OMP_NUM_THREADS=2, as on a
 user's machine), a cold feature cache, the defaults of pyproject.toml.
 
-    python scripts/quickstart_reference.py --check   # exit 1 unless the run prints the reference's line
+    python scripts/quickstart_reference.py --check   # exit 1 unless the run prints this platform's line
     python scripts/quickstart_reference.py --write   # rewrite this platform's line of the reference
 
 README.md's quickstart block quotes the reference's line: run --check after a change that may move
 the numbers (any change to training, the teacher or the defaults), and --write (then copy the line
 into README.md) when it is meant to. About 1.5 min on an idle 2-core machine (10 rounds, a cold
 cache). The numbers hold on the CPU kernels and torch that wrote them (docs/results.md,
-"Reproducibility"): the file keeps one line per platform, and --check compares with this one's.
+"Reproducibility"): the file keeps one line per platform, and --check compares with this one's
+(exit 2, before any run, where it has none).
 """
 
 from __future__ import annotations
@@ -44,29 +45,29 @@ def fresh_run(work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--check", action="store_true", help="exit 1 unless the run prints its line")
-    mode.add_argument("--write", action="store_true", help="rewrite the reference from the run")
+    mode.add_argument("--check", action="store_true", help="exit 1 unless the run prints this CPU's line")
+    mode.add_argument("--write", action="store_true", help="rewrite this CPU's line from the run")
     args = ap.parse_args(argv)
 
     from feddifrc_app.results import summary_text
     from feddifrc_app.tools.cmd_common import exit_on_termination
 
+    here = platform_refs.platform()
+    ref = None if args.write else platform_refs.entry(REFERENCE, here)
+    if not args.write and ref is None:  # before the run: nothing to compare it with
+        has = platform_refs.platforms(REFERENCE)
+        print(f"no line for {here} in {REFERENCE.name} (it has {has}): --write adds one")
+        return 2
     # The harness's close() (leaving the `with` in fresh_run) stops the SuperLink, its simulation
     # and whatever they left behind, before the folder goes: on SIGTERM / SIGHUP too.
     with exit_on_termination(), tempfile.TemporaryDirectory(prefix="quickstart-") as work:
         r = fresh_run(Path(work))
     got = {"line": summary_text(r["summary"]), "summary": r["summary"]}
     got["test-accuracy"] = [x["test-accuracy"] for x in r["rounds"]]
-    here = platform_refs.platform()
     if args.write:
         platform_refs.store(REFERENCE, here, got)
         print(f"written: {REFERENCE.relative_to(ROOT)} for {here}\n{got['line']}")
         return 0
-    ref = platform_refs.entry(REFERENCE, here)
-    if ref is None:
-        print(f"no line for {here} (the reference has {platform_refs.platforms(REFERENCE)})")
-        print(f"this run: {got['line']}")
-        return 1
     print(f"this run: {got['line']}\nreference: {ref['line']}")
     return 0 if got["line"] == ref["line"] else 1
 

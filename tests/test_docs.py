@@ -113,9 +113,12 @@ def test_readme_quickstart_output_is_the_reference_runs_line():
     refs = platform_refs.entries(ROOT / "tests" / "reference" / "quickstart.json")
     text = section(README.read_text(), "Quickstart")
     assert f"finished: {refs[0]['line']} -> " in text, refs[0]["line"]
+    flat = " ".join(text.split())
     for ref in refs:
-        assert " ".join(ref["line"].split()) in " ".join(text.split()), ref["platform"]
-        assert ref["platform"]["cpu"].replace("AVX512", "AVX-512") in text, ref["platform"]
+        where = ref["platform"]
+        named = f"{where['cpu'].replace('AVX512', 'AVX-512')} kernels"
+        assert " ".join(ref["line"].split()) in flat and named in flat, where
+        assert f"torch {where['torch'].split('+')[0]}" in flat, where
 
 
 def test_readme_holds_no_dated_measurement():
