@@ -1,7 +1,7 @@
 """ClientApp: thin handlers. config -> data -> method halves -> train -> reply.
 
 Message types:
-- ``query.setup``: who am I (partition id, size, label counts) plus what the run's method adds
+- ``query.setup``: who am I (partition id, size, label counts, platform) plus what the run's method adds
   (``methods.setup_reply``: e.g. the identity of what it runs and, when asked, statistics).
 - ``train``: local training of the received global model, CE plus what the message asks of the
   node (``methods.node_halves``: the run's method's loss, terms and reply records).
@@ -28,7 +28,7 @@ from feddifrc_app.config import Config, NodeConfig, load_node_config
 from feddifrc_app.config_loader import process_config
 from feddifrc_app.data.loader import make_loader
 from feddifrc_app.data.shares import client_holdout, client_split
-from feddifrc_app.device import resolve_device
+from feddifrc_app.device import platform_info, resolve_device
 from feddifrc_app.halves import Node
 from feddifrc_app.metric_keys import METRICS, ORIGIN
 from feddifrc_app.model import load_weights
@@ -81,6 +81,8 @@ def setup(msg: Message, context: Context) -> Message:
             "num-examples": int(len(ids)),
             "label-counts": [int(c) for c in counts],
             "class-names": list(data.class_names),
+            # What the node's numbers are conditional on: results.json's "platforms".
+            **{f"platform-{k}": v for k, v in platform_info().items()},
         }
     )
     # The node needs no training device to answer (setup trains nothing).

@@ -139,3 +139,15 @@ def node_threads(configured: int) -> int:
     if not first.isdigit() or int(first) < 1:
         raise DeviceError(f"OMP_NUM_THREADS = {raw!r}: expected a positive integer (or set train.threads)")
     return int(first)
+
+
+def platform_info() -> dict[str, str]:
+    """What a run's bits are conditional on besides its config (docs/results.md, "Reproducibility"):
+    the torch build, the CPU kernels torch picked (``AVX2``, ``AVX512``, ...) and the machine."""
+    import platform
+
+    return {
+        "torch": torch.__version__,
+        "cpu-kernels": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+    }

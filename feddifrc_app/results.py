@@ -166,6 +166,9 @@ class Results:
     extra: dict[str, Any] = field(default_factory=dict)
     setup_seconds: float | None = None
     label_counts: dict[str, list[int]] | None = None  # partition id -> training samples per class
+    # The server's and the nodes' torch, CPU kernels and machine: {"server": {...}, "nodes":
+    # [{..., "partitions": [...]}]} (server_app.record_platforms).
+    platforms: dict[str, Any] | None = None
     privacy: dict[str, Any] | None = None  # strategy.dp's settings, weighting, delta, accountant
     status: str | None = None  # running, completed, diverged, stopped, failed
     process: dict[str, Any] | None = None  # pid and host of the ServerApp (the CLI's `status`)
@@ -257,6 +260,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "resumed": list,
     "setup_seconds": (int, float),
     "label_counts": dict,
+    "platforms": dict,
     "privacy": dict,
     "status": str,
     "process": dict,

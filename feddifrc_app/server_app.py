@@ -14,6 +14,7 @@ from feddifrc_app.config import Config
 from feddifrc_app.config_loader import load_config
 from feddifrc_app.data.images import ImageData
 from feddifrc_app.data.registry import load_dataset, load_validation
+from feddifrc_app.device import platform_info
 from feddifrc_app.federation import Federation, watch_for_stop
 from feddifrc_app.files import write_json
 from feddifrc_app.outputs import RunDir
@@ -123,3 +124,25 @@ def record_setup(
     }
     title = f"{cfg.dataset.name}: {cfg.partition.name} (alpha={cfg.partition.alpha}), {len(order)} clients"
     report.plot_label_distribution(counts, test.class_names, run.path / "label_distribution.png", title)
+    record_platforms(setup, fed, results)
+
+
+def record_platforms(setup: dict[int, RecordDict], fed: Federation, results: Results) -> None:
+    """results.json's ``platforms``: the server's (its central scores) and each distinct one of the
+    nodes' with its partitions (their training). A resumed run whose platforms are not the first
+    part's is warned: its numbers are not those of an uninterrupted run."""
+    groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for node, reply in setup.items():
+        info = reply["info"]
+        key = tuple((k, str(info[f"platform-{k}"])) for k in platform_info())
+        groups.setdefault(key, []).append(fed.partition_of[node])
+    nodes = [{**dict(k), "partitions": sorted(parts)} for k, parts in sorted(groups.items())]
+    found = {"server": platform_info(), "nodes": nodes}
+    if results.platforms is not None and results.platforms != found:
+        warning = (
+            f"resumed on other platforms ({found}) than the run's first part ({results.platforms}): "
+            "its numbers are not an uninterrupted run's"
+        )
+        log.warning("%s", warning)
+        results.warn(warning)
+    results.platforms = found

@@ -3,7 +3,7 @@ them (docs/results.md, "Reproducibility"), so a reference file holds one entry p
 
 A file is a JSON list of entries, each with a ``platform`` (:func:`platform`) and that platform's
 numbers. Used by tests/simulation_runs.py (the suite's quickstart run) and
-scripts/quickstart_reference.py (the README's quickstart line); stdlib only.
+scripts/quickstart_reference.py (the README's quickstart line).
 """
 
 from __future__ import annotations
@@ -14,16 +14,11 @@ from typing import Any
 
 
 def platform() -> dict[str, str]:
-    """What the numbers are conditional on: torch and the CPU's kernels."""
-    import platform as host
+    """What the numbers are conditional on: torch, the CPU's kernels and the machine (the app's
+    own record of it, results.json's ``platforms``)."""
+    from feddifrc_app.device import platform_info
 
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "machine": host.machine(),
-    }
+    return platform_info()
 
 
 def entries(path: Path) -> list[dict[str, Any]]:

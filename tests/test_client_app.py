@@ -28,6 +28,7 @@ from feddifrc_app.config import ConfigError, load_node_config
 from feddifrc_app.config_loader import load_config
 from feddifrc_app.data import shares as ds
 from feddifrc_app.data.loader import make_loader
+from feddifrc_app.device import platform_info
 from feddifrc_app.diffusion.pipeline import teacher_identity
 from feddifrc_app.methods.feddifrc import targets as tg
 from feddifrc_app.methods.feddifrc import teacher as th
@@ -145,6 +146,7 @@ def test_setup_reports_identity_label_counts_and_pca_statistics(teacher_cache: P
         assert list(info["label-counts"]) == np.bincount(data.labels[ids], minlength=10).tolist()
         assert sum(info["label-counts"]) == info["num-examples"]
         assert list(info["class-names"]) == data.class_names  # the server checks every node's list
+        assert {k: info[f"platform-{k}"] for k in platform_info()} == platform_info()
         assert info["teacher-model"] == "tiny-seed0"
         assert info["teacher-random-weights"] is True
         assert info["teacher-device"] == "cpu float32"

@@ -116,7 +116,7 @@ def test_readme_quickstart_output_is_the_reference_runs_line():
     flat = " ".join(text.split())
     for ref in refs:
         where = ref["platform"]
-        named = f"{where['cpu'].replace('AVX512', 'AVX-512')} kernels"
+        named = f"{where['cpu-kernels'].replace('AVX512', 'AVX-512')} kernels"
         assert " ".join(ref["line"].split()) in flat and named in flat, where
         assert f"torch {where['torch'].split('+')[0]}" in flat, where
 

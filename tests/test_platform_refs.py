@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from platform_refs import entries, entry, platforms, store
 
-AVX2 = {"torch": "2.14.1", "cpu": "AVX2", "machine": "x86_64"}
-AVX512 = {"torch": "2.14.1", "cpu": "AVX512", "machine": "x86_64"}
+AVX2 = {"torch": "2.14.1", "cpu-kernels": "AVX2", "machine": "x86_64"}
+AVX512 = {"torch": "2.14.1", "cpu-kernels": "AVX512", "machine": "x86_64"}
 
 
 def test_store_adds_a_platform_last_and_rewrites_one_in_place(tmp_path: Path) -> None:

@@ -66,6 +66,10 @@ def test_a_results_json_reads_and_writes_back_byte_for_byte():
         "setup-seconds": 1.5,
         "teacher": {"model": "tiny-mnist", "weights-sha256": "cd", "random-weights": False, "devices": {}},
         "label-counts": {"0": [1, 2], "1": [2, 1]},
+        "platforms": {
+            "server": {"torch": "2.14.1", "cpu-kernels": "AVX2", "machine": "x86_64"},
+            "nodes": [{"torch": "2.14.1", "cpu-kernels": "AVX2", "machine": "x86_64", "partitions": [0, 1]}],
+        },
         "status": "diverged",
         "process": {"pid": 1, "host": "h"},
         "summary": summarize([RoundRow(1, test_accuracy=0.5)]),
@@ -112,6 +116,8 @@ def test_a_key_of_the_wrong_type_is_named():
         Results.from_json({"rounds": "none"})
     with pytest.raises(TypeError, match="results.json key 'setup-seconds' is a str, expected int or float"):
         Results.from_json({"setup-seconds": "1"})
+    with pytest.raises(TypeError, match="results.json key 'platforms' is a list, expected dict"):
+        Results.from_json({"platforms": []})
     # A method's own keys, as its package declares them (methods.results_keys).
     declared = methods.results_keys()
     with pytest.raises(TypeError, match="results.json key 'setup-cache-misses' is a bool, expected int"):

@@ -14,10 +14,10 @@ from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from feddifrc_app import server_app
-from feddifrc_app.device import DeviceError
+from feddifrc_app.device import DeviceError, platform_info
 from feddifrc_app.methods.feddifrc.server import check_teachers
 from feddifrc_app.results import Results
-from feddifrc_app.server_app import check_classes
+from feddifrc_app.server_app import check_classes, record_platforms
 
 
 def _setup(**infos: dict) -> tuple[dict[int, RecordDict], SimpleNamespace]:
@@ -47,6 +47,32 @@ def test_a_node_numbering_classes_differently_from_the_test_set_is_named() -> No
     bad, fed = _setup(p0={"class-names": ["cat", "dog"]}, p1={"class-names": ["dog", "cat"]})
     with pytest.raises(ValueError, match=r"node 101 \(partition-id 1\) numbers its classes \['dog', 'cat'\]"):
         check_classes(bad, fed, test)
+
+
+def _on(torch_version: str, kernels: str) -> dict:
+    return {"platform-torch": torch_version, "platform-cpu-kernels": kernels, "platform-machine": "x86_64"}
+
+
+def test_platforms_name_the_server_and_each_nodes_kernels_and_a_resume_elsewhere_is_warned() -> None:
+    setup, fed = _setup(p0=_on("2.14.1", "AVX2"), p1=_on("2.14.1", "AVX512"), p2=_on("2.14.1", "AVX2"))
+    results = Results()
+    record_platforms(setup, fed, results)
+    machine = {"torch": "2.14.1", "machine": "x86_64"}
+    assert results.platforms == {
+        "server": platform_info(),
+        "nodes": [
+            {**machine, "cpu-kernels": "AVX2", "partitions": [0, 2]},
+            {**machine, "cpu-kernels": "AVX512", "partitions": [1]},
+        ],
+    }
+    first = results.platforms
+    record_platforms(setup, fed, results)  # resumed where it ran: nothing to say
+    assert results.warnings is None and results.platforms == first
+    moved, fed = _setup(p0=_on("2.14.1", "AVX512"), p1=_on("2.14.1", "AVX512"), p2=_on("2.14.1", "AVX2"))
+    record_platforms(moved, fed, results)  # resumed where partition 0 computes with other kernels
+    (warning,) = results.warnings
+    assert warning.startswith("resumed on other platforms") and "not an uninterrupted run's" in warning
+    assert results.platforms["nodes"][1]["partitions"] == [0, 1]
 
 
 def test_a_round_in_which_no_node_trains_fails_the_run_with_the_reason(tmp_path) -> None:

@@ -50,6 +50,10 @@ def test_feddifrc_simulation_end_to_end(flower_procs_own_ray, tmp_path):
         "devices": {"cpu float32": [0, 1]},  # 'auto' on a machine without CUDA
     }  # the packaged teacher, found from the FAB
     assert r["basis"]["mode"] == "federated-pca" and r["basis"]["nodes"] == 2
+    from feddifrc_app.device import platform_info
+
+    here = platform_info()  # the server and both nodes: this machine
+    assert r["platforms"] == {"server": here, "nodes": [{**here, "partitions": [0, 1]}]}
     assert r["setup-cache-misses"] == 120  # every training image extracted once, during setup
     assert sum(sum(c) for c in r["label-counts"].values()) == 120
     for name in ("accuracy.png", "label_distribution.png", "config.json"):
