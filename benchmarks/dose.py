@@ -214,6 +214,7 @@ def entries(out: Path) -> list[dict]:
                 "val": curve(run, VAL).round(4).tolist(),
                 "basis": basis.get("fingerprint"),
                 "config": run["config"],
+                "platforms": run["results"].platforms,  # where it ran: cells compare on one kernel set
             }
         )
     return sorted(rows, key=lambda e: (e["seed"], e["arm"]))

@@ -175,6 +175,7 @@ def entry(run: dict) -> dict:
         "val": curve(run, VAL).round(4).tolist(),
         "test": curve(run, TEST).round(4).tolist(),
         "config": design.identity(run["config"]),
+        "platforms": run["results"].platforms,  # where it ran: cells compare on one kernel set
     }
 
 
