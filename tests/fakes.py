@@ -194,6 +194,13 @@ def fake_run(run_dir: Path) -> None:
                 "dataset": "digits",
                 "partition": "dirichlet",
                 "teacher": {"model": "tiny-seed0", "random-weights": True},
+                "platforms": {
+                    "server": {"torch": "2.14.1", "cpu-kernels": "AVX512", "machine": "x86_64"},
+                    "nodes": [
+                        {"torch": "2.14.1", "cpu-kernels": "AVX2", "machine": "x86_64", "partitions": [0, 2]},
+                        {"torch": "2.14.1", "cpu-kernels": "AVX512", "machine": "x86_64", "partitions": [1]},
+                    ],
+                },
                 "rounds": [
                     {"round": 0, "test-accuracy": 0.1, "test-loss": 2.3},
                     {

@@ -138,6 +138,10 @@ def test_report_prints_table_summary_and_random_teacher_label(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "final 30.00%  best (max over rounds, the paper's endpoint) 40.00%  mean of last 5 35.00%" in out
     assert "RANDOM-weight teacher" in out and "2.2000" in out
+    assert (
+        "platforms: server torch 2.14.1 AVX512 x86_64; nodes torch 2.14.1 AVX2 x86_64 (partitions 0, 2), "
+        "torch 2.14.1 AVX512 x86_64 (partition 1)\n" in out
+    )
     assert (tmp_path / "r" / "accuracy.png").is_file()
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
     assert f"{tmp_path / 'missing'} does not exist; give a run folder" in capsys.readouterr().err

@@ -95,7 +95,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Per-round table, final / best / mean-of-last-5, and where the plots and checkpoints are."""
     run_dir = resolve_path(args.run_dir, "RUN_DIR")
     results = _read_results(run_dir)  # first: a folder that is no run is refused before any import
-    from feddifrc_app.tools.report import format_table, plot_accuracy, teacher_of
+    from feddifrc_app.tools.report import format_table, platforms_text, plot_accuracy, teacher_of
 
     if args.plots:
         plot_accuracy(results, run_dir / "accuracy.png")
@@ -111,6 +111,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
     )
     print(f"status: {_ending(run_dir, results) or results.status or 'unknown (results.json has none)'}")
+    if where := platforms_text(results):
+        print(where)
     for warning in results.warnings or []:  # each in full (status shows the newest)
         print(f"WARNING: {warning}")
     if bad := _non_finite(results):  # printed as nan/inf below: not measurements

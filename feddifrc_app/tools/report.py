@@ -55,6 +55,24 @@ _CURVES: dict[str, Callable[[RoundRow], float | None]] = {
 }
 
 
+def platforms_text(results: Results) -> str | None:
+    """Where the run computed (results.json's ``platforms``): the server's torch, CPU kernels and
+    machine, then each of the nodes' with its partitions; None for a run that names none."""
+    if not results.platforms:
+        return None
+
+    def where(p: dict[str, Any]) -> str:
+        return f"torch {p.get('torch')} {p.get('cpu-kernels')} {p.get('machine')}"
+
+    def parts(ids: list[int]) -> str:
+        shown = ", ".join(map(str, ids[:8])) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+        return f"partition{'s' if len(ids) > 1 else ''} {shown}"
+
+    p = results.platforms
+    nodes = ", ".join(f"{where(n)} ({parts(n.get('partitions', []))})" for n in p.get("nodes", []))
+    return f"platforms: server {where(p.get('server', {}))}; nodes {nodes}"
+
+
 def plot_accuracy(results: Results, path: Path) -> None:
     """Validation and test accuracy per round (round 0 = the initial model) and, with federated
     evaluation, the nodes' example-weighted accuracy beside them; summary in the title."""
