@@ -131,13 +131,14 @@ def record_platforms(setup: dict[int, RecordDict], fed: Federation, results: Res
     """results.json's ``platforms``: the server's (its central scores) and each distinct one of the
     nodes' with its partitions (their training). A resumed run whose platforms are not the first
     part's is warned: its numbers are not those of an uninterrupted run."""
+    server = platform_info()
     groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
     for node, reply in setup.items():
         info = reply["info"]
-        key = tuple((k, str(info[f"platform-{k}"])) for k in platform_info())
+        key = tuple((k, str(info[f"platform-{k}"])) for k in server)
         groups.setdefault(key, []).append(fed.partition_of[node])
     nodes = [{**dict(k), "partitions": sorted(parts)} for k, parts in sorted(groups.items())]
-    found = {"server": platform_info(), "nodes": nodes}
+    found = {"server": server, "nodes": nodes}
     if results.platforms is not None and results.platforms != found:
         warning = (
             f"resumed on other platforms ({found}) than the run's first part ({results.platforms}): "

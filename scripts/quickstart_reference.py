@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite this CPU's line from the run")
     args = ap.parse_args(argv)
 
+    from feddifrc_app.device import platform_info
     from feddifrc_app.results import summary_text
     from feddifrc_app.tools.cmd_common import exit_on_termination
 
-    here = platform_refs.platform()
+    here = platform_info()
     ref = None if args.write else platform_refs.entry(REFERENCE, here)
     if not args.write and ref is None:  # before the run: nothing to compare it with
         has = platform_refs.platforms(REFERENCE)

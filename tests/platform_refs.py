@@ -1,9 +1,10 @@
 """Reference numbers per platform: a run's bits hold only on the CPU kernels and torch that wrote
 them (docs/results.md, "Reproducibility"), so a reference file holds one entry per platform.
 
-A file is a JSON list of entries, each with a ``platform`` (:func:`platform`) and that platform's
-numbers. Used by tests/simulation_runs.py (the suite's quickstart run) and
-scripts/quickstart_reference.py (the README's quickstart line).
+A file is a JSON list of entries, each with a ``platform`` (the app's ``device.platform_info()``,
+as results.json's ``platforms`` records it) and that platform's numbers. Used by
+tests/simulation_runs.py (the suite's quickstart run) and scripts/quickstart_reference.py (the
+README's quickstart line).
 """
 
 from __future__ import annotations
@@ -11,14 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-
-def platform() -> dict[str, str]:
-    """What the numbers are conditional on: torch, the CPU's kernels and the machine (the app's
-    own record of it, results.json's ``platforms``)."""
-    from feddifrc_app.device import platform_info
-
-    return platform_info()
 
 
 def entries(path: Path) -> list[dict[str, Any]]:

@@ -57,7 +57,9 @@ def assert_reference(r: dict) -> None:
 
     import pytest
 
-    here = platform_refs.platform()
+    from feddifrc_app.device import platform_info
+
+    here = platform_info()
     if os.environ.get("FEDDIFRC_WRITE_REFERENCE") == "1":
         platform_refs.store(REFERENCE, here, numbers(r))
     ref = platform_refs.entry(REFERENCE, here)
